@@ -1,0 +1,558 @@
+"""Differential attention as plain functions: every formula the notebooks derive has its home here.
+
+Layout (the references' own, see ``DESIGN.md``): queries and keys carry **2H heads**, the two maps of
+differential head ``i`` adjacent (heads ``2i`` and ``2i+1``); values carry ``Hkv`` heads of width ``2d``.
+
+>>> q = torch.randn(1, 4, 5, 8); k = torch.randn(1, 4, 5, 8); v = torch.randn(1, 2, 5, 16)
+>>> diff_attention(q, k, v, torch.tensor(0.5)).shape
+torch.Size([1, 2, 5, 16])
+
+Backends (all exact, they differ in speed and memory):
+
+``"naive"``         explicit maps ``A1 - lam * A2``, the teaching version (memory ~ B*H*Nq*Nk).
+``"sdpa_wide"``     two SDPA calls with V of width 2d (timm, unilm ``multihead_flashdiff_1``).
+``"sdpa_split"``    four SDPA calls, V split in halves so q/k/v head dims are equal
+                    (unilm ``multihead_flashdiff_2``): the formulation that reaches fused kernels.
+``"sdpa_stacked"``  one SDPA call over 4H stacked heads of equal dims.
+``"sdpa"``          the best SDPA formulation (``"sdpa_split"``; ``"sdpa_wide"`` with dropout).
+``"chunked"``       explicit maps over query chunks: naive arithmetic, bounded memory.
+``"triton"``        the fused differential flash-attention kernel (``diffattn_tutorial.triton_diff``).
+``"auto"``          the fastest exact backend for the device at hand.
+
+Fully masked query rows (every key masked by ``causal`` and/or ``attn_mask``) have no softmax; every
+backend defines their output as **zero** (and their gradients as zero), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+Tensor = torch.Tensor
+LambdaLike = Union[Tensor, float]
+
+BACKENDS: tuple[str, ...] = (
+    "naive",
+    "sdpa",
+    "sdpa_wide",
+    "sdpa_split",
+    "sdpa_stacked",
+    "chunked",
+    "triton",
+)
+"""Every backend name ``diff_attention`` accepts, besides ``"auto"``."""
+
+SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked")
+"""The SDPA formulations notebook 08 compares, selectable by name."""
+
+_DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "triton")
+
+
+# --------------------------------------------------------------------------------------------
+# lambda and its re-parameterisation
+# --------------------------------------------------------------------------------------------
+
+
+def lambda_init_fn(depth: int) -> float:
+    """The paper's lambda_init for a layer: ``0.8 - 0.6 * exp(-0.3 * depth)``.
+
+    ``depth`` is the **0-based** layer index (the paper's ``l - 1``), as in unilm and timm.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise TypeError(f"depth must be an int (the 0-based layer index), got {type(depth).__name__}")
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0 (the 0-based layer index), got {depth}")
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
+def reparam_lambda(
+    lambda_q1: Tensor, lambda_k1: Tensor, lambda_q2: Tensor, lambda_k2: Tensor, lambda_init: float
+) -> Tensor:
+    """The paper's lambda: ``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init``.
+
+    The four vectors have shape ``(d,)`` (or ``(..., d)`` for one lambda per leading index);
+    returns a float32 tensor of the leading shape (a 0-dim tensor for ``(d,)`` vectors).
+    """
+    vecs = {"lambda_q1": lambda_q1, "lambda_k1": lambda_k1, "lambda_q2": lambda_q2, "lambda_k2": lambda_k2}
+    shapes = {name: tuple(t.shape) for name, t in vecs.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"the four lambda vectors must share one shape (d,), got {shapes}")
+    lambda_1 = torch.exp(torch.sum(lambda_q1 * lambda_k1, dim=-1).float())
+    lambda_2 = torch.exp(torch.sum(lambda_q2 * lambda_k2, dim=-1).float())
+    return lambda_1 - lambda_2 + lambda_init
+
+
+def dual_lambda(lambda_a: Tensor, lambda_b: Tensor, lambda_init: float) -> Tensor:
+    """timm's dual-scalar lambda: ``exp(a) - exp(b) + lambda_init`` (a, b zero-initialised scalars)."""
+    return torch.exp(lambda_a) - torch.exp(lambda_b) + lambda_init
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 and cast back (as unilm's ``RMSNorm``).
+
+    ``x`` is ``(..., D)``, ``weight`` is ``(D,)`` or None (no affine).
+    """
+    if weight is not None and weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    return out * weight if weight is not None else out
+
+
+# --------------------------------------------------------------------------------------------
+# masks
+# --------------------------------------------------------------------------------------------
+
+
+def causal_mask(nq: int, nk: int, device: Optional[torch.device] = None) -> Tensor:
+    """Bool ``(nq, nk)`` causal mask, True = may attend, aligned **bottom-right**.
+
+    Query ``i`` sees keys ``j <= i + (nk - nq)``: with a KV cache the newest query is the last key.
+    (SDPA's ``is_causal=True`` aligns top-left, which differs when ``nq != nk``.)
+    """
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    return j <= i + (nk - nq)
+
+
+def _combine_masks(
+    attn_mask: Optional[Tensor], causal: bool, nq: int, nk: int, device: torch.device
+) -> Optional[Tensor]:
+    """One 4-D mask (bool or additive float) from ``attn_mask`` and ``causal``; None if neither."""
+    if causal:
+        cm = causal_mask(nq, nk, device)[None, None]
+        if attn_mask is None:
+            return cm
+        if attn_mask.dtype == torch.bool:
+            return attn_mask & cm
+        return attn_mask.masked_fill(~cm, float("-inf"))
+    return attn_mask
+
+
+def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Make fully masked rows harmless: they attend everywhere, and are zeroed after attention.
+
+    Returns ``(mask, valid)`` where ``valid`` is a bool ``(..., Nq, 1)`` tensor (None if every row
+    has at least one key it may attend to).
+    """
+    if mask is None:
+        return None, None
+    valid = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > float("-inf")).any(-1, keepdim=True)
+    if bool(valid.all()):
+        return mask, None
+    if mask.dtype == torch.bool:
+        return mask | ~valid, valid
+    return torch.where(valid, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)), valid
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: object, ndim: int, layout: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}; convert with {name}.float()")
+    return t
+
+
+def _check_same(q: Tensor, **others: Tensor) -> None:
+    for name, t in others.items():
+        if t.dtype != q.dtype:
+            raise TypeError(f"q and {name} must share one dtype, got q {q.dtype} and {name} {t.dtype}; "
+                            f"cast with {name}.to(q.dtype)")
+        if t.device != q.device:
+            raise ValueError(f"q and {name} must be on one device, got q on {q.device} and {name} on "
+                             f"{t.device}; move with {name}.to(q.device)")
+
+
+def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:
+    """Validate ``attn_mask`` against ``target = (B, H, Nq, Nk)``; return it as a 4-D view."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a bool or float tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = may attend) or an additive float mask, got "
+                        f"{attn_mask.dtype}; for a 0/1 mask use attn_mask.bool()")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}; move it with "
+                         f"attn_mask.to(q.device)")
+    ok = 1 <= attn_mask.ndim <= 4
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(B, H, Nq, Nk) = {target}; give it shape (Nq, Nk), (B, 1, Nq, Nk) or "
+                         f"(B, H, Nq, Nk) (padding masks: (B, 1, 1, Nk))")
+    attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
+    if attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
+        attn_mask = attn_mask.to(q.dtype)
+    return attn_mask
+
+
+def _check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor) -> Tensor:
+    """Validate ``lam`` (number, 0-dim tensor, or broadcastable to ``(B, H, Nq, 1)``); return a tensor."""
+    if isinstance(lam, (int, float)) and not isinstance(lam, bool):
+        return torch.tensor(float(lam), dtype=q.dtype, device=q.device)
+    if not isinstance(lam, Tensor):
+        raise TypeError(f"lam must be a float or a tensor, got {type(lam).__name__}")
+    if not lam.is_floating_point():
+        raise TypeError(f"lam must be a floating-point tensor, got {lam.dtype}; use lam.float()")
+    if lam.ndim > 0 and lam.device != q.device:
+        raise ValueError(f"lam is on {lam.device} but q is on {q.device}; move it with lam.to(q.device)")
+    ok = lam.ndim <= 4
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(lam.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"lam of shape {tuple(lam.shape)} does not broadcast to (B, H, Nq, 1) = {target}: "
+                         f"use a scalar, one value per head (H, 1, 1), or one per token and head (B, H, Nq, 1)")
+    if lam.ndim > 0:
+        lam = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape))
+    return lam.to(device=q.device, dtype=q.dtype)
+
+
+def _check_scale_dropout(scale: Optional[float], dropout_p: float) -> None:
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale must be a positive number or None (1/sqrt(d)), got {scale!r}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def check_diff_inputs(
+    q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, attn_mask: Optional[Tensor] = None
+) -> tuple[Tensor, Optional[Tensor], tuple[int, int, int, int, int, int]]:
+    """Validate the inputs of :func:`diff_attention`.
+
+    Returns ``(lam, attn_mask, (B, H, Hkv, Nq, Nk, d))`` with ``lam`` a tensor and ``attn_mask`` a 4-D view.
+    Raises ``ValueError``/``TypeError`` naming the argument and the fix.
+    """
+    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
+    _check_tensor("k", k, 4, "(B, 2Hkv, Nk, d)")
+    _check_tensor("v", v, 4, "(B, Hkv, Nk, 2d)")
+    _check_same(q, k=k, v=v)
+    B, H2, Nq, d = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if H2 % 2:
+        raise ValueError(f"q has {H2} heads, an odd number: differential attention needs 2H query heads, "
+                         f"the two maps of head i at 2i and 2i+1 (did you pass baseline q with H heads?)")
+    if k.shape[1] % 2:
+        raise ValueError(f"k has {k.shape[1]} heads, an odd number: it needs 2Hkv key heads, two per KV group")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
+    if v.shape[1] * 2 != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads and k {k.shape[1]}: v must carry Hkv = {k.shape[1] // 2} "
+                         f"heads of width 2d (one value head per pair of key heads)")
+    if v.shape[3] != 2 * d:
+        raise ValueError(f"v head dim must be 2d = {2 * d} (twice the q/k head dim), got {v.shape[3]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v sequence lengths differ: k {k.shape[2]}, v {v.shape[2]}")
+    H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"H = {H} differential heads is not a multiple of Hkv = {Hkv} KV groups: "
+                         f"choose num_kv_heads dividing num_heads")
+    lam_t = _check_lambda(lam, (B, H, Nq, 1), q)
+    mask = _check_mask(attn_mask, (B, H, Nq, Nk), q)
+    return lam_t, mask, (B, H, Hkv, Nq, Nk, d)
+
+
+# --------------------------------------------------------------------------------------------
+# backends
+# --------------------------------------------------------------------------------------------
+
+
+def _split_pairs(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(B, 2n, N, d) -> (B, n, N, d), (B, n, N, d)``: heads ``0::2`` (map 1) and ``1::2`` (map 2)."""
+    return t[:, 0::2], t[:, 1::2]
+
+
+def _softmax_dtype(q: Tensor) -> torch.dtype:
+    """Softmax runs in float32 for half/bfloat16 inputs (as the references do), else in q's dtype."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _naive(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], scale: float,
+           dropout_p: float) -> Tensor:
+    """Explicit maps: ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) v``, softmax in float32."""
+    rep = (q.shape[1] // 2) // v.shape[1]
+    q = rearrange(q, "b (h two) n d -> b h two n d", two=2)
+    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)  # (B, H, Nk, 2d): head i uses KV group i // rep
+    scores = (q * scale) @ k.transpose(-1, -2)  # (B, H, 2, Nq, Nk)
+    if mask is not None:
+        m = mask.unsqueeze(2)  # the same mask for both maps of a head
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+    attn = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q)).to(q.dtype)
+    if dropout_p > 0:
+        attn = F.dropout(attn, p=dropout_p)
+    diff_map = attn[:, :, 0] - lam * attn[:, :, 1]  # (B, H, Nq, Nk): weights can be negative
+    return diff_map @ v
+
+
+def _chunked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], scale: float,
+             dropout_p: float, chunk: Optional[int] = None) -> Tensor:
+    """``_naive`` over query chunks, so at most ``B*H*2*chunk*Nk`` scores live at once."""
+    nq, nk = q.shape[2], k.shape[2]
+    if chunk is None:
+        per_row = max(1, q.shape[0] * q.shape[1] * nk)
+        chunk = max(1, min(nq, (1 << 22) // per_row))
+    outs = []
+    for s in range(0, nq, chunk):
+        e = min(nq, s + chunk)
+        m = mask[:, :, s:e] if mask is not None and mask.shape[2] == nq else mask
+        lm = lam[:, :, s:e] if lam.ndim == 4 and lam.shape[2] == nq else lam
+        outs.append(_naive(q[:, :, s:e], k, v, lm, m, scale, dropout_p))
+    return torch.cat(outs, dim=2)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
+          dropout_p: float) -> Tensor:
+    """One ``scaled_dot_product_attention`` call; KV heads shared by ``q.shape[1] // k.shape[1]`` queries."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _sdpa_wide(q, k, v, lam, mask, is_causal, scale, dropout_p):
+    """Two SDPA calls with V of width 2d (timm, unilm flashdiff_1)."""
+    (q1, q2), (k1, k2) = _split_pairs(q), _split_pairs(k)
+    o1 = _sdpa(q1, k1, v, mask, is_causal, scale, dropout_p)
+    o2 = _sdpa(q2, k2, v, mask, is_causal, scale, dropout_p)
+    return o1 - lam * o2
+
+
+def _sdpa_split(q, k, v, lam, mask, is_causal, scale, dropout_p):
+    """Four SDPA calls with V split in halves: every call has equal q/k/v head dims (unilm flashdiff_2)."""
+    (q1, q2), (k1, k2) = _split_pairs(q), _split_pairs(k)
+    va, vb = v.chunk(2, dim=-1)
+    o1 = torch.cat([_sdpa(q1, k1, va, mask, is_causal, scale, 0.0), _sdpa(q1, k1, vb, mask, is_causal, scale, 0.0)], -1)
+    o2 = torch.cat([_sdpa(q2, k2, va, mask, is_causal, scale, 0.0), _sdpa(q2, k2, vb, mask, is_causal, scale, 0.0)], -1)
+    return o1 - lam * o2
+
+
+def _sdpa_stacked(q, k, v, lam, mask, is_causal, scale, dropout_p):
+    """One SDPA call over 4H stacked heads ``[q1|va, q1|vb, q2|va, q2|vb]`` of equal head dims."""
+    (q1, q2), (k1, k2) = _split_pairs(q), _split_pairs(k)
+    va, vb = v.chunk(2, dim=-1)
+    qs = torch.cat([q1, q1, q2, q2], dim=1)  # block c of H heads pairs with block c of Hkv KV heads
+    ks = torch.cat([k1, k1, k2, k2], dim=1)
+    vs = torch.cat([va, vb, va, vb], dim=1)
+    if mask is not None and mask.shape[1] != 1:
+        mask = mask.repeat(1, 4, 1, 1)
+    o11, o12, o21, o22 = _sdpa(qs, ks, vs, mask, is_causal, scale, 0.0).chunk(4, dim=1)
+    return torch.cat([o11, o12], -1) - lam * torch.cat([o21, o22], -1)
+
+
+_SDPA_IMPLS = {"sdpa_wide": _sdpa_wide, "sdpa_split": _sdpa_split, "sdpa_stacked": _sdpa_stacked}
+
+
+def _triton_available() -> tuple[bool, str]:
+    try:
+        from diffattn_tutorial.triton_diff import triton_available
+    except ImportError as e:  # triton not installed (e.g. macOS)
+        return False, f"triton is not importable ({e})"
+    return triton_available()
+
+
+def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[bool, str]]:
+    """For each backend name: ``(usable here, why / note)`` on ``device``."""
+    device = torch.device(device)
+    status = {name: (True, "pure PyTorch") for name in ("naive", "chunked")}
+    for name in ("sdpa", *SDPA_FORMULATIONS):
+        status[name] = (True, "torch.nn.functional.scaled_dot_product_attention")
+    ok, why = _triton_available()
+    if ok and device.type == "cpu":
+        why = "Triton interpreter (TRITON_INTERPRET=1): exact but slow, for learning and tests"
+    status["triton"] = (ok, why)
+    status["auto"] = (True, f"-> {resolve_backend('auto', device)}")
+    return status
+
+
+def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False) -> str:
+    """The concrete backend ``backend`` means on ``device`` (``"auto"`` and ``"sdpa"`` resolved)."""
+    if backend not in BACKENDS and backend != "auto":
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    if backend == "auto":
+        # Measured (``diffattn-tutorial bench``): on CPUs and GPUs the four-call equal-dim formulation
+        # reaches the fused SDPA kernels; see README for the numbers.
+        backend = "sdpa"
+    if backend == "sdpa":
+        backend = "sdpa_wide" if dropout else "sdpa_split"
+    if dropout and backend in _DROPOUT_FREE:
+        raise ValueError(f"backend {backend!r} does not support attention dropout (its maps are split or fused); "
+                         f"use backend='sdpa_wide', 'naive' or 'auto', or dropout_p=0")
+    return backend
+
+
+def diff_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: LambdaLike,
+    *,
+    causal: bool = False,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Differential attention: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``.
+
+    Args:
+        q: ``(B, 2H, Nq, d)``, the two maps of differential head ``i`` at heads ``2i`` and ``2i+1``.
+        k: ``(B, 2Hkv, Nk, d)``, the two key maps of KV group ``g`` at ``2g`` and ``2g+1``.
+        v: ``(B, Hkv, Nk, 2d)``. Differential head ``i`` uses KV group ``i // (H // Hkv)`` for both maps.
+        lam: a number, a 0-dim tensor, or a tensor broadcastable to ``(B, H, Nq, 1)`` (per head/token).
+        causal: causal mask aligned bottom-right (query ``i`` sees keys ``j <= i + Nk - Nq``).
+        attn_mask: bool (True = may attend) or additive float, broadcastable to ``(B, H, Nq, Nk)``;
+            combined with ``causal``. Fully masked rows give zeros.
+        scale: softmax scale, default ``1/sqrt(d)``.
+        dropout_p: dropout on the attention maps (training only; ``naive``/``chunked``/``sdpa_wide``).
+        backend: one of ``BACKENDS`` or ``"auto"``.
+
+    Returns:
+        ``(B, H, Nq, 2d)`` in the dtype of ``q``.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {('auto',) + BACKENDS}")
+    lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
+    _check_scale_dropout(scale, dropout_p)
+    scale = d ** -0.5 if scale is None else float(scale)
+    name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
+    if name == "triton":
+        from diffattn_tutorial.triton_diff import triton_diff_attention
+
+        return triton_diff_attention(q, k, v, lam_t, causal=causal, attn_mask=mask, scale=scale)
+    is_causal = causal and mask is None and Nq == Nk
+    full = None if is_causal else _combine_masks(mask, causal, Nq, Nk, q.device)
+    full, valid = _fix_fully_masked(full)
+    if name == "naive":
+        out = _naive(q, k, v, lam_t, full, scale, dropout_p)
+    elif name == "chunked":
+        out = _chunked(q, k, v, lam_t, full, scale, dropout_p)
+    else:
+        out = _SDPA_IMPLS[name](q, k, v, lam_t, full, is_causal, scale, dropout_p)
+    return out if valid is None else out.masked_fill(~valid, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# plain softmax attention (baseline) and DIFF V2
+# --------------------------------------------------------------------------------------------
+
+
+def _check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], what: str) -> tuple:
+    _check_tensor("q", q, 4, "(B, Hq, Nq, d)")
+    _check_tensor("k", k, 4, "(B, Hkv, Nk, d)")
+    _check_tensor("v", v, 4, "(B, Hkv, Nk, dv)")
+    _check_same(q, k=k, v=v)
+    B, Hq, Nq, d = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share heads and length")
+    if Hq % k.shape[1]:
+        raise ValueError(f"{what}: {Hq} query heads is not a multiple of {k.shape[1]} KV heads; "
+                         f"choose num_kv_heads dividing the query heads")
+    mask = _check_mask(attn_mask, (B, Hq, Nq, k.shape[2]), q)
+    return mask, (B, Hq, Nq, k.shape[2], d)
+
+
+def _plain(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
+           dropout_p: float, backend: str) -> Tensor:
+    if backend == "naive":
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q * scale) @ k.transpose(-1, -2)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        attn = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q)).to(q.dtype)
+        if dropout_p > 0:
+            attn = F.dropout(attn, p=dropout_p)
+        return attn @ v
+    return _sdpa(q, k, v, mask, is_causal, scale, dropout_p)
+
+
+def _plain_backend(backend: str) -> str:
+    if backend not in ("auto", "naive", "sdpa"):
+        raise ValueError(f"unknown backend {backend!r} for plain attention; choose 'auto', 'naive' or 'sdpa'")
+    return "sdpa" if backend == "auto" else backend
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Plain scaled dot-product attention ``softmax(q k^T s) v`` with GQA.
+
+    q ``(B, Hq, Nq, d)``, k ``(B, Hkv, Nk, d)``, v ``(B, Hkv, Nk, dv)``; query head ``j`` uses KV head
+    ``j // (Hq // Hkv)``. Same mask conventions as :func:`diff_attention`; backends ``"naive"``,
+    ``"sdpa"``, ``"auto"``. Returns ``(B, Hq, Nq, dv)``.
+    """
+    mask, (B, Hq, Nq, Nk, d) = _check_plain(q, k, v, attn_mask, "softmax_attention")
+    _check_scale_dropout(scale, dropout_p)
+    scale = d ** -0.5 if scale is None else float(scale)
+    backend = _plain_backend(backend)
+    is_causal = causal and mask is None and Nq == Nk
+    full, valid = _fix_fully_masked(None if is_causal else _combine_masks(mask, causal, Nq, Nk, q.device))
+    out = _plain(q, k, v, full, is_causal, scale, dropout_p, backend)
+    return out if valid is None else out.masked_fill(~valid, 0.0)
+
+
+def diff_attention_v2(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: LambdaLike,
+    *,
+    causal: bool = False,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """DIFF V2: one ordinary attention call over 2H query heads, then ``heads 0::2 - lam * heads 1::2``.
+
+    q ``(B, 2H, Nq, d)``, k and v ``(B, Hkv, Nk, d)``; lam (already ``sigmoid``-ed) broadcastable to
+    ``(B, H, Nq, 1)``. Both heads of a pair must sit in one GQA group (``H % Hkv == 0``). Returns
+    ``(B, H, Nq, d)``; ``attn_mask`` broadcasts to ``(B, H, Nq, Nk)`` and applies to both heads of a pair.
+    """
+    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
+    if q.shape[1] % 2:
+        raise ValueError(f"q has {q.shape[1]} heads, an odd number: DIFF V2 needs 2H query heads (pairs 2i, 2i+1)")
+    H = q.shape[1] // 2
+    mask_h = None
+    if attn_mask is not None:  # validate against H heads, then repeat for the 2H query heads
+        _check_tensor("k", k, 4, "(B, Hkv, Nk, d)")
+        mask_h = _check_mask(attn_mask, (q.shape[0], H, q.shape[2], k.shape[2]), q)
+        if mask_h.shape[1] != 1:
+            mask_h = mask_h.repeat_interleave(2, dim=1)
+    _, (B, Hq, Nq, Nk, d) = _check_plain(q, k, v, mask_h, "diff_attention_v2")
+    if H % k.shape[1]:
+        raise ValueError(f"H = {H} is not a multiple of Hkv = {k.shape[1]}: the two query heads of a pair would "
+                         f"fall in different GQA groups; choose num_kv_heads dividing num_heads")
+    lam_t = _check_lambda(lam, (B, H, Nq, 1), q)
+    out = softmax_attention(q, k, v, causal=causal, attn_mask=mask_h, scale=scale, backend=backend)
+    return out[:, 0::2] - lam_t * out[:, 1::2]
