@@ -438,7 +438,8 @@ def diff_attention(
         from diffattn_tutorial.triton_diff import triton_diff_attention
 
         return triton_diff_attention(q, k, v, lam_t, causal=causal, attn_mask=mask, scale=scale)
-    is_causal = causal and mask is None and Nq == Nk
+    # SDPA's own is_causal (top-left aligned) is used only where it equals ours: Nq == Nk, no other mask
+    is_causal = causal and mask is None and Nq == Nk and name in SDPA_FORMULATIONS
     full = None if is_causal else _combine_masks(mask, causal, Nq, Nk, q.device)
     full, valid = _fix_fully_masked(full)
     if name == "naive":
@@ -516,7 +517,7 @@ def softmax_attention(
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
     backend = _plain_backend(backend)
-    is_causal = causal and mask is None and Nq == Nk
+    is_causal = causal and mask is None and Nq == Nk and backend == "sdpa"
     full, valid = _fix_fully_masked(None if is_causal else _combine_masks(mask, causal, Nq, Nk, q.device))
     out = _plain(q, k, v, full, is_causal, scale, dropout_p, backend)
     return out if valid is None else out.masked_fill(~valid, 0.0)

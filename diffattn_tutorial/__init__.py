@@ -1,0 +1,32 @@
+"""diffattn_tutorial: differential attention (Differential Transformer, arXiv 2410.05258, and DIFF V2), exact and fast.
+
+Modules:
+    functional  diff_attention, softmax_attention, diff_attention_v2, lambda_init_fn, reparam_lambda,
+                dual_lambda, rms_norm, causal_mask, BACKENDS
+    rope        rope_cos_sin, apply_rope (interleaved GPT-J and half-split NeoX layouts)
+    modules     MultiheadAttention, MultiheadDiffAttn, DiffAttnV2, KVCache, RMSNorm
+    interop     from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2
+"""
+
+from diffattn_tutorial.functional import (
+    BACKENDS,
+    SDPA_FORMULATIONS,
+    causal_mask,
+    diff_attention,
+    diff_attention_v2,
+    dual_lambda,
+    lambda_init_fn,
+    reparam_lambda,
+    rms_norm,
+    softmax_attention,
+)
+from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
+from diffattn_tutorial.rope import apply_rope, rope_cos_sin
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "SDPA_FORMULATIONS", "causal_mask", "diff_attention", "diff_attention_v2", "dual_lambda",
+    "lambda_init_fn", "reparam_lambda", "rms_norm", "softmax_attention", "DiffAttnV2", "KVCache",
+    "MultiheadAttention", "MultiheadDiffAttn", "RMSNorm", "apply_rope", "rope_cos_sin", "__version__",
+]

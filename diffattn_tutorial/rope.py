@@ -1,0 +1,85 @@
+"""Rotary position embeddings (RoPE) in both layouts the references use.
+
+* **interleaved** (GPT-J, unilm's ``apply_rotary_emb(..., interleaved=True)``): dims ``(0, 1), (2, 3), ...``
+  are rotated as pairs.
+* **half-split** (GPT-NeoX, Llama, HF): dim ``j`` pairs with dim ``j + r/2``.
+
+``cos`` and ``sin`` have shape ``(N, r/2)`` for a rotary dim ``r <= d``; dims past ``r`` pass through.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def rope_cos_sin(
+    seq_len: int,
+    rot_dim: int,
+    *,
+    base: float = 10000.0,
+    offset: int = 0,
+    device: Optional[Union[str, torch.device]] = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)``, each ``(seq_len, rot_dim // 2)``, for positions ``offset .. offset + seq_len - 1``.
+
+    Angle of position ``p`` and frequency ``i``: ``p * base ** (-2i / rot_dim)``. Use ``offset`` for cached
+    decoding: the token at position ``t`` gets ``rope_cos_sin(1, r, offset=t)``.
+    """
+    if rot_dim <= 0 or rot_dim % 2:
+        raise ValueError(f"rot_dim must be a positive even number, got {rot_dim}")
+    if seq_len < 0 or offset < 0:
+        raise ValueError(f"seq_len and offset must be >= 0, got seq_len={seq_len}, offset={offset}")
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float64) / rot_dim)
+    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def check_rope(rope: object, seq_len: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Validate a ``rope=(cos, sin)`` argument for ``seq_len`` tokens and heads of width ``head_dim``."""
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
+        raise TypeError("rope must be a tuple (cos, sin) of tensors of shape (N, rot_dim/2); "
+                        "build it with diffattn_tutorial.rope.rope_cos_sin(N, rot_dim)")
+    cos, sin = rope
+    if cos.shape != sin.shape or cos.ndim != 2:
+        raise ValueError(f"rope cos and sin must both be (N, rot_dim/2), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.shape[0] != seq_len:
+        raise ValueError(f"rope covers {cos.shape[0]} positions but the input has {seq_len} tokens; for cached "
+                         f"decoding pass rope_cos_sin(N, rot_dim, offset=position_of_first_token)")
+    if 2 * cos.shape[1] > head_dim:
+        raise ValueError(f"rope rotates {2 * cos.shape[1]} dims but the head dim is {head_dim}; use rot_dim <= {head_dim}")
+    return cos, sin
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True) -> Tensor:
+    """Rotate ``x`` of shape ``(..., N, d)`` by ``cos``/``sin`` of shape ``(N, r/2)``, ``r <= d``.
+
+    ``interleaved=True`` is the GPT-J layout (unilm); ``False`` is the half-split NeoX/Llama layout.
+    """
+    half = cos.shape[-1]
+    r = 2 * half
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rot = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x_rot[..., :half], x_rot[..., half:]
+        rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([rot, x_pass], dim=-1) if x_pass.shape[-1] else rot
+
+
+def interleaved_to_half_split(w: Tensor, head_dim: int, dim: int = 0) -> Tensor:
+    """Permute a projection's output rows so interleaved RoPE on the old equals half-split on the new.
+
+    ``w`` holds heads of width ``head_dim`` along ``dim`` (e.g. ``q_proj.weight``).
+    """
+    perm_one = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    n_heads = w.shape[dim] // head_dim
+    perm = (perm_one[None, :] + head_dim * torch.arange(n_heads)[:, None]).flatten().to(w.device)
+    return w.index_select(dim, perm)
