@@ -286,21 +286,26 @@ def _softmax_dtype(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _naive(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], scale: float,
-           dropout_p: float) -> Tensor:
-    """Explicit maps: ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) v``, softmax in float32."""
-    rep = (q.shape[1] // 2) // v.shape[1]
+def _dual_maps(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
+    """Both softmax maps of every differential head, ``(B, H, 2, Nq, Nk)``, softmax in float32 or wider."""
+    rep = q.shape[1] // k.shape[1]
     q = rearrange(q, "b (h two) n d -> b h two n d", two=2)
-    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1)
-    v = v.repeat_interleave(rep, dim=1)  # (B, H, Nk, 2d): head i uses KV group i // rep
+    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1)  # head i: group i // rep
     scores = (q * scale) @ k.transpose(-1, -2)  # (B, H, 2, Nq, Nk)
     if mask is not None:
         m = mask.unsqueeze(2)  # the same mask for both maps of a head
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
-    attn = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q)).to(q.dtype)
+    return torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q)).to(q.dtype)
+
+
+def _naive(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], scale: float,
+           dropout_p: float) -> Tensor:
+    """Explicit maps: ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) v``."""
+    attn = _dual_maps(q, k, mask, scale)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
     diff_map = attn[:, :, 0] - lam * attn[:, :, 1]  # (B, H, Nq, Nk): weights can be negative
+    v = v.repeat_interleave(attn.shape[1] // v.shape[1], dim=1)  # (B, H, Nk, 2d)
     return diff_map @ v
 
 
@@ -449,6 +454,33 @@ def diff_attention(
     else:
         out = _SDPA_IMPLS[name](q, k, v, lam_t, full, is_causal, scale, dropout_p)
     return out if valid is None else out.masked_fill(~valid, 0.0)
+
+
+def diff_attention_maps(
+    q: Tensor,
+    k: Tensor,
+    lam: LambdaLike,
+    *,
+    causal: bool = False,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The maps behind :func:`diff_attention`, for plots and metrics: ``(A1, A2, A1 - lam * A2)``.
+
+    q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``; each map is ``(B, H, Nq, Nk)``. Fully masked rows are 0.
+    """
+    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
+    _check_tensor("k", k, 4, "(B, 2Hkv, Nk, d)")
+    B, H2, Nq, d = q.shape
+    v_dummy = q.new_empty(B, k.shape[1] // 2, k.shape[2], 2 * d)  # reuse the full validation
+    lam_t, mask, _ = check_diff_inputs(q, k, v_dummy, lam, attn_mask)
+    scale = d ** -0.5 if scale is None else float(scale)
+    full, valid = _fix_fully_masked(_combine_masks(mask, causal, Nq, k.shape[2], q.device))
+    maps = _dual_maps(q, k, full, scale)
+    if valid is not None:
+        maps = maps.masked_fill(~valid.unsqueeze(2), 0.0)
+    a1, a2 = maps[:, :, 0], maps[:, :, 1]
+    return a1, a2, a1 - lam_t * a2
 
 
 # --------------------------------------------------------------------------------------------
