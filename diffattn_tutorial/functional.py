@@ -75,14 +75,15 @@ def reparam_lambda(
     """The paper's lambda: ``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init``.
 
     The four vectors have shape ``(d,)`` (or ``(..., d)`` for one lambda per leading index);
-    returns a float32 tensor of the leading shape (a 0-dim tensor for ``(d,)`` vectors).
+    returns a float32 (or wider) tensor of the leading shape (a 0-dim tensor for ``(d,)`` vectors).
     """
     vecs = {"lambda_q1": lambda_q1, "lambda_k1": lambda_k1, "lambda_q2": lambda_q2, "lambda_k2": lambda_k2}
     shapes = {name: tuple(t.shape) for name, t in vecs.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"the four lambda vectors must share one shape (d,), got {shapes}")
-    lambda_1 = torch.exp(torch.sum(lambda_q1 * lambda_k1, dim=-1).float())
-    lambda_2 = torch.exp(torch.sum(lambda_q2 * lambda_k2, dim=-1).float())
+    wide = torch.promote_types(lambda_q1.dtype, torch.float32)  # float32 (or wider), as the references
+    lambda_1 = torch.exp(torch.sum(lambda_q1 * lambda_k1, dim=-1).to(wide))
+    lambda_2 = torch.exp(torch.sum(lambda_q2 * lambda_k2, dim=-1).to(wide))
     return lambda_1 - lambda_2 + lambda_init
 
 

@@ -1,0 +1,187 @@
+"""diff_attention: every backend gives the same answer on every input it accepts (property tests),
+gradients are right (gradcheck), and the pieces (lambda, masks, rms_norm) do what the paper says."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diffattn_tutorial.functional import (
+    BACKENDS,
+    causal_mask,
+    diff_attention,
+    diff_attention_maps,
+    diff_attention_v2,
+    dual_lambda,
+    lambda_init_fn,
+    reparam_lambda,
+    rms_norm,
+    softmax_attention,
+)
+
+CPU_BACKENDS = [b for b in BACKENDS if b != "triton"] + ["auto"]
+TOL = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def reference(q, k, v, lam, causal=False, attn_mask=None):
+    """Straight from the paper, one differential head at a time, in float64 (independent of the library)."""
+    B, H2, Nq, d = q.shape
+    H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
+    q, k, v = q.double(), k.double(), v.double()
+    lam = torch.as_tensor(lam, dtype=torch.float64).expand(B, H, Nq, 1) if torch.is_tensor(lam) else \
+        torch.full((B, H, Nq, 1), float(lam), dtype=torch.float64)
+    allowed = torch.ones(B, H, Nq, Nk, dtype=torch.bool)
+    if causal:
+        for i in range(Nq):
+            allowed[:, :, i, max(0, i + (Nk - Nq) + 1):] = False
+    additive = torch.zeros(B, H, Nq, Nk, dtype=torch.float64)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed &= attn_mask.expand(B, H, Nq, Nk)
+        else:
+            additive = additive + attn_mask.double().expand(B, H, Nq, Nk)
+            allowed &= (attn_mask > float("-inf")).expand(B, H, Nq, Nk)
+    out = torch.zeros(B, H, Nq, 2 * d, dtype=torch.float64)
+    for h in range(H):
+        g = h // (H // Hkv)
+        maps = []
+        for m in range(2):
+            s = q[:, 2 * h + m] @ k[:, 2 * g + m].transpose(-1, -2) / math.sqrt(d) + additive[:, h]
+            maps.append(torch.softmax(s.masked_fill(~allowed[:, h], float("-inf")), -1))
+        o = maps[0] @ v[:, g] - lam[:, h] * (maps[1] @ v[:, g])
+        out[:, h] = torch.where(allowed[:, h].any(-1, keepdim=True), o, 0.0)
+    return out
+
+
+def make(B, H, Hkv, Nq, Nk, d, dtype=torch.float32, seed=0, lam_kind="scalar", mask_kind=None):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    q, k, v = r(B, 2 * H, Nq, d), r(B, 2 * Hkv, Nk, d), r(B, Hkv, Nk, 2 * d)
+    lam = {"scalar": torch.tensor(0.37, dtype=dtype), "head": r(H, 1, 1), "token": r(B, H, Nq, 1)}[lam_kind]
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
+    elif mask_kind == "padding":
+        mask = torch.ones(B, 1, 1, Nk, dtype=torch.bool)
+        mask[0, ..., Nk // 2:] = False
+    elif mask_kind == "float":
+        mask = (torch.randn(Nq, Nk, generator=g, dtype=torch.float64) * 2).to(dtype)
+        mask[0, : Nk // 3] = float("-inf")
+    return q, k, v, lam, mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2), Hkv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2, 3]),
+    Nq=st.integers(1, 13), Nk=st.integers(1, 13), d=st.sampled_from([4, 8, 16]),
+    causal=st.booleans(), lam_kind=st.sampled_from(["scalar", "head", "token"]),
+    mask_kind=st.sampled_from([None, "bool", "padding", "float"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16),
+)
+def test_all_backends_agree_with_the_paper(B, Hkv, rep, Nq, Nk, d, causal, lam_kind, mask_kind, dtype, seed):
+    q, k, v, lam, mask = make(B, Hkv * rep, Hkv, Nq, Nk, d, dtype, seed, lam_kind, mask_kind)
+    expected = reference(q, k, v, lam, causal, mask)
+    rtol, atol = TOL[dtype]
+    for backend in CPU_BACKENDS:
+        out = diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, backend=backend)
+        assert out.dtype == dtype and out.shape == (B, Hkv * rep, Nq, 2 * d)
+        assert not out.isnan().any(), backend
+        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol, msg=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bfloat16_close_to_float64(backend):
+    q, k, v, lam, mask = make(2, 4, 2, 9, 11, 16, torch.bfloat16, seed=3, lam_kind="token", mask_kind="bool")
+    out = diff_attention(q, k, v, lam, causal=True, attn_mask=mask, backend=backend)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(q, k, v, lam, True, mask), rtol=5e-2, atol=5e-2)
+
+
+def test_fully_masked_rows_are_zero_with_zero_grads_everywhere():
+    # causal with Nq > Nk: the first Nq - Nk queries see no key at all
+    q, k, v, lam, _ = make(1, 2, 1, 6, 3, 8, torch.float64)
+    for backend in CPU_BACKENDS:
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = diff_attention(qq, kk, vv, lam, causal=True, backend=backend)
+        assert out[:, :, :3].abs().max() == 0 and out[:, :, 3:].abs().min() > 0, backend
+        out.sum().backward()
+        for t in (qq, kk, vv):
+            assert torch.isfinite(t.grad).all(), backend
+        assert qq.grad[:, :, :3].abs().max() == 0, backend
+
+
+def test_gradcheck_float64_every_input_and_lambda():
+    q, k, v, lam, mask = make(1, 2, 1, 5, 6, 4, torch.float64, lam_kind="token", mask_kind="bool")
+    for backend in ["naive", "sdpa_wide", "sdpa_split", "sdpa_stacked", "chunked"]:
+        inputs = tuple(t.clone().requires_grad_() for t in (q, k, v, lam))
+        f = lambda q_, k_, v_, l_: diff_attention(q_, k_, v_, l_, causal=True, attn_mask=mask, backend=backend)  # noqa: E731
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6), backend
+
+
+def test_lambda_parameters_all_receive_gradients():
+    torch.manual_seed(0)
+    vecs = [torch.randn(8, dtype=torch.float64, requires_grad=True) * 0.1 for _ in range(4)]
+    vecs = [v.detach().requires_grad_() for v in vecs]
+    q, k, v, _, _ = make(1, 2, 2, 4, 4, 8, torch.float64)
+    f = lambda *p: diff_attention(q, k, v, reparam_lambda(*p, lambda_init_fn(3)), backend="naive")  # noqa: E731
+    assert torch.autograd.gradcheck(f, tuple(vecs))
+    diff_attention(q, k, v, reparam_lambda(*vecs, 0.5)).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in vecs)
+
+
+def test_lambda_formulas():
+    assert lambda_init_fn(0) == pytest.approx(0.2)
+    assert lambda_init_fn(1) == pytest.approx(0.8 - 0.6 * math.exp(-0.3))
+    assert lambda_init_fn(100) == pytest.approx(0.8, abs=1e-6)
+    lq1, lk1, lq2, lk2 = (torch.full((4,), x) for x in (0.5, 0.5, 0.1, 0.2))
+    assert reparam_lambda(lq1, lk1, lq2, lk2, 0.2).item() == pytest.approx(math.exp(1.0) - math.exp(0.08) + 0.2)
+    assert dual_lambda(torch.tensor(0.0), torch.tensor(0.0), 0.35).item() == pytest.approx(0.35)
+    with pytest.raises(ValueError, match="0-based"):
+        lambda_init_fn(-1)
+    with pytest.raises(ValueError, match="share one shape"):
+        reparam_lambda(lq1, lk1, lq2, torch.zeros(3), 0.2)
+
+
+def test_rms_norm_normalises_last_dim():
+    x = torch.randn(3, 5, 16) * 7
+    y = rms_norm(x, eps=0.0)
+    torch.testing.assert_close(y.pow(2).mean(-1), torch.ones(3, 5))
+    w = torch.randn(16)
+    torch.testing.assert_close(rms_norm(x, w, eps=1e-5), torch.nn.functional.rms_norm(x, (16,), w, 1e-5))
+
+
+def test_causal_mask_is_bottom_right_aligned():
+    m = causal_mask(2, 5)
+    assert m.tolist() == [[True, True, True, True, False], [True] * 5]
+    assert torch.equal(causal_mask(4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_maps_match_output_and_rows_sum_to_one():
+    q, k, v, lam, mask = make(2, 2, 1, 7, 9, 8, torch.float64, lam_kind="token", mask_kind="bool")
+    a1, a2, d = diff_attention_maps(q, k, lam, causal=True, attn_mask=mask)
+    out = diff_attention(q, k, v, lam, causal=True, attn_mask=mask, backend="naive")
+    torch.testing.assert_close(d @ v.repeat_interleave(2, dim=1), out)
+    rows = a1.sum(-1)
+    assert torch.all(((rows - 1).abs() < 1e-12) | (rows == 0))
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "auto"])
+def test_softmax_attention_matches_sdpa_with_gqa(backend):
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
+    torch.testing.assert_close(softmax_attention(q, k, v, backend=backend), ref)
+    out = softmax_attention(q, k, v, causal=True, backend=backend)  # bottom-right: last query sees every key
+    torch.testing.assert_close(out[:, :, -1], ref[:, :, -1])
+
+
+def test_v2_pairs_share_their_group():
+    q, k, v = torch.randn(1, 8, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64), \
+        torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    lam = torch.rand(1, 4, 5, 1, dtype=torch.float64)
+    out = diff_attention_v2(q, k, v, lam, causal=True)
+    full = softmax_attention(q, k, v, causal=True, backend="naive")  # query head j uses KV head j // 4
+    torch.testing.assert_close(out, full[:, 0::2] - lam * full[:, 1::2])
+    with pytest.raises(ValueError, match="different GQA groups"):
+        diff_attention_v2(torch.randn(1, 6, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), 0.5)
