@@ -385,18 +385,26 @@ def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[
     if ok and device.type == "cpu":
         why = "Triton interpreter (TRITON_INTERPRET=1): exact but slow, for learning and tests"
     status["triton"] = (ok, why)
-    status["auto"] = (True, f"-> {resolve_backend('auto', device)}")
+    inference, training = resolve_backend("auto", device), resolve_backend("auto", device, needs_grad=True)
+    status["auto"] = (True, f"-> {inference} (inference), {training} (causal or training)")
     return status
 
 
-def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False) -> str:
-    """The concrete backend ``backend`` means on ``device`` (``"auto"`` and ``"sdpa"`` resolved)."""
+def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False,
+                    causal: bool = False, needs_grad: bool = False) -> str:
+    """The concrete backend ``backend`` means on ``device`` (``"auto"`` and ``"sdpa"`` resolved).
+
+    ``"auto"`` follows measurements (``diffattn-tutorial bench``, README): on a GPU the four-call
+    equal-dim formulation (``sdpa_split``) reaches the flash kernels. On a CPU the fused SDPA kernel skips
+    masked tiles (causal: ``sdpa_split`` is fastest) but recomputes ``q.k`` for both V halves, so for
+    non-causal inference the query-chunked explicit maps (``chunked``) are fastest, with bounded memory;
+    training uses ``sdpa_split`` (it keeps no maps for the backward).
+    """
     if backend not in BACKENDS and backend != "auto":
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
     if backend == "auto":
-        # Measured (``diffattn-tutorial bench``): on CPUs and GPUs the four-call equal-dim formulation
-        # reaches the fused SDPA kernels; see README for the numbers.
-        backend = "sdpa"
+        on_cpu = torch.device(device).type == "cpu"
+        backend = "chunked" if on_cpu and not (causal or needs_grad or dropout) else "sdpa"
     if backend == "sdpa":
         backend = "sdpa_wide" if dropout else "sdpa_split"
     if dropout and backend in _DROPOUT_FREE:
@@ -439,7 +447,8 @@ def diff_attention(
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
-    name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam_t))
+    name = resolve_backend(backend, q.device, dropout=dropout_p > 0, causal=causal, needs_grad=needs_grad)
     if name == "triton":
         from diffattn_tutorial.triton_diff import triton_diff_attention
 
