@@ -1,0 +1,35 @@
+"""Repository-wide pytest set-up: what ``pytest`` from the repository root means.
+
+* **Notebooks run under strict nbval when nbval is installed** (the ``dev`` extra). Without nbval, ``pytest``
+  still runs every unit test; the notebooks are simply not collected. ``--nbval-lax`` keeps its meaning.
+* **A fresh training cache per test session.** Notebooks 07 and 10 and their tests train toy models through
+  ``retrieval_study(cache=True)``. The suite points ``DIFFATTN_CACHE`` at an empty folder of its own (unless you
+  set it), so every run trains from scratch once and shares the result between the notebooks and tests of that
+  run, never with models a learner or another process trained.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_OWN_CACHE: list[str] = []
+
+
+def pytest_configure(config) -> None:
+    opt = config.option
+    if config.pluginmanager.hasplugin("nbval") and not (opt.nbval or opt.nbval_lax):
+        opt.nbval = True
+        opt.nbval_current_env = True
+        if opt.nbval_sanitize_with is None:
+            opt.nbval_sanitize_with = str(Path(__file__).parent / "tests" / "nbval_sanitize.cfg")
+    if "DIFFATTN_CACHE" not in os.environ:
+        _OWN_CACHE.append(tempfile.mkdtemp(prefix="diffattn-test-cache-"))
+        os.environ["DIFFATTN_CACHE"] = _OWN_CACHE[0]
+
+
+def pytest_unconfigure(config) -> None:
+    for folder in _OWN_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
