@@ -9,9 +9,10 @@ thread count, deterministic on a CPU) and returns
 * ``logit_top1``, ``logit_median`` and ``logit_top1_over_median``: the largest and the median attention
   logit ``|q.k| / sqrt(d)`` and their ratio (Table 5).
 
-With ``cache=True`` a study's weights and losses are saved under a key made of its arguments and the
-library's source, so a second notebook asking for the same run (notebook 10 reusing notebook 07's) loads it
-instead of training again; the results are identical either way.
+With ``cache=True`` a study's weights and losses are saved in the user's cache folder (:func:`cache_dir`)
+under a key made of its arguments, the torch version and the source of the code that trains and measures, so a
+second notebook asking for the same run (notebook 10 reusing notebook 07's) loads it instead of training again.
+The result says when it came from the cache (``cached``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import hashlib
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -171,17 +171,37 @@ def _measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]
     return metrics, batch
 
 
-def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Path:
-    """Where a study's results live: keyed by its arguments and the source of the code that produced them."""
-    folder = Path(cache) if not isinstance(cache, bool) else \
-        Path(os.environ.get("DIFFATTN_CACHE", Path(tempfile.gettempdir()) / "diffattn_tutorial_cache"))
+CACHE_ENV = "DIFFATTN_CACHE"
+"""Environment variable: a folder for the training cache, or ``0`` to switch the cache off."""
+
+
+def cache_dir() -> Optional[Path]:
+    """The training cache folder: ``$DIFFATTN_CACHE``, else ``$XDG_CACHE_HOME/diffattn_tutorial``, else
+    ``~/.cache/diffattn_tutorial``. ``None`` when ``DIFFATTN_CACHE=0`` switches caching off."""
+    setting = os.environ.get(CACHE_ENV, "").strip()
+    if setting == "0":
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "diffattn_tutorial"
+
+
+def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Optional[Path]:
+    """Where a study's results live: keyed by its arguments, the torch version and the source of the code
+    that trains and measures. ``None`` when caching is off."""
+    folder = cache_dir() if cache is True else Path(cache)
+    if folder is None:
+        return None
     import diffattn_tutorial.data as data_mod
     import diffattn_tutorial.functional as functional_mod
+    import diffattn_tutorial.metrics as metrics_mod
     import diffattn_tutorial.modules as modules_mod
     import diffattn_tutorial.rope as rope_mod
 
     h = hashlib.sha256(repr(sorted(key.items())).encode() + torch.__version__.encode())
-    for mod in (data_mod, functional_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__], sys.modules[__name__]):
+    for mod in (data_mod, functional_mod, metrics_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],
+                sys.modules[__name__]):
         h.update(Path(mod.__file__).read_bytes())
     return folder / f"study_{key['attention']}_seed{key['seed']}_{h.hexdigest()[:16]}.pt"
 
@@ -189,7 +209,7 @@ def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Path:
 def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_size: int = 32, lr: float = 3e-3,
                     task: Optional[NeedleTask] = None, settings: Sequence[tuple[int, int]] = SETTINGS,
                     n_eval: int = 256, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                    progress: bool = True, num_threads: Optional[int] = 2,
+                    progress: bool = True, num_threads: Optional[int] = 1,
                     cache: Union[bool, str, os.PathLike] = False, device: Optional[torch.device] = None) -> dict:
     """Train one model on the multi-needle task and measure it (see the module doc).
 
@@ -203,10 +223,12 @@ def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_si
             the last (hardest) one.
         n_eval: evaluation sequences per setting.
         d_model, n_layers, n_heads: model shape (``n_heads`` = the baseline's heads; see ``LMConfig``).
-        progress: show a tqdm bar. num_threads: torch threads while training (``None``: leave as is; a
-            fixed count makes CPU training bit-for-bit repeatable).
-        cache: ``True`` (a folder in the temp dir, or ``$DIFFATTN_CACHE``) or a folder: reuse the results and
-            weights of an identical earlier call (same arguments and library source), else train and save.
+        progress: show a tqdm bar. num_threads: torch threads while training (``None``: leave as is). One
+            thread is the default: a fixed count makes CPU training repeatable on one machine, and a single
+            thread keeps its speed when another program holds a core, where two threads wait on each other.
+        cache: ``True`` (the folder :func:`cache_dir` names; ``DIFFATTN_CACHE=0`` switches it off) or a folder:
+            reuse the results and weights of an identical earlier call (same arguments, torch version and
+            library source), else train and save.
         device: where to train (default CPU).
 
     Returns:
@@ -239,7 +261,8 @@ def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_si
             model.eval()
             losses, seconds, cached = saved["losses"], saved["seconds"], True
             if progress:
-                print(f"{attention}: loaded from cache ({steps} steps, seed {seed})")
+                print(f"{attention}: loaded from the cache, trained earlier on this machine "
+                      f"({steps} steps, seed {seed}; DIFFATTN_CACHE=0 retrains)")
         else:
             t0 = time.perf_counter()
             losses = train(model, task, steps=steps, batch_size=batch_size, lr=lr, settings=settings,
@@ -254,6 +277,22 @@ def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_si
     return {"attention": attention, "seed": seed, "steps": steps, "params": model.num_parameters(), **metrics,
             "losses": losses, "seconds": seconds, "cached": cached, "model": model, "task": task,
             "eval_batch": batch}
+
+
+SUMMARY_KEYS: tuple[str, ...] = (
+    "accuracy", "accuracy_by_setting", "attn_layer", "attn_to_answer", "attn_to_noise", "logit_top1",
+    "logit_median", "logit_top1_over_median", "hidden_top1_over_median", "lambdas")
+"""The numbers of a :func:`retrieval_study` result that a results file records (plus ``final_loss``)."""
+
+
+def summarise(result: dict) -> dict:
+    """A study result as plain JSON-ready numbers: :data:`SUMMARY_KEYS`, ``final_loss`` (mean of the last 50
+    steps), ``attention``, ``seed``, ``steps`` and training ``seconds``."""
+    out = {k: result[k] for k in ("attention", "seed", "steps")}
+    out.update({k: result[k] for k in SUMMARY_KEYS})
+    out["final_loss"] = sum(result["losses"][-50:]) / len(result["losses"][-50:])
+    out["seconds"] = round(result["seconds"], 1)
+    return out
 
 
 def compare_claims(baseline: dict, diff: dict) -> dict[str, tuple[float, float, bool]]:
@@ -276,5 +315,5 @@ def compare_claims(baseline: dict, diff: dict) -> dict[str, tuple[float, float, 
     }
 
 
-__all__ = ["compare_claims", "SETTINGS", "DEPTH_BINS", "deterministic", "retrieval_loss", "train", "accuracy", "attention_scores",
-           "logit_outliers", "retrieval_study"]
+__all__ = ["CACHE_ENV", "cache_dir", "compare_claims", "SETTINGS", "DEPTH_BINS", "deterministic", "retrieval_loss", "train", "accuracy", "attention_scores",
+           "logit_outliers", "retrieval_study", "SUMMARY_KEYS", "summarise"]
