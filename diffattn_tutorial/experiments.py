@@ -315,5 +315,32 @@ def compare_claims(baseline: dict, diff: dict) -> dict[str, tuple[float, float, 
     }
 
 
+def claim_lines(baseline: dict, diff: dict) -> list[str]:
+    """One line per :func:`compare_claims` claim, ``"holds: ..."`` or ``"FAILS: ..."``, without the measured
+    numbers: the text a notebook keeps in its outputs, identical on every machine where the claims hold."""
+    return [f"{'holds' if holds else 'FAILS'}: {claim}" for claim, (*_, holds) in compare_claims(baseline, diff).items()]
+
+
+RECORD_TOLERANCE: dict[str, tuple[str, float]] = {
+    "accuracy": ("abs", 0.03), "attn_to_answer": ("abs", 0.02), "attn_to_noise": ("abs", 0.02),
+    "logit_top1": ("rel", 0.10), "final_loss": ("rel", 0.15)}
+"""How far a re-run may land from a recorded row (``abs`` or ``rel`` difference). Training on another CPU,
+thread count or BLAS build sums in another order, and 500 steps amplify that; these margins are wide enough
+for it and far narrower than the gaps between attention kinds the notebooks assert."""
+
+
+def disagreements(summary: dict, recorded_row: dict) -> list[str]:
+    """The :data:`RECORD_TOLERANCE` metrics where a re-run (``summarise(...)``) and a recorded row differ by
+    more than the tolerance, as readable lines; empty when they agree."""
+    out = []
+    for key, (kind, tol) in RECORD_TOLERANCE.items():
+        new, old = summary[key], recorded_row[key]
+        gap = abs(new - old) if kind == "abs" else abs(new - old) / abs(old)
+        if not gap <= tol:
+            out.append(f"{key}: re-run {new:.4f}, recorded {old:.4f} ({kind} difference {gap:.4f} > {tol})")
+    return out
+
+
 __all__ = ["CACHE_ENV", "cache_dir", "compare_claims", "SETTINGS", "DEPTH_BINS", "deterministic", "retrieval_loss", "train", "accuracy", "attention_scores",
-           "logit_outliers", "retrieval_study", "SUMMARY_KEYS", "summarise"]
+           "logit_outliers", "retrieval_study", "SUMMARY_KEYS", "summarise", "claim_lines", "RECORD_TOLERANCE",
+           "disagreements"]

@@ -12,7 +12,7 @@ Conventions (those of the FlashAttention papers and benchmarks):
 * Backward: ``BACKWARD_FACTOR = 2.5`` times the forward (five matrix products instead of two), so
   forward + backward is 3.5 times the forward.
 
-Layer shapes, with ``H`` differential heads and q/k head dim ``d`` (see ``DESIGN.md``):
+Layer shapes, with ``H`` differential heads and q/k head dim ``d``:
 
 ==============  ==========================  ==============================  =========================
 layer           q heads x dim               k / v heads x dim               forward FLOPs (Nq=Nk=N)

@@ -1,6 +1,6 @@
 """Differential attention as plain functions: every formula the notebooks derive has its home here.
 
-Layout (the references' own, see ``DESIGN.md``): queries and keys carry **2H heads**, the two maps of
+Layout (the reference implementations' own, and the README's): queries and keys carry **2H heads**, the two maps of
 differential head ``i`` adjacent (heads ``2i`` and ``2i+1``); values carry ``Hkv`` heads of width ``2d``.
 
 >>> q = torch.randn(1, 4, 5, 8); k = torch.randn(1, 4, 5, 8); v = torch.randn(1, 2, 5, 16)

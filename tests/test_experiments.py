@@ -1,17 +1,24 @@
-"""The study's metrics on hand-made maps, and retrieval_study end to end on tiny budgets."""
+"""The study's metrics on hand-made maps, retrieval_study end to end on tiny budgets, its cache, and the
+recorded results that notebook 07 shows (seed 0 re-run and compared)."""
 
 import pytest
 import torch
 
+from diffattn_tutorial import recorded
 from diffattn_tutorial.data import NeedleTask
 from diffattn_tutorial.experiments import (
+    SUMMARY_KEYS,
     accuracy,
     attention_scores,
+    cache_dir,
+    claim_lines,
     deterministic,
+    disagreements,
     logit_outliers,
     retrieval_study,
+    summarise,
 )
-from diffattn_tutorial.model import AttentionProbe, build_model
+from diffattn_tutorial.model import ATTENTIONS, AttentionProbe, build_model
 
 TINY = dict(steps=6, batch_size=4, n_eval=8, d_model=32, n_layers=2, n_heads=4, progress=False,
             task=NeedleTask(context_len=12), settings=((1, 1), (4, 2)))
@@ -116,3 +123,78 @@ def test_build_model_vocab_matches_task():
     task = NeedleTask()
     m = build_model("diff", task.vocab_size)
     assert m.head.out_features == task.vocab_size
+
+
+# --- the training cache: where it lives and how to switch it off -------------------------------------------
+
+def test_cache_dir_follows_env_and_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("DIFFATTN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "diffattn_tutorial"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "diffattn_tutorial"
+    monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("DIFFATTN_CACHE", "0")
+    assert cache_dir() is None
+
+
+def test_cache_true_uses_the_cache_dir_and_0_switches_it_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path))
+    a = retrieval_study("baseline", seed=0, cache=True, **TINY)
+    b = retrieval_study("baseline", seed=0, cache=True, **TINY)
+    assert (a["cached"], b["cached"]) == (False, True) and len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setenv("DIFFATTN_CACHE", "0")
+    c = retrieval_study("baseline", seed=0, cache=True, **TINY)
+    assert not c["cached"] and c["losses"] == a["losses"] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_cache_key_includes_the_thread_count(tmp_path):
+    retrieval_study("baseline", seed=0, cache=tmp_path, **TINY)
+    r = retrieval_study("baseline", seed=0, cache=tmp_path, num_threads=2, **TINY)
+    assert not r["cached"] and len(list(tmp_path.iterdir())) == 2
+
+
+# --- recorded results and what a re-run must reproduce ----------------------------------------------------
+
+def test_disagreements_names_metrics_beyond_tolerance():
+    row = {"accuracy": 0.60, "attn_to_answer": 0.20, "attn_to_noise": 0.70, "logit_top1": 20.0, "final_loss": 0.8}
+    assert disagreements(dict(row), row) == []
+    near = {**row, "accuracy": 0.62, "logit_top1": 21.5}
+    assert disagreements(near, row) == []
+    far = {**row, "accuracy": 0.65, "logit_top1": 23.0}
+    lines = disagreements(far, row)
+    assert [line.split(":")[0] for line in lines] == ["accuracy", "logit_top1"]
+    assert disagreements({**row, "attn_to_noise": float("nan")}, row)  # NaN never agrees
+
+
+def test_recorded_results_say_how_they_were_made():
+    assert {"seed_study", "budget_study", "lr_study"} <= set(recorded.available())
+    for name in recorded.available():
+        rec = recorded.load(name)
+        assert {"command", "device", "torch", "date", "settings", "rows"} <= set(rec), name
+        assert rec["rows"] and all({"attention", "seed", "steps", "lr", *SUMMARY_KEYS} <= set(r) for r in rec["rows"])
+    seeds = recorded.load("seed_study")["rows"]
+    assert sorted((r["attention"], r["seed"]) for r in seeds) == sorted(
+        (k, s) for k in ATTENTIONS for s in range(10))
+    with pytest.raises(FileNotFoundError, match="recorded: .*seed_study"):
+        recorded.load("no_such_study")
+
+
+def _seed0(kind: str, num_threads: int = 1) -> dict:
+    """Notebook 07's own run of seed 0 (shared with the notebooks through the session's cache)."""
+    return retrieval_study(kind, seed=0, cache=True, progress=False, num_threads=num_threads)
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_seed0_reproduces_the_recorded_row(kind):
+    row = next(r for r in recorded.load("seed_study")["rows"] if r["attention"] == kind and r["seed"] == 0)
+    assert disagreements(summarise(_seed0(kind)), row) == []
+
+
+def test_kept_claim_lines_are_the_same_at_two_thread_counts():
+    """The lines notebook 07 keeps in its outputs (claim_lines) must not change with the thread count."""
+    one = claim_lines(_seed0("baseline"), _seed0("diff"))
+    two = claim_lines(_seed0("baseline", num_threads=2), _seed0("diff", num_threads=2))
+    assert one == two and all(line.startswith("holds: ") for line in one), one
