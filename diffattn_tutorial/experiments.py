@@ -206,6 +206,27 @@ def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Optional[Pat
     return folder / f"study_{key['attention']}_seed{key['seed']}_{h.hexdigest()[:16]}.pt"
 
 
+@contextlib.contextmanager
+def _cache_lock(path: Optional[Path]) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s entry while loading or training it, so two processes asking for
+    the same run (two notebooks, parallel tests) train it once: the second waits, then loads."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): at worst both train, and the last write wins
+        yield
+        return
+    with open(path.with_suffix(".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_size: int = 32, lr: float = 3e-3,
                     task: Optional[NeedleTask] = None, settings: Sequence[tuple[int, int]] = SETTINGS,
                     n_eval: int = 256, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
@@ -252,7 +273,7 @@ def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_si
            "task": repr(task), "settings": repr(tuple(settings)), "n_eval": n_eval, "cfg": repr(cfg),
            "num_threads": num_threads, "device": device.type}
     path = _cache_file(cache, key) if cache else None
-    with deterministic(num_threads):
+    with deterministic(num_threads), _cache_lock(path):
         torch.manual_seed(seed)
         model = TinyLM(cfg).to(device)
         if path is not None and path.exists():
@@ -268,12 +289,11 @@ def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_si
             losses = train(model, task, steps=steps, batch_size=batch_size, lr=lr, settings=settings,
                            seed=seed, progress=progress, desc=attention)
             seconds, cached = time.perf_counter() - t0, False
+            if path is not None:
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                torch.save({"state_dict": model.state_dict(), "losses": losses, "seconds": seconds}, tmp)
+                os.replace(tmp, path)
         metrics, batch = _measure(model, task, settings, n_eval, device)
-    if path is not None and not cached:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"state_dict": model.state_dict(), "losses": losses, "seconds": seconds}, tmp)
-        os.replace(tmp, path)
     return {"attention": attention, "seed": seed, "steps": steps, "params": model.num_parameters(), **metrics,
             "losses": losses, "seconds": seconds, "cached": cached, "model": model, "task": task,
             "eval_batch": batch}

@@ -1,6 +1,8 @@
 """The study's metrics on hand-made maps, retrieval_study end to end on tiny budgets, its cache, and the
 recorded results that notebook 07 shows (seed 0 re-run and compared)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from diffattn_tutorial import recorded
 from diffattn_tutorial.data import NeedleTask
 from diffattn_tutorial.experiments import (
     SUMMARY_KEYS,
+    _cache_lock,
     accuracy,
     attention_scores,
     cache_dir,
@@ -99,7 +102,7 @@ def test_cache_reuses_an_identical_run(tmp_path):
     b = retrieval_study("diff_v2", seed=0, cache=tmp_path, **TINY)
     c = retrieval_study("diff_v2", seed=0, cache=tmp_path, **{**TINY, "steps": 5})
     assert (a["cached"], b["cached"], c["cached"]) == (False, True, False)
-    assert len(list(tmp_path.iterdir())) == 2
+    assert len(list(tmp_path.glob("*.pt"))) == 2
     for key, value in a.items():
         if key not in ("model", "task", "eval_batch", "cached"):
             assert b[key] == value, key
@@ -144,16 +147,31 @@ def test_cache_true_uses_the_cache_dir_and_0_switches_it_off(monkeypatch, tmp_pa
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path))
     a = retrieval_study("baseline", seed=0, cache=True, **TINY)
     b = retrieval_study("baseline", seed=0, cache=True, **TINY)
-    assert (a["cached"], b["cached"]) == (False, True) and len(list(tmp_path.iterdir())) == 1
+    assert (a["cached"], b["cached"]) == (False, True) and len(list(tmp_path.glob("*.pt"))) == 1
     monkeypatch.setenv("DIFFATTN_CACHE", "0")
     c = retrieval_study("baseline", seed=0, cache=True, **TINY)
-    assert not c["cached"] and c["losses"] == a["losses"] and len(list(tmp_path.iterdir())) == 1
+    assert not c["cached"] and c["losses"] == a["losses"] and len(list(tmp_path.glob("*.pt"))) == 1
 
 
 def test_cache_key_includes_the_thread_count(tmp_path):
     retrieval_study("baseline", seed=0, cache=tmp_path, **TINY)
     r = retrieval_study("baseline", seed=0, cache=tmp_path, num_threads=2, **TINY)
-    assert not r["cached"] and len(list(tmp_path.iterdir())) == 2
+    assert not r["cached"] and len(list(tmp_path.glob("*.pt"))) == 2
+
+
+def test_a_second_caller_waits_for_the_first_and_loads(tmp_path):
+    """Two processes asking for the same run (two notebooks, parallel tests) must not both train it."""
+    pytest.importorskip("fcntl")
+    retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    (entry,) = tmp_path.glob("*.pt")
+    out = {}
+    with _cache_lock(entry):  # someone else is loading or training this entry
+        waiter = threading.Thread(target=lambda: out.update(r=retrieval_study("diff", seed=0, cache=tmp_path, **TINY)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive(), "the second caller did not wait for the lock"
+    waiter.join(60)
+    assert out["r"]["cached"]
 
 
 # --- recorded results and what a re-run must reproduce ----------------------------------------------------
