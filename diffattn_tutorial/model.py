@@ -63,6 +63,12 @@ class LMConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_len"):
+            value = getattr(self, name)
+            if value is None and name in ("n_kv_heads", "ffn_hidden"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LMConfig.{name} must be a positive whole number, got {value!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.d_model % self.n_heads:

@@ -116,3 +116,11 @@ def test_config_errors_name_the_fix():
         m(torch.randint(0, V, (1, 9)))
     with pytest.raises(ValueError, match="token ids"):
         m(torch.randn(1, 4))
+
+
+@pytest.mark.parametrize("field,value", [("n_heads", 0), ("n_layers", -1), ("n_layers", 0), ("d_model", 0),
+                                         ("vocab_size", -5), ("n_kv_heads", 0), ("max_len", 0), ("n_heads", 2.0),
+                                         ("ffn_hidden", 0)])
+def test_config_rejects_sizes_that_are_not_positive_integers(field, value):
+    with pytest.raises(ValueError, match=f"LMConfig.{field} must be a positive whole number"):
+        LMConfig(vocab_size=32, **{field: value}) if field != "vocab_size" else LMConfig(vocab_size=value)
