@@ -23,12 +23,32 @@ StateDict = Mapping[str, Tensor]
 _LAMBDA_VECS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
 
-def _load(module: torch.nn.Module, sd: dict[str, Tensor], source: str) -> None:
-    missing, unexpected = module.load_state_dict(sd, strict=False)
+_TIMM_NAMES = {"q_proj": "qkv (first third)", "k_proj": "qkv (second third)", "v_proj": "qkv (last third)",
+               "out_proj": "proj", "subln": "sub_norm"}
+"""This library's parameter prefixes -> timm ``DiffAttention``'s, for error messages that name the checkpoint."""
+
+
+def _source_name(name: str, names: Mapping[str, str]) -> str:
+    prefix, _, rest = name.partition(".")
+    return f"{names[prefix]}.{rest}" if prefix in names else name
+
+
+def _load(module: torch.nn.Module, sd: dict[str, Tensor], source: str, names: Mapping[str, str] = {}) -> None:
+    """Load ``sd`` into ``module`` strictly; errors name the checkpoint's own keys (``names`` maps this
+    library's prefixes to the checkpoint's) and say which config to check."""
+    own = module.state_dict()
+    missing = sorted(_source_name(k, names) for k in own if k not in sd)
+    unexpected = sorted(_source_name(k, names) for k in sd if k not in own)
     if missing or unexpected:
-        raise ValueError(f"{source} state_dict does not match this config: missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}; check the config (e.g. subln_affine, qk_norm, "
-                         f"dual_lambda, biases) against the checkpoint")
+        raise ValueError(f"{source} state_dict does not match this config: missing {missing}, unexpected "
+                         f"{unexpected}; check the config (e.g. subln_affine, qk_norm, dual_lambda, biases) "
+                         f"against the checkpoint")
+    wrong = [f"{_source_name(k, names)}: checkpoint {tuple(sd[k].shape)}, this config {tuple(v.shape)}"
+             for k, v in own.items() if sd[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"{source} state_dict has other shapes than this config: {'; '.join(wrong)}; check the "
+                         f"sizes in the config (embed_dim / dim / d_model, num_heads, num_kv_heads, head_dim)")
+    module.load_state_dict(sd, strict=True)
 
 
 def _detached(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -84,7 +104,7 @@ def from_timm(state_dict: StateDict, *, dim: int, num_heads: int = 8, depth: int
     if "sub_norm.weight" in sd:
         out["subln.weight"] = sd.pop("sub_norm.weight")
     out.update(sd)  # lambda_*, q_norm.weight, k_norm.weight keep their names
-    _load(layer, out, "timm")
+    _load(layer, out, "timm", _TIMM_NAMES)
     return layer
 
 

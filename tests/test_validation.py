@@ -113,6 +113,21 @@ def test_interop_rejects_mismatched_checkpoints_and_exports():
         interop.from_unilm_v2({}, d_model=64, num_heads=4, head_dim=16, use_diff_v2=False)
 
 
+def test_interop_errors_name_the_checkpoints_own_keys_and_shapes():
+    timm_sd = interop.to_timm(MultiheadDiffAttn(64, 4, qkv_bias=False, out_bias=True))
+    with pytest.raises(ValueError, match=r"missing \['qkv \(first third\)\.bias', 'qkv \(last third\)\.bias', "
+                                         r"'qkv \(second third\)\.bias'\]"):
+        interop.from_timm(timm_sd, dim=64, num_heads=4, qkv_bias=True)
+    no_sub = {k: v for k, v in timm_sd.items() if k != "sub_norm.weight"}
+    with pytest.raises(ValueError, match=r"missing \['sub_norm\.weight'\]"):
+        interop.from_timm(no_sub, dim=64, num_heads=4)
+    with pytest.raises(ValueError, match=r"proj\.weight: checkpoint \(64, 64\), this config \(96, 96\).*num_heads"):
+        interop.from_timm(timm_sd, dim=96, num_heads=4)
+    unilm_sd = MultiheadDiffAttn(64, 4).state_dict()
+    with pytest.raises(ValueError, match=r"lambda_q1: checkpoint \(8,\), this config \(16,\)"):
+        interop.from_unilm(unilm_sd, embed_dim=64, num_heads=2, depth=0)  # wrong head count: not a RuntimeError
+
+
 def test_round_trips_are_exact():
     torch.manual_seed(0)
     for layer, to, frm, cfg in [
