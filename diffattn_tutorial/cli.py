@@ -50,12 +50,35 @@ def doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (the error names the value and the fix)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _backend_list(text: str) -> list[str]:
+    """argparse type: comma-separated backend names, each one of ``diff_attention``'s."""
+    from diffattn_tutorial.functional import BACKENDS
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKENDS and name != "auto"]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {unknown or [text]}; choose from "
+                                         f"{', '.join(('auto',) + BACKENDS)}, comma-separated")
+    return names
+
+
 def bench(args: argparse.Namespace) -> int:
     """Time every backend side by side and print a Markdown table (ratios against naive)."""
     from diffattn_tutorial import bench as B
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backends = args.backends.split(",") if args.backends else list(B.DEFAULT_BACKENDS)
+    backends = list(args.backends or B.DEFAULT_BACKENDS)
     if device.type == "cuda" and "triton" not in backends and not args.backends:
         backends.append("triton")
     dtype = getattr(torch, args.dtype)
@@ -82,15 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="versions, devices and usable attention backends")
     p.set_defaults(func=doctor)
     p = sub.add_parser("bench", help="time and peak extra memory of every diff_attention backend vs naive")
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096], metavar="N")
-    p.add_argument("--backends", default="", help="comma-separated (default: every exact backend for the device)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8, help="differential heads H")
-    p.add_argument("--head-dim", type=int, default=64, help="q/k head dim d (V has 2d)")
+    p.add_argument("--lengths", type=_positive_int, nargs="+", default=[512, 1024, 2048, 4096], metavar="N")
+    p.add_argument("--backends", type=_backend_list, default=None,
+                   help="comma-separated (default: every exact backend for the device)")
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--heads", type=_positive_int, default=8, help="differential heads H")
+    p.add_argument("--head-dim", type=_positive_int, default=64, help="q/k head dim d (V has 2d)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per backend (median)")
+    p.add_argument("--reps", type=_positive_int, default=5, help="timed calls per backend (median)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("-v", "--verbose", action="store_true", help="print progress to stderr")
     p.set_defaults(func=bench)

@@ -52,3 +52,16 @@ def test_unknown_subcommand_exits_with_usage():
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--backends", "nope"], "unknown backend(s) ['nope']; choose from auto, naive"),
+    (["bench", "--backends", "naive,sdpa_wrong"], "unknown backend(s) ['sdpa_wrong']"),
+    (["bench", "--lengths", "0"], "0 must be at least 1"),
+    (["bench", "--reps", "x"], "'x' is not a whole number"),
+])
+def test_bench_rejects_bad_options_with_a_usage_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2  # argparse's usage error, before any child process starts
+    assert message in capsys.readouterr().err
