@@ -1,4 +1,4 @@
-"""Small plotting helpers the notebooks share: attention heatmaps side by side, curves and share bars.
+"""Small plotting helpers the notebooks share: attention heatmaps side by side, curves, share bars and sliders.
 
 Pure presentation: no attention maths lives here (that is ``functional`` and ``metrics``). Every helper
 takes torch tensors or NumPy arrays, draws with matplotlib at the course's modest size, and returns the
@@ -13,7 +13,7 @@ figure and axes so a notebook can add to them. End a notebook cell with ``plt.sh
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -197,11 +197,12 @@ def share_bars(
     title: Optional[str] = None,
     width: float = 4.2,
     height: float = 2.8,
+    value_format: str = "{:.2f}",
 ) -> tuple[Figure, Axes]:
     """Grouped bars: ``{group: {part: value}}``, e.g. ``{"softmax": {"answer": .5, "noise": .5}, ...}``.
 
-    Every group must name the same parts. Values are printed above (or below, when negative) their bar.
-    Returns ``(fig, ax)``.
+    Every group must name the same parts. Values are printed above (or below, when negative) their bar, formatted
+    with ``value_format`` (use as many decimals as the numbers the notebook prints). Returns ``(fig, ax)``.
     """
     groups = list(shares)
     if not groups:
@@ -220,7 +221,7 @@ def share_bars(
         vals = [float(shares[g][part]) for g in groups]
         bars = ax.bar(xs, vals, bar_w, label=part)
         for b, v in zip(bars, vals):
-            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center",
+            ax.annotate(value_format.format(v), (b.get_x() + b.get_width() / 2, v), ha="center",
                         va="bottom" if v >= 0 else "top", fontsize=8)
     ax.axhline(0.0, color="black", lw=0.8)
     ax.set_xticks(np.arange(len(groups)), groups, fontsize=9)
@@ -231,3 +232,37 @@ def share_bars(
         ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return fig, ax
+
+
+def _display(bundle: dict) -> None:
+    """Display a raw MIME bundle in the running IPython kernel (a seam for the tests)."""
+    from IPython.display import display
+
+    display(bundle, raw=True)
+
+
+def widget_bundle(widget: Any, text: str) -> dict:
+    """The MIME bundle of an ipywidgets ``widget`` with ``text`` as its plain-text form.
+
+    A live Jupyter front end renders the widget from ``application/vnd.jupyter.widget-view+json``; everything
+    else (a notebook opened without a kernel, GitHub, the test run) shows ``text`` instead of the widget's
+    ``repr``, which for an ``interactive`` is an unreadable ``interactive(children=(FloatSlider(...), ...))``.
+    """
+    bundle = dict(widget._repr_mimebundle_() or {})
+    bundle["text/plain"] = text
+    return bundle
+
+
+def show_interactive(draw: Callable[..., None], text: str, **sliders: Any) -> None:
+    """Show ``draw`` under ipywidgets sliders for live use; ``text`` is what readers without a kernel see.
+
+    ``draw(**values)`` draws one figure (ending with ``plt.show()``); ``sliders`` maps each of its arguments to
+    an ipywidgets control (``FloatSlider(...)``), as for ``ipywidgets.interact``. Unlike ``interact`` this leaves
+    ``text`` (say, which sliders there are and where the static figure is), not the widget's ``repr``, as the
+    cell's saved output. The figure the widget draws lives in the widget, so it is not saved with the notebook:
+    draw a static version in an ordinary cell (a few slider settings side by side) for readers without a kernel.
+    Returns nothing, so a cell may end with the call.
+    """
+    import ipywidgets
+
+    _display(widget_bundle(ipywidgets.interactive(draw, **sliders), text))

@@ -143,8 +143,35 @@ def test_curves_share_bars_and_helpers():
         curves([1, 2], {"a": [1.0]})
     fig, ax = share_bars({"s": {"answer": 0.4, "noise": 0.6}, "d": {"answer": 0.37, "noise": -0.01}})
     assert len(ax.patches) == 4
+    assert {t.get_text() for t in ax.texts} == {"0.40", "0.60", "0.37", "-0.01"}
+    plt.close(fig)
+    fig, ax = share_bars({"d": {"answer": 0.365, "noise": 0.005}}, value_format="{:.3f}")
+    assert [t.get_text() for t in ax.texts] == ["0.365", "0.005"]
     plt.close(fig)
     with pytest.raises(ValueError, match="parts"):
         share_bars({"s": {"answer": 0.4}, "d": {"noise": 0.1}})
     assert symmetric_limit([torch.tensor([[-2.0, 1.0]]), np.array([[0.5]])]) == 2.0
     assert to_numpy(torch.ones(2, requires_grad=True)).dtype == np.float64
+
+
+def test_show_interactive_saves_readable_text_not_the_widget_repr(monkeypatch):
+    import json
+
+    import ipywidgets
+
+    from diffattn_tutorial import plotting
+
+    shown, calls = [], []
+    monkeypatch.setattr(plotting, "_display", shown.append)
+
+    def draw(a: float = 1.0, b: float = 2.0) -> None:
+        calls.append((a, b))
+
+    assert plotting.show_interactive(draw, "sliders a and b (need a running kernel)",
+                                     a=ipywidgets.FloatSlider(value=0.5, min=0.0, max=1.0),
+                                     b=ipywidgets.FloatSlider(value=3.0, min=0.0, max=5.0)) is None
+    assert calls == [(0.5, 3.0)]                           # drawn once at the sliders' values, inside the widget
+    (bundle,) = shown
+    assert bundle["text/plain"] == "sliders a and b (need a running kernel)"
+    assert "model_id" in bundle["application/vnd.jupyter.widget-view+json"]
+    assert "interactive(" not in json.dumps(bundle)
