@@ -6,9 +6,9 @@ notebook runs top to bottom in its own folder, in a ``python3`` kernel of the cu
 after the other, going on after errors. Then each task is
 
 * **passed**: its CHECK cell ran without an error;
-* **failed**: its CHECK cell raised ``CheckFailed`` (the line shows the hint) or any other error, or its
-  TASK cell raised;
-* **not attempted**: its CHECK cell raised ``NotImplementedError`` (the stub is still there).
+* **failed**: its CHECK cell raised ``CheckFailed`` (the line shows the hint, the same line Jupyter shows) or any
+  other error, or its TASK cell raised;
+* **not attempted**: its CHECK cell raised ``NotAttempted`` or ``NotImplementedError`` (the stub is still there).
 
 Exit code: 0 when every task passed, 1 otherwise, 2 when the file cannot be read or is not an exercise
 notebook of the course (no ``# TASK`` / ``# CHECK`` cells). The helpers below are also what the test harness
@@ -29,6 +29,8 @@ TASK_RE = re.compile(r"^#\s*TASK\s+(\d+)\s*:\s*(.*?)\s*$")
 CHECK_RE = re.compile(r"^#\s*CHECK\s+(\d+)\b")
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "FAILED", "not attempted"
+NOT_ATTEMPTED_ERRORS = ("NotAttempted", "NotImplementedError")
+TODO = "replace `raise NotImplementedError` with your answer"
 
 
 @dataclass
@@ -157,10 +159,10 @@ def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
             results.append(Result(t, FAILED, _one_line(f"the TASK cell raised {task_err[0]}: {task_err[1]}")))
         elif err is None:
             results.append(Result(t, PASSED))
-        elif err[0] == "NotImplementedError":
-            results.append(Result(t, NOT_ATTEMPTED, "the stub still raises NotImplementedError"))
-        elif err[0] == "CheckFailed":
-            results.append(Result(t, FAILED, _one_line(err[1])))
+        elif err[0] in NOT_ATTEMPTED_ERRORS:
+            results.append(Result(t, NOT_ATTEMPTED, TODO))
+        elif err[0] == "CheckFailed":  # the hint in full: it is one line, and a cut hint is no hint
+            results.append(Result(t, FAILED, _one_line(err[1], limit=2000)))
         elif err[0] == "KeyboardInterrupt":
             results.append(Result(t, FAILED, f"the check timed out after {timeout} s (an endless loop?)"))
         else:

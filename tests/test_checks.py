@@ -77,8 +77,12 @@ def test_stub_is_not_attempted(name):
     def stub(*args, **kwargs):
         raise NotImplementedError("write this")
 
-    with pytest.raises(NotImplementedError):
-        getattr(checks, name)(stub)
+    check = getattr(checks, name)
+    with pytest.raises(checks.NotAttempted) as info:
+        check(stub)
+    assert str(info.value) == (f"TASK {check.task} not attempted yet: replace `raise NotImplementedError` in "
+                               f"`{check.function_name}` with your answer")
+    assert isinstance(info.value, NotImplementedError) and info.value.__cause__ is None
 
 
 @pytest.mark.parametrize("name", OUR_CHECKS)
@@ -86,7 +90,47 @@ def test_crash_is_a_hint(name):
     def crash(*args, **kwargs):
         raise IndexError("index 7 is out of bounds")
 
-    fails(getattr(checks, name), crash, "raised IndexError: index 7 is out of bounds")
+    fails(getattr(checks, name), crash, "raised IndexError: index 7 is out of bounds "
+                                        "\\(line \\d+ of its cell: `raise IndexError")
+
+
+# --------------------------------------------------------------------------------------------
+# how a failure looks: one line in Jupyter (IPython's _render_traceback_), no traceback into the check
+# --------------------------------------------------------------------------------------------
+
+
+def test_failure_renders_as_its_hint_only():
+    with pytest.raises(CheckFailed) as info:
+        checks.check_lambda_init(lambda depth: 0.8 - 0.6 * math.exp(0.3 * depth))
+    e = info.value
+    lines = e._render_traceback_()
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert lines[0].endswith(f"FAILED:\x1b[0m {e}") and "wrong sign" in str(e)
+    assert e.__cause__ is None and e.__suppress_context__  # no "during handling" chain into the check either
+
+
+def test_not_attempted_renders_one_line():
+    e = checks.NotAttempted(2, "diff_attn")
+    assert e._render_traceback_() == [
+        "\x1b[1;33mTASK 2 not attempted yet: replace `raise NotImplementedError` in `diff_attn` with your answer\x1b[0m"]
+
+
+def test_a_surprise_inside_a_check_is_one_line_too():
+    from diffattn_tutorial.checks._core import exercise_check
+
+    @exercise_check(task=4, name="thing")
+    def check_thing(fn):
+        return torch.ones(2) @ fn()  # the learner's return value breaks the check itself
+
+    with pytest.raises(CheckFailed, match="could not use what `thing` returned \\(RuntimeError"):
+        check_thing(lambda: torch.ones(3))
+    assert check_thing.task == 4 and check_thing.function_name == "thing"
+
+
+def test_checks_know_their_task():
+    for name in OUR_CHECKS:
+        check = getattr(checks, name)
+        assert isinstance(check.task, int) and check.function_name.isidentifier()
 
 
 @pytest.mark.parametrize("name", OUR_CHECKS)
@@ -116,7 +160,7 @@ def test_amplifier_output_mistakes():
 def test_gains_mistakes():
     c = checks.check_gains
     fails(c, lambda gp, gm: (gp - gm, (gp + gm) / 2), "wrong order")
-    fails(c, lambda gp, gm: (gp + gm, gp - gm), "divide the output by 2")
+    fails(c, lambda gp, gm: (gp + gm, gp - gm), "divided by that difference")
     fails(c, lambda gp, gm: ((gp + gm) / 2, gm - gp), "wrong sign")
     fails(c, lambda gp, gm: ((gp + gm) / 2, (gp - gm) / 2), "halved")
     fails(c, lambda gp, gm: (gp - gm, gp - gm), "average")
@@ -124,18 +168,27 @@ def test_gains_mistakes():
     fails(c, lambda gp, gm: ("big", gp - gm), "number")
 
 
+def test_gains_keep_their_sign():
+    c = checks.check_gains
+    fails(c, lambda gp, gm: (abs(gp + gm) / 2, gp - gm), "differential gain lost its sign")
+    fails(c, lambda gp, gm: ((gp + gm) / 2, abs(gp - gm)), "common-mode gain lost its sign")
+
+
 def test_cmrr_db_mistakes():
     c = checks.check_cmrr_db
+    fails(c, lambda ad, acm: math.inf if acm == 0 else 20 * math.log10(ad / acm), "domain error.*either sign")
+    fails(c, lambda ad, acm: math.inf if acm == 0 else abs(20 * math.log10(abs(ad / acm))), "below 0 dB.*positive")
+    fails(c, lambda ad, acm: math.inf if acm == 0 else max(0.0, 20 * math.log10(abs(ad / acm))), "below 0 dB.*as 0")
 
     def guard(f):
         return lambda ad, acm: math.inf if acm == 0 else f(ad, acm)
 
-    fails(c, guard(lambda ad, acm: 10 * math.log10(abs(ad / acm))), "20 \\* log10")
+    fails(c, guard(lambda ad, acm: 10 * math.log10(abs(ad / acm))), "power ratios")
     fails(c, guard(lambda ad, acm: 20 * math.log10(abs(acm / ad))), "upside down")
     fails(c, guard(lambda ad, acm: 20 * math.log(abs(ad / acm))), "natural log")
     fails(c, guard(lambda ad, acm: abs(ad / acm)), "plain ratio")
-    fails(c, guard(lambda ad, acm: torch.log10(torch.tensor(ad / acm)) * 20), "absolute value")
-    fails(c, guard(lambda ad, acm: math.log10(abs(ad / acm))), "factor 20")
+    fails(c, guard(lambda ad, acm: torch.log10(torch.tensor(ad / acm)) * 20), "NaN for gains of opposite signs")
+    fails(c, guard(lambda ad, acm: math.log10(abs(ad / acm))), "forgot the factor")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +226,21 @@ def test_answer_noise_shares_mistakes():
     fails(c, lambda a, ans, ctx: ((a * ans).sum(-1) / ans.sum(-1), share(a, ctx & ~ans)), "averaged")
     fails(c, lambda a, ans, ctx: ((a * ans).sum(-2), (a * (ctx & ~ans)).sum(-2)), "summed over the queries")
     fails(c, lambda a, ans, ctx: share(a, ans), "pair")
+
+
+def test_answer_noise_shares_on_differential_maps():
+    """The maps include differential ones: negative entries, rows summing to 1 - lambda."""
+    c = checks.check_answer_noise_shares
+    fails(c, lambda a, ans, ctx: answer_noise_shares(a.clamp(min=0), ans, ctx), "clamped the map")
+    fails(c, lambda a, ans, ctx: answer_noise_shares(a.abs(), ans, ctx), "absolute value of the map")
+    fails(c, lambda a, ans, ctx: answer_noise_shares(a / a.sum(-1, keepdim=True), ans, ctx), "renormalised")
+
+    def clamp_renorm(a, ans, ctx):
+        a = a.clamp(min=0)
+        return answer_noise_shares(a / a.sum(-1, keepdim=True), ans, ctx)
+
+    fails(c, clamp_renorm, "clamped .* and renormalised")
+    fails(c, lambda a, ans, ctx: tuple(t.clamp(min=0) for t in answer_noise_shares(a, ans, ctx)), "lost its sign")
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +284,8 @@ def test_diff_attn_mistakes():
     fails(c, lambda q, k, v, lam: lam * _dual(q, k, v, torch.tensor(1.0, dtype=q.dtype)), "both maps")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, torch.tensor(1.0, dtype=q.dtype)), "lambda is ignored")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, lam_float=True), "lam gets no gradient.*lam.item")
+    fails(c, lambda q, k, v, lam: _dual(q, k, v, lam.abs()), "lambda lost its sign")
+    fails(c, lambda q, k, v, lam: _dual(q, k, v, lam.clamp(min=0)), "lambda was clamped")
 
     def before_softmax(q, k, v, lam):
         s = (q[:, 0::2] @ k[:, 0::2].transpose(-1, -2) - lam * q[:, 1::2] @ k[:, 1::2].transpose(-1, -2))
@@ -260,6 +330,7 @@ def test_reparam_lambda_mistakes():
     fails(c, lambda q1, k1, q2, k2, li: dot(q1, k1) - dot(q2, k2) + li, "forgot the exp")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1).sum() - torch.exp(q2 * k2).sum() + li, "exp before the sum")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, q2)) - torch.exp(dot(k1, k2)) + li, "wrong vectors")
+    fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k2)) - torch.exp(dot(q2, k1)) + li, "crossed the pairs")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1) - dot(q2, k2)) + li, "one exp of the difference")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1)) - torch.exp(dot(q2, k2)) - li, "subtracted lambda_init")
     fails(c, lambda q1, k1, q2, k2, li: math.exp(dot(q1, k1)) - math.exp(dot(q2, k2)) + li, "Python number")
@@ -294,6 +365,8 @@ def test_rms_norm_mistakes():
     fails(c, _rms(use_weight=False), "forgot the weight")
     fails(c, lambda x, weight=None, eps=1e-5: torch.nn.functional.layer_norm(x, x.shape[-1:], weight, eps=eps),
           "LayerNorm")
+    fails(c, lambda x, weight=None, eps=1e-5: rms_norm(x, None if weight is None else weight.abs(), eps), "lost its sign")
+    fails(c, lambda x, weight=None, eps=1e-6: rms_norm(x, weight, eps), "default eps")
 
 
 def test_subln_mistakes():
@@ -440,7 +513,7 @@ def test_forward_reference_learner_passes():
     ({"factor": "none"}, "missing \\(1 - lambda_init\\)"),
     ({"norm": "none"}, "no sub-norm"),
     ({"norm": "tokens"}, "sub-norm over the wrong axis"),
-    ({"merge": "no_transpose"}, "transpose"),
+    ({"merge": "no_transpose"}, "mixes tokens"),
     ({"gqa": "tile"}, "GQA grouping wrong.*tiled"),
     ({"gqa": "one_by_one"}, "GQA grouping wrong.*one at a time"),
     ({"lam_const": True}, "lambda_q1 gets no gradient"),

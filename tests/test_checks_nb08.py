@@ -60,8 +60,8 @@ def test_library_passes(capsys):
     ({"pairs": "blocked"}, "interleaved"),
     ({"pairs": "blocked_q"}, r"q is split in halves"),
     ({"gqa": "tile"}, "tiled the groups"),
-    ({"causal_mode": "top_left"}, "aligns the causal mask top-left"),
-    ({"causal_mode": "ignore"}, "causal=True was ignored"),
+    ({"causal_mode": "top_left"}, "aligns the mask top-left"),
+    ({"causal_mode": "ignore"}, "causal mask is missing"),
     ({"scale": 1 / 4.0}, r"1/sqrt\(2d\)|differs from the reference"),
     ({"width": "half"}, "BOTH halves of V"),
 ])

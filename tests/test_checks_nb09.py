@@ -36,8 +36,9 @@ def fails(check, fn, match: str) -> None:
 @triton.jit
 def step_right(m, l, acc, s, v):
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.math.exp2(m - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
     l_new = l * alpha + tl.sum(p, 1)
     acc_new = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l_new, acc_new
@@ -94,7 +95,7 @@ def grads_stub(p1, p2, dp, delta1, dd, lam):
                                         ("check_diff_combine", combine_stub),
                                         ("check_diff_softmax_grads", grads_stub)])
 def test_stub_is_not_attempted(check, stub):
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(checks.NotAttempted, match=r"TASK \d not attempted yet"):
         getattr(checks, check)(stub)
 
 
@@ -172,11 +173,41 @@ def step_wrong_order(m, l, acc, s, v):
     return m_new, acc * alpha[:, None] + tl.dot(p, v), l * alpha + tl.sum(p, 1)
 
 
+@triton.jit
+def step_no_guard(m, l, acc, s, v):  # right on every row that sees a key in its first tile
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
+@triton.jit
+def step_zero_reference(m, l, acc, s, v):  # exact in real numbers, but exp2 of scores near -220 underflows
+    m_new = tl.maximum(tl.maximum(m, tl.max(s, 1)), 0.0)
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
+@triton.jit
+def step_min_reference(m, l, acc, s, v):  # the smallest visible score as the reference: exp2 overflows
+    low = tl.min(tl.where(s == float("-inf"), float("inf"), s), 1)  # +inf where the tile shows no key
+    low = tl.where(low == float("inf"), float("-inf"), low)
+    m_new = tl.where(m == float("-inf"), low, tl.where(low == float("-inf"), m, tl.minimum(m, low)))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
 @pytest.mark.parametrize("fn,match", [
-    (step_natural_exp, "tl.exp"),
+    (step_no_guard, "first key tiles are entirely masked.*finite reference"),
+    (step_zero_reference, "far below 0.*underflowed"),
+    (step_min_reference, "overflowed|span about 300"),
+    (step_natural_exp, "natural exponential"),
     (step_no_rescale, "never rescaled"),
-    (step_no_rescale_acc, "accumulator acc is not rescaled"),
-    (step_no_rescale_l, "running sum l is not rescaled"),
+    (step_no_rescale_acc, "accumulator is not rescaled"),
+    (step_no_rescale_l, "running sum is not rescaled"),
     (step_tile_max, "own max"),
     (step_inverted_alpha, "NaN"),
     (step_wrong_order, "raised"),
@@ -232,12 +263,18 @@ def combine_lam_columns(acc1, l1, acc2, l2, lam):
     return o1 - lam[None, :] * o2
 
 
+@triton.jit
+def combine_abs_lambda(acc1, l1, acc2, l2, lam):
+    return combine_right(acc1, l1, acc2, l2, tl.abs(lam))
+
+
 @pytest.mark.parametrize("fn,match", [
+    (combine_abs_lambda, "lambda lost its sign"),
     (combine_no_lambda, "lambda is missing"),
     (combine_plus, "sign is flipped"),
     (combine_lam_on_map1, "wrong map"),
     (combine_unnormalised, "not normalised"),
-    (combine_one_denominator, "divided by l1"),
+    (combine_one_denominator, "divided by map 1's running sum"),
     (combine_swapped, "swapped"),
     (combine_nan_rows, "see no key"),
     (combine_lam_columns, "along the columns"),
@@ -280,7 +317,19 @@ def grads_swapped(p1, p2, dp, delta1, dd, lam):
     return ds2, ds1
 
 
+@triton.jit
+def grads_no_minus_lambda(p1, p2, dp, delta1, dd, lam):  # map 2 treated like map 1
+    return p1 * (dp - delta1[:, None]), p2 * (dp - dd[:, None])
+
+
+@triton.jit
+def grads_lambda_clamped(p1, p2, dp, delta1, dd, lam):
+    return grads_right(p1, p2, dp, delta1, dd, tl.maximum(lam, 0.0))
+
+
 @pytest.mark.parametrize("fn,match", [
+    (grads_no_minus_lambda, "factor -lambda is missing"),
+    (grads_lambda_clamped, "lambda was clamped"),
     (grads_plus, "sign of ds2"),
     (grads_no_lambda, "lambda is missing"),
     (grads_delta1_twice, "uses delta1"),

@@ -3,16 +3,23 @@
 * Structure (no kernel): same cells in the same order, only the ``# TASK`` cells differ; every TASK is
   followed by its CHECK, which calls a ``check_*`` of ``diffattn_tutorial.checks``; exercise stubs end with
   ``raise NotImplementedError``; exercises are committed clean and solutions executed.
+* Each ``CHECK n`` cell calls the check registered for ``TASK n`` (``check.task``) on the function that TASK
+  defines (``check.function_name``).
+* Every relative link in an exercise or solution resolves, and each one ends with links back to its notebook
+  and to its solution.
 * Execution (one kernel per notebook, cells in sequence, going on after errors): the exercise as shipped,
-  where each CHECK cell must fail with ``NotImplementedError`` and no other cell may fail; then, in the same
-  kernel, the exercise with the solution's TASK cells injected, which must run clean with every check passing.
+  where each CHECK cell must fail with one clean line, ``NotAttempted`` (``TASK n not attempted yet: ...``,
+  no traceback), and no other cell may fail; then, in the same kernel, the exercise with the solution's TASK
+  cells injected, which must run clean with every check passing.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 import pytest
@@ -106,9 +113,13 @@ def test_unsolved_fails_only_in_checks_and_solved_runs_clean(path):
             continue
         err = cell_error(cell)
         if CHECK_RE.match(cell.source):
-            assert err is not None and err[0] == "NotImplementedError", \
+            assert err is not None and err[0] == "NotAttempted", \
                 f"unsolved {path.name} cell {i + 1} ({cell.source.splitlines()[0]}) gave {err}, " \
-                f"expected NotImplementedError"
+                f"expected NotAttempted"
+            task = int(cell.source.split()[2])
+            tb = [o["traceback"] for o in cell.outputs if o.get("output_type") == "error"][0]
+            assert len(tb) == 1 and f"TASK {task} not attempted yet: replace `raise NotImplementedError`" in tb[0], \
+                f"unsolved {path.name} cell {i + 1} shows {tb}"
         else:
             assert err is None, f"unsolved {path.name} cell {i + 1} raised {err}"
 
@@ -120,3 +131,41 @@ def test_unsolved_fails_only_in_checks_and_solved_runs_clean(path):
         if CHECK_RE.match(cell.source):
             out = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
             assert "PASSED" in out, f"{path.name} with the solution's answers: cell {i + 1} printed no PASSED"
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+def test_checks_match_their_tasks(path):
+    """CHECK n calls the check of TASK n, on the function TASK n defines."""
+    ex = read(path)
+    for t in find_tasks(ex):
+        src = ex.cells[t.check_cell].source
+        called = [name for name in checks.__all__ if name.startswith("check_") and f"{name}(" in src]
+        assert len(called) == 1, f"CHECK {t.number} should call exactly one check, calls {called}"
+        check = getattr(checks, called[0])
+        assert check.task == t.number, f"{called[0]} is the check of TASK {check.task}, not of TASK {t.number}"
+        defined = [n.name for n in ast.parse(ex.cells[t.task_cell].source).body if isinstance(n, ast.FunctionDef)]
+        assert check.function_name in defined, f"TASK {t.number} defines {defined}, {called[0]} checks " \
+                                               f"{check.function_name}"
+        assert f"{called[0]}({check.function_name})" in src
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", EXERCISES + sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")),
+                         ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_links_resolve_and_lead_back(path):
+    nb = read(path)
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        for target in LINK.findall(cell.source):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue
+            file = (path.parent / unquote(target.split("#")[0])).resolve()
+            assert file.exists(), f"{path.name}: the link {target} does not resolve"
+    last = nb.cells[-1]
+    assert last.cell_type == "markdown", "an exercise ends with its recap and links"
+    targets = LINK.findall(last.source)
+    assert f"../notebooks/{path.name}" in targets, "the last cell links back to the notebook"
+    assert f"../solutions/{path.name}" in targets, "the last cell links to the solved notebook"

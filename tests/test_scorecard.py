@@ -3,6 +3,7 @@ copies of an exercise in a temporary folder; the grading rules on hand-made exec
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from diffattn_tutorial.cli import main
-from diffattn_tutorial.scorecard import FAILED, NOT_ATTEMPTED, PASSED, find_tasks, score
+from diffattn_tutorial.scorecard import FAILED, NOT_ATTEMPTED, PASSED, execute, find_tasks, format_results, score
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "01_differential_amplifier.ipynb"  # the lightest exercise: three tasks, floats and small tensors
@@ -59,6 +60,36 @@ def test_one_wrong_answer_fails_with_its_hint(tmp_path, capsys):
     assert [ln.split(":")[0].strip() for ln in lines] == ["TASK 1", "TASK 2", "TASK 3"]
     assert lines[0].endswith(PASSED) and lines[1].endswith(PASSED)
     assert f"{FAILED}: cmrr_db is not right. Likely mistake: used 10 * log10" in lines[2]
+
+
+def test_jupyter_and_the_scorecard_show_the_same_one_line(tmp_path):
+    """In the kernel a failed check renders as ``FAILED: <hint>`` (no traceback into the check's source, which
+    holds the answer), a stub as ``TASK n not attempted yet: ...``; the scorecard prints the same hint."""
+    nb = nbformat.read(ROOT / "exercises" / NAME, as_version=4)
+    sol = nbformat.read(ROOT / "solutions" / NAME, as_version=4)
+    tasks = find_tasks(nb)
+    nb.cells[tasks[0].task_cell].source = sol.cells[tasks[0].task_cell].source.replace(
+        "gain_plus * v_plus - gain_minus * v_minus", "gain_plus * v_plus + gain_minus * v_minus")
+    execute(nb, tmp_path, timeout=120)
+    (tb1,) = [o["traceback"] for o in nb.cells[tasks[0].check_cell].outputs if o["output_type"] == "error"]
+    (tb2,) = [o["traceback"] for o in nb.cells[tasks[1].check_cell].outputs if o["output_type"] == "error"]
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in tb1 + tb2]
+    hint = "amplifier_output is not right. Likely mistake: added the inputs"
+    assert len(plain) == 2 and plain[0].startswith(f"FAILED: {hint}"), plain
+    assert plain[1] == "TASK 2 not attempted yet: replace `raise NotImplementedError` in `gains` with your answer"
+    assert not any("checks/nb01.py" in line or "Traceback" in line for line in plain)
+    lines = format_results(score(nb, tasks))
+    assert lines[0].endswith(plain[0]), (lines[0], plain[0])
+    assert lines[1].endswith(f"{NOT_ATTEMPTED}: replace `raise NotImplementedError` with your answer")
+
+
+def test_long_hints_are_not_cut(tmp_path):
+    hint = "x" * 900 + " the end"
+    cells = [new_code_cell("# TASK 1: t\ndef f(): ..."),
+             new_code_cell("# CHECK 1\ncheck_f(f)", outputs=[_err("CheckFailed", hint)])]
+    nb = new_notebook(cells=cells)
+    (res,) = score(nb, find_tasks(nb))
+    assert res.detail == hint
 
 
 def test_not_a_course_notebook(tmp_path, capsys):
@@ -118,7 +149,7 @@ def test_score_rules():
         new_code_cell("# TASK 2: hinted\ndef g(): ..."),
         new_code_cell("# CHECK 2\ncheck_g(g)", outputs=[_err("CheckFailed", "g is not right. Likely mistake: X")]),
         new_code_cell("# TASK 3: stub\ndef h(): ..."),
-        new_code_cell("# CHECK 3\ncheck_h(h)", outputs=[_err("NotImplementedError", "write h")]),
+        new_code_cell("# CHECK 3\ncheck_h(h)", outputs=[_err("NotAttempted", "TASK 3 not attempted yet: ...")]),
         new_code_cell("# TASK 4: broken\ndef k(:", outputs=[_err("SyntaxError", "invalid syntax")]),
         new_code_cell("# CHECK 4\ncheck_k(k)", outputs=[_err("NameError", "name 'k' is not defined")]),
         new_code_cell("# TASK 5: crashes in the check\ndef m(): ..."),
@@ -133,7 +164,7 @@ def test_score_rules():
     res = {r.task.number: r for r in score(nb, tasks, timeout=9)}
     assert res[1].status == PASSED
     assert res[2].status == FAILED and res[2].detail == "g is not right. Likely mistake: X"
-    assert res[3].status == NOT_ATTEMPTED
+    assert res[3].status == NOT_ATTEMPTED and res[3].detail == "replace `raise NotImplementedError` with your answer"
     assert res[4].status == FAILED and res[4].detail == "the TASK cell raised SyntaxError: invalid syntax"
     assert res[5].status == FAILED and res[5].detail == "ZeroDivisionError: division by zero"
     assert res[6].status == FAILED and "no '# CHECK 6' cell" in res[6].detail

@@ -3,23 +3,101 @@ inputs, and when it differs, name the most likely mistake by matching known wron
 
 A check raises :class:`CheckFailed` (an ``AssertionError``) whose message is the hint, or prints one
 success line. Checks never use the learner's output to decide what is right: the library is the reference.
+
+In Jupyter (IPython) a failed check shows one line, ``FAILED: <hint>``, and a stub that still raises
+``NotImplementedError`` shows ``TASK n not attempted yet: ...`` (:class:`NotAttempted`): both exceptions render
+themselves through IPython's ``_render_traceback_``, so the learner never sees a traceback into the check's
+source (which holds the right answer). Every public check is wrapped by :func:`exercise_check`, which also
+turns anything unexpected into a one-line :class:`CheckFailed`.
 """
 
 from __future__ import annotations
 
+import functools
+import linecache
+import os
+import sysconfig
+import traceback
 from typing import Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
 
 Tensor = torch.Tensor
 
+_RED, _YELLOW, _RESET = "\x1b[1;31m", "\x1b[1;33m", "\x1b[0m"
+
 
 class CheckFailed(AssertionError):
-    """A learner's answer is wrong; the message says what is most likely wrong and how to fix it."""
+    """A learner's answer is wrong; the message says what is most likely wrong and the idea that fixes it."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of a traceback: the hint, on one line."""
+        return [f"{_RED}FAILED:{_RESET} {self}"]
+
+
+class NotAttempted(NotImplementedError):
+    """The learner's function still raises ``NotImplementedError``: the task has not been attempted yet."""
+
+    def __init__(self, task: Optional[int] = None, name: str = "") -> None:
+        where = f" in `{name}`" if name else ""
+        head = f"TASK {task} not attempted yet" if task is not None else "Not attempted yet"
+        super().__init__(f"{head}: replace `raise NotImplementedError`{where} with your answer")
+        self.task, self.name = task, name
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{_YELLOW}{self}{_RESET}"]
 
 
 def fail(hint: str) -> NoReturn:
     raise CheckFailed(hint)
+
+
+def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
+    """Mark a ``check_*`` as the check of ``TASK task`` whose function is called ``name``, and make its errors
+    one clean line: a ``NotImplementedError`` from the learner's stub becomes :class:`NotAttempted`, a
+    :class:`CheckFailed` loses the traceback into the check, anything else becomes a :class:`CheckFailed`."""
+
+    def decorate(check: Callable) -> Callable:
+        @functools.wraps(check)
+        def wrapper(fn, *args, **kwargs):
+            try:
+                return check(fn, *args, **kwargs)
+            except NotImplementedError:
+                raise NotAttempted(task, name) from None
+            except CheckFailed as e:
+                raise CheckFailed(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - a learner's odd return value must not show the check's source
+                raise CheckFailed(f"the check could not use what `{name}` returned ({type(e).__name__}: "
+                                  f"{_first_line(e)}); compare its type and shape with the docstring") from None
+
+        wrapper.task, wrapper.function_name = task, name  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+_LIBRARY_DIRS = tuple(os.path.normcase(os.path.realpath(p)) for p in {
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # diffattn_tutorial/
+    *(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+} if p)
+
+
+def _learner_line(tb) -> str:
+    """`` (line n: `code`)`` for the deepest traceback frame in the learner's own code (a notebook cell), or ""."""
+    found = ""
+    for frame in traceback.extract_tb(tb):
+        path = os.path.normcase(os.path.realpath(frame.filename)) if not frame.filename.startswith("<") else ""
+        if path and path.startswith(_LIBRARY_DIRS) or "site-packages" in frame.filename:
+            continue
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        if line:
+            found = f" (line {frame.lineno} of its cell: `{line}`)"
+    return found
 
 
 def passed(message: str) -> None:
@@ -41,7 +119,7 @@ def call(fn: Callable, *args, what: str, **kwargs):
     except CheckFailed:
         raise
     except Exception as e:  # noqa: BLE001 - anything the learner's code raises is reported, not hidden
-        fail(f"{what} raised {type(e).__name__}: {e}")
+        fail(f"{what} raised {type(e).__name__}: {_first_line(e)}{_learner_line(e.__traceback__)}")
 
 
 def expect(got: object, expected: Tensor, *, what: str, wrong: Optional[Mapping[str, Tensor]] = None,

@@ -14,13 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
-def online_softmax_harness(Q, K, V, O, LSE, Nq, Nk, qk_scale, STEP: tl.constexpr,
+def online_softmax_harness(Q, K, V, LO, HI, M, L, ACC, Nq, Nk, qk_scale, STEP: tl.constexpr,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Flash-attention forward of one head (q ``(Nq, D)``, k and v ``(Nk, D)``) around the learner's
-    ``STEP(m, l, acc, s, v) -> (m, l, acc)``; stores ``acc / l`` and the base-2 log-sum-exp ``m + log2 l``."""
+    ``STEP(m, l, acc, s, v) -> (m, l, acc)``. Row ``r`` sees keys ``LO[r] <= j < HI[r]`` (a padding mask: its
+    first tiles, or all of them, may be entirely masked). Stores the final state ``m``, ``l`` and ``acc`` as they
+    are; the check normalises them."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + dims[None, :], mask=rows[:, None] < Nq, other=0.0)
+    lo = tl.load(LO + rows, mask=rows < Nq, other=0)
+    hi = tl.load(HI + rows, mask=rows < Nq, other=0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -29,10 +33,12 @@ def online_softmax_harness(Q, K, V, O, LSE, Nq, Nk, qk_scale, STEP: tl.constexpr
         kt = tl.load(K + cols[None, :] * D + dims[:, None], mask=cols[None, :] < Nk, other=0.0)
         v = tl.load(V + cols[:, None] * D + dims[None, :], mask=cols[:, None] < Nk, other=0.0)
         s = tl.dot(q, kt) * qk_scale
-        s = tl.where(cols[None, :] < Nk, s, float("-inf"))
+        visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m, l, acc = STEP(m, l, acc, s, v)
-    tl.store(O + rows[:, None] * D + dims[None, :], acc / l[:, None], mask=rows[:, None] < Nq)
-    tl.store(LSE + rows, m + tl.math.log2(l), mask=rows < Nq)
+    tl.store(M + rows, m, mask=rows < Nq)
+    tl.store(L + rows, l, mask=rows < Nq)
+    tl.store(ACC + rows[:, None] * D + dims[None, :], acc, mask=rows[:, None] < Nq)
 
 
 @triton.jit

@@ -8,32 +8,33 @@ from typing import Callable
 
 import torch
 
-from diffattn_tutorial.checks._core import call, expect, fail, passed, randn
+from diffattn_tutorial.checks._core import call, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.checks._helpers import as_numbers
 from diffattn_tutorial.toys import amplifier_gains, amplifier_output, cmrr_db
 
 __all__ = ["check_amplifier_output", "check_gains", "check_cmrr_db"]
 
-# (gain_plus, gain_minus): matched, slightly and badly mismatched, and a gain below one
-_GAINS = [(1.0, 1.0), (2.0, 1.5), (1.0, 0.9), (0.5, 0.8), (3.0, 2.99)]
+# (gain_plus, gain_minus): matched, slightly and badly mismatched, a gain below one, and an inverting pair
+# (both gains negative, so the differential gain is negative too)
+_GAINS = [(1.0, 1.0), (2.0, 1.5), (1.0, 0.9), (0.5, 0.8), (3.0, 2.99), (-2.0, -1.5)]
 
 
+@exercise_check(task=1, name="amplifier_output")
 def check_amplifier_output(fn: Callable) -> None:
     """``fn(v_plus, v_minus, gain_plus=1.0, gain_minus=1.0)`` must return ``gain_plus * v_plus - gain_minus * v_minus``."""
     what = "amplifier_output"
-    for i, (shape, (gp, gm)) in enumerate(zip([(7,), (3, 11), (2, 5, 4), (9,), (1, 6)], _GAINS)):
+    for i, (shape, (gp, gm)) in enumerate(zip([(7,), (3, 11), (2, 5, 4), (9,), (1, 6), (4,)], _GAINS)):
         v_plus, v_minus = randn(*shape, seed=10 + i), randn(*shape, seed=20 + i)
         expected = amplifier_output(v_plus, v_minus, gain_plus=gp, gain_minus=gm)
         wrong = {
-            "subtracted in the wrong order: the output is gain_plus * v_plus - gain_minus * v_minus "
-            "(the inverting input is the one subtracted)": amplifier_output(v_minus, v_plus, gm, gp),
+            "subtracted in the wrong order: the inverting input v_minus is the one subtracted":
+                amplifier_output(v_minus, v_plus, gm, gp),
             "added the inputs: a differential amplifier amplifies their difference": gp * v_plus + gm * v_minus,
-            "the gains are swapped: gain_plus multiplies v_plus and gain_minus multiplies v_minus":
+            "the gains are swapped: each input has its own gain, g+ for v_plus and g- for v_minus":
                 amplifier_output(v_plus, v_minus, gm, gp),
-            "the gains are ignored: multiply each input by its own gain":
-                amplifier_output(v_plus, v_minus, 1.0, 1.0),
-            "one gain for both inputs: with mismatched gains the output is gain_plus * v_plus - gain_minus * v_minus, "
-            "not gain_plus * (v_plus - v_minus)": gp * (v_plus - v_minus),
+            "the gains are ignored: multiply each input by its own gain": amplifier_output(v_plus, v_minus, 1.0, 1.0),
+            "one gain for both inputs: with mismatched gains each input is amplified by its own gain before the "
+            "difference, so what both share no longer cancels exactly": gp * (v_plus - v_minus),
         }
         got = call(fn, v_plus, v_minus, gain_plus=gp, gain_minus=gm, what=what)
         expect(got, expected, what=what, wrong=wrong)
@@ -42,6 +43,7 @@ def check_amplifier_output(fn: Callable) -> None:
     passed("amplifier_output subtracts the inverting input, each with its own gain.")
 
 
+@exercise_check(task=2, name="gains")
 def check_gains(fn: Callable) -> None:
     """``fn(gain_plus, gain_minus)`` must return ``(differential_gain, common_mode_gain)``.
 
@@ -50,8 +52,9 @@ def check_gains(fn: Callable) -> None:
     ``v_plus = v_minus = v_cm``.
     """
     what = "gains"
+    cases = _GAINS + [(1.2, 0.4)]
     got_d, got_c, exp_d, exp_c = [], [], [], []
-    for gp, gm in _GAINS + [(1.2, 0.4)]:
+    for gp, gm in cases:
         res = call(fn, gp, gm, what=what)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
             fail(f"{what} should return a pair (differential_gain, common_mode_gain), got {type(res).__name__}")
@@ -62,41 +65,70 @@ def check_gains(fn: Callable) -> None:
         exp_c.append(acm)
     gd, gc = as_numbers(got_d, what=what), as_numbers(got_c, what=what)
     ed, ec = torch.tensor(exp_d, dtype=torch.float64), torch.tensor(exp_c, dtype=torch.float64)
-    gp_t = torch.tensor([g[0] for g in _GAINS + [(1.2, 0.4)]], dtype=torch.float64)
-    gm_t = torch.tensor([g[1] for g in _GAINS + [(1.2, 0.4)]], dtype=torch.float64)
+    gp_t = torch.tensor([g[0] for g in cases], dtype=torch.float64)
+    gm_t = torch.tensor([g[1] for g in cases], dtype=torch.float64)
     got = torch.stack([gd, gc], dim=1)
     expected = torch.stack([ed, ec], dim=1)
     expect(got, expected, what=what, wrong={
         "the pair is in the wrong order: return (differential_gain, common_mode_gain)": torch.stack([ec, ed], 1),
-        "the differential gain is not divided by v_d: feeding v_plus = +1, v_minus = -1 is a difference of 2 V, "
-        "so divide the output by 2": torch.stack([2 * ed, ec], 1),
-        "the common-mode gain has the wrong sign: it is gain_plus - gain_minus": torch.stack([ed, -ec], 1),
-        "the common-mode gain is halved: with v_plus = v_minus = v_cm the output is (gain_plus - gain_minus) * v_cm":
+        "the differential gain is not per volt of difference: v_plus = +1, v_minus = -1 is a difference of 2 V, "
+        "so the output must be divided by that difference": torch.stack([2 * ed, ec], 1),
+        "the common-mode gain has the wrong sign: with the same voltage on both inputs, g+ amplifies it and g- "
+        "subtracts it": torch.stack([ed, -ec], 1),
+        "the common-mode gain is halved: a common mode of 1 V puts the full 1 V on each input, not half of it":
             torch.stack([ed, ec / 2], 1),
-        "the differential gain is gain_plus - gain_minus? That is the common-mode gain; the differential gain "
-        "is the average (gain_plus + gain_minus) / 2": torch.stack([gp_t - gm_t, ec], 1),
+        "the differential gain is the gains' difference? That is the common-mode gain; a pure difference "
+        "v_d puts +v_d/2 on one input and -v_d/2 on the other, which gives the gains' average":
+            torch.stack([gp_t - gm_t, ec], 1),
+        "the differential gain lost its sign: an amplifier with negative gains inverts, so its differential "
+        "gain is negative (do not take an absolute value or clamp)": torch.stack([ed.abs(), ec], 1),
+        "the common-mode gain lost its sign: when g- is larger than g+ the common mode comes out inverted, a "
+        "negative gain (do not take an absolute value or clamp)": torch.stack([ed, ec.abs()], 1),
     })
     passed("differential gain (g+ + g-)/2 and common-mode gain g+ - g-, measured like a lab would.")
 
 
+@exercise_check(task=3, name="cmrr_db")
 def check_cmrr_db(fn: Callable) -> None:
     """``fn(differential_gain, common_mode_gain)`` must return the CMRR in decibels, ``20 log10 |Ad / Acm|``."""
     what = "cmrr_db"
-    cases = [(1.0, 0.1), (0.95, 0.1), (1.75, 0.5), (0.65, -0.3), (2.995, 0.01), (100.0, 1.0), (0.8, -0.002)]
-    got = as_numbers([call(fn, ad, acm, what=what) for ad, acm in cases], what=what)
+    # gains of either sign, and a common-mode gain larger than the differential one (a CMRR below 0 dB)
+    cases = [(1.0, 0.1), (0.95, 0.1), (1.75, 0.5), (0.65, -0.3), (2.995, 0.01), (100.0, 1.0), (0.8, -0.002),
+             (-0.95, 0.1), (0.05, 0.5), (-1.75, -0.5)]
+    got = []
+    for ad, acm in cases:
+        try:
+            got.append(fn(ad, acm))
+        except NotImplementedError:
+            raise
+        except ValueError as e:
+            if (ad / acm) < 0 and "domain" in str(e):
+                fail(f"{what}({ad}, {acm}) raised ValueError (math domain error): the ratio of the gains is negative "
+                     f"here, and a logarithm takes only positive numbers. Gains can have either sign; the CMRR "
+                     f"compares their sizes (magnitudes)")
+            call(fn, ad, acm, what=f"{what}({ad}, {acm})")  # reports the error with its line
+        except Exception:  # noqa: BLE001 - reported by call() with the line it happened on
+            call(fn, ad, acm, what=f"{what}({ad}, {acm})")
+    got = as_numbers(got, what=what)
     expected = torch.tensor([float(cmrr_db(ad, acm)) for ad, acm in cases], dtype=torch.float64)
     ratio = torch.tensor([ad / acm for ad, acm in cases], dtype=torch.float64)
     if torch.isnan(got).any():
-        fail(f"{what} returned NaN for a negative common-mode gain: take the absolute value of the ratio "
-             f"(a gain of -0.3 rejects as well as one of +0.3)")
+        fail(f"{what} returned NaN for gains of opposite signs: the logarithm of a negative ratio is undefined; "
+             f"the CMRR compares the sizes (magnitudes) of the gains, whatever their signs")
     expect(got, expected, what=what, wrong={
-        "used 10 * log10: that is for power ratios; gains are amplitude ratios, so use 20 * log10":
-            10 * torch.log10(ratio.abs()),
+        "used 10 * log10: that is for power ratios; gains are amplitude ratios, and decibels of an amplitude "
+        "ratio take twice that factor": 10 * torch.log10(ratio.abs()),
         "the ratio is upside down: CMRR = differential gain / common-mode gain (bigger is better)":
             20 * torch.log10(1 / ratio.abs()),
-        "used the natural log: decibels use log10": 20 * torch.log(ratio.abs()),
-        "returned the plain ratio: convert it to decibels with 20 * log10(|ratio|)": ratio.abs(),
-        "forgot the factor 20: decibels of an amplitude ratio are 20 * log10(|ratio|)": torch.log10(ratio.abs()),
+        "used the natural log: decibels use the base-10 logarithm": 20 * torch.log(ratio.abs()),
+        "returned the plain ratio: convert it to decibels": ratio.abs(),
+        "forgot the factor in front of the logarithm: decibels of an amplitude ratio are 20 times its log10":
+            torch.log10(ratio.abs()),
+        "a CMRR below 0 dB came out positive: when the common-mode gain is larger than the differential gain "
+        "the amplifier favours the common mode and the CMRR is negative; do not take the absolute value of the "
+        "decibels": 20 * torch.log10(ratio.abs()).abs(),
+        "a CMRR below 0 dB came out as 0: when the common-mode gain is larger than the differential gain the "
+        "CMRR is negative; do not clamp the decibels": (20 * torch.log10(ratio.abs())).clamp(min=0),
     })
     try:
         perfect = float(cmrr_db(1.0, 0.0))
@@ -106,5 +138,5 @@ def check_cmrr_db(fn: Callable) -> None:
         got_perfect = as_numbers([call(fn, 1.0, 0.0, what=f"{what}(1.0, 0.0)")], what=what)[0]
         if not (math.isinf(got_perfect) and got_perfect > 0):
             fail(f"{what}(1.0, 0.0) should be +inf: a perfectly matched amplifier rejects all common mode "
-                 f"(return math.inf when the common-mode gain is zero)")
+                 f"(handle a common-mode gain of zero before dividing)")
     passed("CMRR = 20 log10 |Ad / Acm| dB.")

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from diffattn_tutorial.checks._core import call, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.functional import softmax_attention
 from diffattn_tutorial.metrics import answer_noise_shares
 
@@ -22,6 +22,7 @@ def _manual(q, k, v, *, scale, dim=-1):
     return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=dim) @ v
 
 
+@exercise_check(task=1, name="attention")
 def check_attention(fn: Callable) -> None:
     """``fn(q, k, v)`` with q ``(B, H, Nq, d)``, k ``(B, H, Nk, d)``, v ``(B, H, Nk, dv)`` -> ``(B, H, Nq, dv)``."""
     what = "attention"
@@ -30,15 +31,16 @@ def check_attention(fn: Callable) -> None:
         expected = softmax_attention(q, k, v, backend="naive")
         got = call(fn, q, k, v, what=what)
         if isinstance(got, torch.Tensor) and got.shape == (B, H, nq, nk):
-            fail(f"{what} returned the attention map (B, H, Nq, Nk): multiply it by v to get (B, H, Nq, dv)")
+            fail(f"{what} returned the attention map (B, H, Nq, Nk): the output is the weighted sum of the values, "
+                 f"(B, H, Nq, dv)")
         expect(got, expected, what=what, wrong={
             "forgot the scale: divide the scores q k^T by sqrt(d) before the softmax": _manual(q, k, v, scale=1.0),
             "scaled by 1/d: the scale is 1/sqrt(d)": _manual(q, k, v, scale=1 / d),
             "scaled by the value width: the scale is 1/sqrt(d) with d the q/k head dim, not v's width dv":
                 _manual(q, k, v, scale=dv ** -0.5),
             "multiplied by sqrt(d) instead of dividing": _manual(q, k, v, scale=d ** 0.5),
-            "normalised over the wrong axis: the softmax runs over the keys (dim=-1), so each query's "
-            "weights sum to 1": _manual(q, k, v, scale=d ** -0.5, dim=-2),
+            "normalised over the wrong axis: the softmax runs over the keys (the last axis of the scores), so "
+            "each query's weights sum to 1": _manual(q, k, v, scale=d ** -0.5, dim=-2),
         })
     B, H, nq, nk, d, dv = _ATTN_SHAPES[0]
     expect_grads(fn, lambda q, k, v: softmax_attention(q, k, v, backend="naive"),
@@ -47,8 +49,12 @@ def check_attention(fn: Callable) -> None:
     passed("softmax(q k^T / sqrt(d)) v, gradients included.")
 
 
-def _shares_case(i: int, B: int, H: int, nq: int, nk: int, per_batch: bool):
+def _shares_case(i: int, B: int, H: int, nq: int, nk: int, per_batch: bool, differential: bool):
+    """A map (softmax, or a differential map A1 - lambda A2 whose rows sum to 1 - lambda and hold negative
+    entries), and answer/context masks; the context never covers every key (a first token, the question)."""
     attn = torch.softmax(randn(B, H, nq, nk, seed=200 + i) * 2, dim=-1)
+    if differential:
+        attn = attn - 0.7 * torch.softmax(randn(B, H, nq, nk, seed=220 + i) * 2, dim=-1)
     g = torch.Generator().manual_seed(210 + i)
     if per_batch:  # one answer span and context per sequence, (B, 1, 1, Nk)
         answer = torch.zeros(B, 1, 1, nk, dtype=torch.bool)
@@ -65,15 +71,27 @@ def _shares_case(i: int, B: int, H: int, nq: int, nk: int, per_batch: bool):
     return attn, answer, context
 
 
+_CLAMP_HINT = ("clamped the map's negative weights to 0: a differential map has negative entries, and they count "
+               "with their sign (a negative weight on the noise is noise being cancelled)")
+_ABS_HINT = ("took the absolute value of the map: a differential map's negative weights count with their sign "
+             "(a negative weight on the noise is noise being cancelled)")
+_RENORM_HINT = ("renormalised the rows of the map: a differential map's rows sum to 1 - lambda, not 1, and the "
+                "shares are measured on the map as it is")
+_OUT_SIGN_HINT = ("{name} lost its sign: on a differential map a share can be negative (more weight subtracted "
+                  "than added there); keep the sum as it is, no absolute value or clamp")
+
+
+@exercise_check(task=2, name="answer_noise_shares")
 def check_answer_noise_shares(fn: Callable) -> None:
     """``fn(attn, answer, context)`` -> ``(to_answer, to_noise)``, each ``(..., Nq)``.
 
     ``attn`` ``(..., Nq, Nk)``; ``answer`` and ``context`` bool masks broadcastable to it. Noise is the
-    context outside the answer.
+    context outside the answer. The maps include differential ones (negative entries, rows summing to 1 - lambda).
     """
     what = "answer_noise_shares"
-    for i, (B, H, nq, nk, per_batch) in enumerate([(2, 3, 5, 13, False), (3, 2, 1, 9, True), (1, 4, 7, 17, True)]):
-        attn, answer, context = _shares_case(i, B, H, nq, nk, per_batch)
+    for i, (B, H, nq, nk, per_batch, diff) in enumerate([(2, 3, 5, 13, False, False), (3, 2, 1, 9, True, True),
+                                                         (1, 4, 7, 17, True, True), (2, 2, 6, 11, False, True)]):
+        attn, answer, context = _shares_case(i, B, H, nq, nk, per_batch, diff)
         exp_a, exp_n = answer_noise_shares(attn, answer, context)
         res = call(fn, attn, answer, context, what=what)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
@@ -82,23 +100,38 @@ def check_answer_noise_shares(fn: Callable) -> None:
         for name, got in (("to_answer", got_a), ("to_noise", got_n)):
             if isinstance(got, torch.Tensor) and got.shape != exp_a.shape and nq != nk:
                 if got.shape == attn.sum(-2).shape:
-                    fail(f"{what}: {name} has shape {tuple(got.shape)}: you summed over the queries (dim -2); "
-                         f"sum over the keys (dim -1), one share per query")
+                    fail(f"{what}: {name} has shape {tuple(got.shape)}: you summed over the queries; a share sums "
+                         f"one query's weights over the keys, one share per query")
                 if got.numel() == 1:
                     fail(f"{what}: {name} is a single number: keep one share per query, shape (..., Nq)")
         a_f, c_f = answer.to(attn.dtype), context.to(attn.dtype)
+        n_f = (context & ~answer).to(attn.dtype)
+        maps = {_CLAMP_HINT: attn.clamp(min=0), _ABS_HINT: attn.abs(), _RENORM_HINT: attn / attn.sum(-1, keepdim=True),
+                "clamped the map's negative weights to 0 and renormalised the rows: a differential map is measured "
+                "as it is, negative entries and rows summing to 1 - lambda included":
+                    attn.clamp(min=0) / attn.clamp(min=0).sum(-1, keepdim=True)}
+        if not diff:  # a softmax map has neither negative entries nor rows that sum to anything but 1
+            maps = {}
         expect(got_a, exp_a, what=f"{what} (to_answer)", wrong={
             "the pair is in the wrong order: return (to_answer, to_noise)": exp_n,
             "averaged instead of summed: the share is the sum of the attention weights on the answer positions":
                 (attn * a_f).sum(-1) / a_f.sum(-1).clamp_min(1),
+            **{hint: (m * a_f).sum(-1) for hint, m in maps.items()},
+            **({_OUT_SIGN_HINT.format(name="to_answer"): exp_a.abs()} if diff else {}),
+            **({_OUT_SIGN_HINT.format(name="to_answer") + " (here it was clamped at 0)": exp_a.clamp(min=0)}
+               if diff else {}),
         })
         expect(got_n, exp_n, what=f"{what} (to_noise)", wrong={
-            "the noise includes the answer: noise is the context *outside* the answer span (context & ~answer)":
+            "the noise includes the answer: noise is the context outside the answer span":
                 (attn * c_f).sum(-1),
-            "the noise is everything that is not the answer (1 - to_answer): count only context positions "
-            "outside the answer, context & ~answer": (attn * (~answer).to(attn.dtype)).sum(-1),
+            "the noise is everything that is not the answer: keys that are not context (a first token, the "
+            "question) count for neither share": (attn * (~answer).to(attn.dtype)).sum(-1),
             "the pair is in the wrong order: return (to_answer, to_noise)": exp_a,
             "averaged instead of summed: the share is the sum of the attention weights on the noise positions":
-                (attn * (context & ~answer).to(attn.dtype)).sum(-1) / (context & ~answer).to(attn.dtype).sum(-1),
+                (attn * n_f).sum(-1) / n_f.sum(-1),
+            **{hint: (m * n_f).sum(-1) for hint, m in maps.items()},
+            **({_OUT_SIGN_HINT.format(name="to_noise"): exp_n.abs()} if diff else {}),
+            **({_OUT_SIGN_HINT.format(name="to_noise") + " (here it was clamped at 0)": exp_n.clamp(min=0)}
+               if diff else {}),
         })
     passed("attention to the answer span and to the rest of the context (noise), one share per query.")

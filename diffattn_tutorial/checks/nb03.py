@@ -7,13 +7,14 @@ from typing import Callable
 
 import torch
 
-from diffattn_tutorial.checks._core import call, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import blocked_as_interleaved, swap_pairs
 from diffattn_tutorial.functional import diff_attention
 
 __all__ = ["check_split_pairs", "check_diff_attn"]
 
 
+@exercise_check(task=1, name="split_pairs")
 def check_split_pairs(fn: Callable) -> None:
     """``fn(t)`` with t ``(B, 2H, N, d)`` -> ``(t1, t2)``, each ``(B, H, N, d)``: heads ``0::2`` and ``1::2``."""
     what = "split_pairs"
@@ -26,16 +27,16 @@ def check_split_pairs(fn: Callable) -> None:
             if not isinstance(g, torch.Tensor):
                 fail(f"{what}: {name} should be a torch.Tensor, got {type(g).__name__}")
             if g.shape == (B, 2 * H, N, d // 2):
-                fail(f"{what} split the head dim d in halves: the two maps are separate heads (dim 1), "
-                     f"heads 2i and 2i+1; the head dim stays d")
+                fail(f"{what} split the head dim d in halves: the two maps are separate heads (the heads axis), "
+                     f"heads 2i and 2i+1; each keeps the full head dim d")
             if g.shape != (B, H, N, d):
                 fail(f"{what}: {name} has shape {tuple(g.shape)}, expected (B, H, N, d) = {(B, H, N, d)}")
         got_pair = torch.stack(list(res))
         t1, t2 = t[:, 0::2], t[:, 1::2]
         expect(got_pair, torch.stack([t1, t2]), what=what, wrong={
-            "paired heads blocked (i with i + H) instead of interleaved: the two maps of head i are heads 2i "
-            "and 2i + 1, so take t[:, 0::2] and t[:, 1::2]": torch.stack([t[:, :H], t[:, H:]]),
-            "the two maps are swapped: map 1 is the even heads (0::2), map 2 the odd heads (1::2)":
+            "paired heads blocked (i with i + H) instead of interleaved: the two maps of head i are the adjacent "
+            "heads 2i and 2i + 1, so map 1 is every even head and map 2 every odd head": torch.stack([t[:, :H], t[:, H:]]),
+            "the two maps are swapped: map 1 is the even heads (2i), map 2 the odd heads (2i + 1)":
                 torch.stack([t2, t1]),
             "paired heads blocked and swapped: the maps of head i are heads 2i (map 1) and 2i + 1 (map 2)":
                 torch.stack([t[:, H:], t[:, :H]]),
@@ -57,10 +58,12 @@ def _before_softmax(q, k, v, lam, *, scale):
     return torch.softmax(s, dim=-1) @ v
 
 
-# (B, H, Nq, Nk, d, lam): odd lengths, Nq != Nk, batch > 1, H >= 2 so blocked pairing shows
-_CASES = [(2, 3, 5, 7, 4, 0.6), (1, 2, 9, 9, 8, 0.25), (3, 4, 3, 6, 2, 0.9)]
+# (B, H, Nq, Nk, d, lam): odd lengths, Nq != Nk, batch > 1, H >= 2 so blocked pairing shows, and a negative
+# lambda (the re-parameterisation of notebook 04 lets lambda take either sign)
+_CASES = [(2, 3, 5, 7, 4, 0.6), (1, 2, 9, 9, 8, 0.25), (3, 4, 3, 6, 2, 0.9), (2, 2, 4, 6, 4, -0.3)]
 
 
+@exercise_check(task=2, name="diff_attn")
 def check_diff_attn(fn: Callable) -> None:
     """``fn(q, k, v, lam)``: q ``(B, 2H, Nq, d)``, k ``(B, 2H, Nk, d)``, v ``(B, H, Nk, 2d)``, lam 0-dim tensor ->
     ``(softmax(q1 k1^T / sqrt d) - lam softmax(q2 k2^T / sqrt d)) v`` of shape ``(B, H, Nq, 2d)``."""
@@ -71,7 +74,8 @@ def check_diff_attn(fn: Callable) -> None:
         expected = diff_attention(q, k, v, lam, backend="naive")
         got = call(fn, q, k, v, lam, what=what)
         if isinstance(got, torch.Tensor) and got.shape == (B, H, nq, d):
-            fail(f"{what} returned width d: each map multiplies the whole value of width 2d (v is not split)")
+            fail(f"{what} returned width d: each map multiplies the whole value of width 2d (v is not split "
+                 f"between the maps)")
         if isinstance(got, torch.Tensor) and got.shape == (B, 2 * H, nq, 2 * d):
             fail(f"{what} returned 2H heads: subtract the two maps of each pair to get H differential heads")
         expect(got, expected, what=what, wrong={
@@ -79,17 +83,21 @@ def check_diff_attn(fn: Callable) -> None:
             "scaled by the full head dim (2d) instead of d: the scale is 1/sqrt(d), d the q/k head dim "
             "(v is 2d wide, q and k are not)": _manual(q, k, v, lam, scale=(2 * d) ** -0.5),
             "scaled by 1/d: the scale is 1/sqrt(d)": _manual(q, k, v, lam, scale=1 / d),
-            "subtracted in the wrong order: it is map 1 minus lambda times map 2 (heads 2i minus lambda "
-            "heads 2i+1)": diff_attention(swap_pairs(q), swap_pairs(k), v, lam, backend="naive"),
+            "subtracted in the wrong order: it is map 1 (heads 2i) minus lambda times map 2 (heads 2i+1)":
+                diff_attention(swap_pairs(q), swap_pairs(k), v, lam, backend="naive"),
             "paired heads blocked (i with i + H) instead of interleaved (2i, 2i + 1)":
                 diff_attention(blocked_as_interleaved(q), blocked_as_interleaved(k), v, lam, backend="naive"),
             "lambda multiplies both maps: it is A1 - lambda * A2, not lambda * (A1 - A2)":
                 lam * diff_attention(q, k, v, 1.0, backend="naive"),
             "lambda is ignored: subtract lambda times the second map": diff_attention(q, k, v, 1.0, backend="naive"),
-            "normalised over the wrong axis: each softmax runs over the keys (dim=-1)":
+            "normalised over the wrong axis: each softmax runs over the keys (the last axis of the scores)":
                 _manual(q, k, v, lam, scale=d ** -0.5, dim=-2),
             "subtracted the scores before one softmax: take two softmaxes, then subtract the maps":
                 _before_softmax(q, k, v, lam, scale=d ** -0.5),
+            **({"lambda lost its sign: lambda can be negative (notebook 04's re-parameterisation allows it); use it "
+                "as it is, no absolute value or clamp": diff_attention(q, k, v, lam.abs(), backend="naive"),
+                "lambda was clamped at 0: lambda can be negative (notebook 04's re-parameterisation allows it); use "
+                "it as it is": diff_attention(q, k, v, lam.clamp(min=0), backend="naive")} if lam_v < 0 else {}),
         })
     B, H, nq, nk, d, lam_v = _CASES[0]
     expect_grads(

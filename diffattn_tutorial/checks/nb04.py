@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from diffattn_tutorial.checks._core import call, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import as_numbers
 from diffattn_tutorial.functional import lambda_init_fn, reparam_lambda
 
@@ -16,6 +16,7 @@ __all__ = ["check_lambda_init", "check_reparam_lambda"]
 _DEPTHS = list(range(0, 13)) + [23, 47]
 
 
+@exercise_check(task=1, name="lambda_init")
 def check_lambda_init(fn: Callable) -> None:
     """``fn(depth)`` -> ``0.8 - 0.6 * exp(-0.3 * depth)`` for the 0-based layer index ``depth``."""
     what = "lambda_init"
@@ -38,6 +39,7 @@ def _dot(a, b):
     return (a * b).sum(-1)
 
 
+@exercise_check(task=2, name="reparam_lambda")
 def check_reparam_lambda(fn: Callable) -> None:
     """``fn(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)``, four ``(d,)`` vectors and a float ->
     ``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`` as a 0-dim tensor."""
@@ -47,11 +49,11 @@ def check_reparam_lambda(fn: Callable) -> None:
         expected = reparam_lambda(q1, k1, q2, k2, li)
         got = call(fn, q1, k1, q2, k2, li, what=what)
         if isinstance(got, (int, float)):
-            fail(f"{what} returned a Python number: return a tensor (torch.exp, not math.exp), so the four "
-                 f"vectors get gradients")
+            fail(f"{what} returned a Python number: build lambda with torch operations on the four tensors, so "
+                 f"that it stays a tensor and the vectors get gradients")
         if isinstance(got, torch.Tensor) and got.shape == (d,) and d > 1:
-            fail(f"{what} returned a vector of shape ({d},): take the dot products lq1 . lk1 and lq2 . lk2 "
-                 f"(sum over the last dim) before the exp")
+            fail(f"{what} returned a vector of shape ({d},): each exponential takes a dot product, one number, "
+                 f"so the elementwise products must be summed first")
         wrong = {
             "forgot lambda_init: lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init":
                 torch.exp(_dot(q1, k1)) - torch.exp(_dot(q2, k2)),
@@ -60,8 +62,12 @@ def check_reparam_lambda(fn: Callable) -> None:
                 _dot(q1, k1) - _dot(q2, k2) + li,
             "took exp before the sum: it is the exp of the dot product, exp(sum(lq1 * lk1))":
                 torch.exp(q1 * k1).sum(-1) - torch.exp(q2 * k2).sum(-1) + li,
-            "paired the wrong vectors: lq1 goes with lk1 and lq2 with lk2":
-                torch.exp(_dot(q1, q2)) - torch.exp(_dot(k1, k2)) + li,
+            "paired the wrong vectors: each exponential is a query vector dotted with a key vector (lq1 with "
+            "lk1, lq2 with lk2), not two query vectors": torch.exp(_dot(q1, q2)) - torch.exp(_dot(k1, k2)) + li,
+            "crossed the pairs: lq1 goes with lk1 and lq2 with lk2 (the same index), not lq1 with lk2":
+                torch.exp(_dot(q1, k2)) - torch.exp(_dot(q2, k1)) + li,
+            "crossed the pairs and the order: lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, each query "
+            "vector with the key vector of the same index": torch.exp(_dot(q2, k1)) - torch.exp(_dot(q1, k2)) + li,
             "took one exp of the difference: lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, two exps":
                 torch.exp(_dot(q1, k1) - _dot(q2, k2)) + li,
             "subtracted lambda_init: it is added": reparam_lambda(q1, k1, q2, k2, -li),
@@ -72,8 +78,9 @@ def check_reparam_lambda(fn: Callable) -> None:
     vecs = {name: randn(6, seed=450 + j) * 0.6 for j, name in enumerate(["lambda_q1", "lambda_k1", "lambda_q2",
                                                                            "lambda_k2"])}
     expect_grads(lambda *v: fn(*v, 0.35), lambda *v: reparam_lambda(*v, 0.35), vecs, what=what,
-                       missing_hints={n: "Build lambda from the tensors with torch ops (no .item(), float() or "
-                                         "math.exp): lambda learns through these four vectors." for n in vecs})
+                       missing_hints={n: "Build lambda from the tensors with torch operations (a Python float or "
+                                         "math function makes a constant copy): lambda learns through these four "
+                                         "vectors." for n in vecs})
     li = lambda_init_fn(2)
     init = reparam_lambda(*(randn(64, seed=460 + j) * 0.1 for j in range(4)), li).item()
     passed(f"lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init; at init (N(0, 0.1), d=64, depth 2) it is "

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from einops import rearrange
 
-from diffattn_tutorial.checks._core import call, close, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._core import call, close, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import blocked_as_interleaved, seeded, swap_pairs
 from diffattn_tutorial.functional import causal_mask, diff_attention, reparam_lambda, rms_norm
 from diffattn_tutorial.modules import MultiheadDiffAttn
@@ -21,6 +21,7 @@ __all__ = ["check_causal_mask", "check_expand_kv", "check_forward"]
 _MASK_CASES = [(5, 5), (1, 1), (3, 7), (1, 6), (4, 4), (2, 9)]
 
 
+@exercise_check(task=1, name="causal_mask")
 def check_causal_mask(fn: Callable) -> None:
     """``fn(nq, nk)`` -> bool ``(nq, nk)``, True where query ``i`` may attend key ``j``: ``j <= i + nk - nq``
     (aligned bottom-right: with a KV cache the newest query is the last key)."""
@@ -31,7 +32,7 @@ def check_causal_mask(fn: Callable) -> None:
             fail(f"{what} should return a torch.Tensor, got {type(got).__name__}")
         if got.dtype != torch.bool:
             fail(f"{what} returned dtype {got.dtype}: return a bool mask, True where a query may attend "
-                 f"(compare positions: j <= i + nk - nq)")
+                 f"(a comparison of key and query positions gives one)")
         expected = causal_mask(nq, nk)
         i = torch.arange(nq)[:, None]
         j = torch.arange(nk)[None, :]
@@ -42,10 +43,11 @@ def check_causal_mask(fn: Callable) -> None:
             "(a strict mask leaves the first query with no key at all)": f(j < i + off),
             "the mask is aligned top-left (j <= i): when nq < nk (decoding with a KV cache) the queries are the "
             "*last* nq positions, so query i sees keys j <= i + (nk - nq) (bottom-right)": f(j <= i),
-            "the mask is aligned top-left and strict: use j <= i + (nk - nq)": f(j < i),
+            "the mask is aligned top-left and strict: a query sees its own key, and with nq < nk the queries are "
+            "the last nq positions (bottom-right)": f(j < i),
             "the mask is inverted: True means *may attend* (the past and the present), not masked":
                 f(j > i + off),
-            "the mask is inverted and its diagonal is wrong: True = may attend, j <= i + (nk - nq)":
+            "the mask is inverted and its diagonal is wrong: True = may attend, the past and the query's own key":
                 f(j >= i + off),
         })
     passed("bool mask, True = may attend, j <= i + (nk - nq): diagonal included, aligned bottom-right.")
@@ -63,20 +65,22 @@ def _expansions(k: torch.Tensor, v: torch.Tensor, rep: int) -> dict:
 
 
 _KV_HINTS = {
-    ("tile", "right"): "GQA grouping wrong: the keys are tiled (k.repeat), so head i reads group i % Hkv; "
-                       "differential head i uses KV group i // (H // Hkv), both maps from that group",
-    ("tile", "tile"): "GQA grouping wrong: k and v are tiled (.repeat), so head i reads group i % Hkv; "
-                      "differential head i uses KV group i // (H // Hkv) (repeat each group, not the whole list)",
-    ("right", "tile"): "GQA grouping wrong for v: v is tiled (v.repeat) while the keys are grouped right; value "
-                       "head i is group i // (H // Hkv), use v.repeat_interleave(rep, dim=1)",
-    ("one_by_one", "right"): "GQA grouping wrong: you repeated the 2Hkv key heads one at a time "
-                             "(k.repeat_interleave(rep, dim=1)), so the two maps of a head can read the same key "
-                             "map (the pitfall in unilm's naive file); repeat each *pair* (2g, 2g + 1) together",
-    ("one_by_one", "tile"): "GQA grouping wrong: repeat each key *pair* (2g, 2g + 1) together and each value "
-                            "head with repeat_interleave, so head i uses group i // (H // Hkv)",
+    ("tile", "right"): "GQA grouping wrong: the keys are tiled (the whole list of groups repeated), so head i "
+                       "reads group i % Hkv; differential head i uses KV group i // (H // Hkv), both maps from that "
+                       "group, so consecutive heads share a group",
+    ("tile", "tile"): "GQA grouping wrong: k and v are tiled (the whole list of groups repeated), so head i reads "
+                      "group i % Hkv; differential head i uses KV group i // (H // Hkv): repeat each group in place",
+    ("right", "tile"): "GQA grouping wrong for v: v is tiled (the whole list repeated) while the keys are grouped "
+                       "right; value head i must be group i // (H // Hkv) too, each group repeated in place",
+    ("one_by_one", "right"): "GQA grouping wrong: you repeated the 2Hkv key heads one at a time, so the two maps "
+                             "of a head can read the same key map (the pitfall in unilm's naive file); the two "
+                             "key maps of a group (2g, 2g + 1) must be repeated together, as a pair",
+    ("one_by_one", "tile"): "GQA grouping wrong: the key pairs (2g, 2g + 1) must be repeated together and each "
+                            "value head repeated in place, so head i uses group i // (H // Hkv)",
 }
 
 
+@exercise_check(task=2, name="expand_kv")
 def check_expand_kv(fn: Callable) -> None:
     """``fn(k, v, num_heads)``: k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> ``(k, v)`` of shapes
     ``(B, 2H, N, d)`` and ``(B, H, N, 2d)`` where differential head ``i`` uses KV group ``i // (H // Hkv)``."""
@@ -187,33 +191,34 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
 
 
 _FORWARD_HINTS = {
-    "forgot the scale: divide the scores by sqrt(d), d = layer.head_dim": {"scale": 1.0},
+    "forgot the scale: the scores are divided by sqrt(d), d the q/k head dim (layer.head_dim)": {"scale": 1.0},
     "scaled by the full head dim (2d) instead of d: the scale is 1/sqrt(layer.head_dim) (v is 2d wide, "
     "q and k are d)": {"scale": "2d"},
     "subtracted in the wrong order: map 1 (heads 2i) minus lambda times map 2 (heads 2i + 1)": {"swap": True},
     "paired heads blocked (i with i + H) instead of interleaved (2i, 2i + 1)": {"blocked": True},
-    "no causal mask: pass causal=True (or mask keys j > i)": {"mask": "none"},
+    "no causal mask: each token may attend only itself and the past": {"mask": "none"},
     "the causal mask diagonal is wrong: a strict mask (j < i) with a large negative fill lets the first token see "
     "everything; a token may attend itself and the past, j <= i": {"mask": "strict_fill"},
     "the causal mask diagonal is wrong: a strict mask (j < i) with a large negative number added lets the first "
     "token see everything; a token may attend itself and the past, j <= i": {"mask": "strict_add"},
-    "the causal mask is inverted: it hides the past and shows the future; mask the keys j > i (True = may "
-    "attend for j <= i)": {"mask": "anti"},
-    "missing (1 - lambda_init): multiply the sub-normed heads by (1 - layer.lambda_init)": {"factor": "none"},
+    "the causal mask is inverted: it hides the past and shows the future; the keys to hide are the future "
+    "ones": {"mask": "anti"},
+    "missing (1 - lambda_init): the sub-normed heads are scaled by (1 - lambda_init)": {"factor": "none"},
     "multiplied by lambda_init: the factor after the sub-norm is (1 - lambda_init)": {"factor": "lambda_init"},
-    "lambda_init off by one layer: layer.depth is 0-based already (use layer.lambda_init)": {"depth_shift": 1},
-    "lambda_init off by one layer: layer.depth is the 0-based index, do not subtract 1 (use layer.lambda_init)":
-        {"depth_shift": -1},
-    "no sub-norm: normalise each head with layer.subln (RMSNorm over its 2d features) before the "
+    "lambda_init off by one layer: layer.depth is 0-based already (the layer holds its lambda_init)":
+        {"depth_shift": 1},
+    "lambda_init off by one layer: layer.depth is the 0-based index, the paper's l - 1 (the layer holds its "
+    "lambda_init)": {"depth_shift": -1},
+    "no sub-norm: each head is normalised by the layer's sub-norm (RMSNorm over its 2d features) before the "
     "(1 - lambda_init) factor": {"norm": "none"},
     "sub-norm over the wrong axis: it normalises each head over its 2d features, not over the tokens":
         {"norm": "tokens"},
     "sub-norm over each half (d) separately: a head's output (2d wide) is normalised as a whole": {"norm": "half"},
-    "sub-norm over all heads together: it is per head (GroupNorm-style), apply it to (B, H, N, 2d)":
+    "sub-norm over all heads together: it is per head (GroupNorm-style), on the heads before they are merged":
         {"norm": "joint"},
-    "heads merged in the wrong order: reshape (B, H, N, 2d) -> (B, N, H * 2d) needs a transpose first "
-    "(rearrange 'b h n e -> b n (h e)')": {"merge": "no_transpose"},
-    "heads merged in the wrong order: the features of head 0 come first, 'b h n e -> b n (h e)'":
+    "heads merged in the wrong order: a reshape of (B, H, N, 2d) to (B, N, H * 2d) mixes tokens unless the "
+    "heads and tokens axes change places first": {"merge": "no_transpose"},
+    "heads merged in the wrong order: each token's features are head 0's 2d features, then head 1's, and so on":
         {"merge": "feature_major"},
 }
 _FORWARD_HINTS.update({hint: {"gqa": kv} for kv, hint in _KV_HINTS.items()})
@@ -225,13 +230,14 @@ def _nan_hint(got: torch.Tensor) -> None:
         return
     if bool(bad[0]) and not bool(bad[1:].any()):
         fail("forward returned NaN for the first token: the causal mask diagonal is wrong (strict, j < i), so the "
-             "first query has no key left; a token may attend itself, j <= i")
+             "first query has no key left; a token may attend itself")
     if bool(bad[-1]) and not bool(bad[:-1].any()):
         fail("forward returned NaN for the last token: the causal mask is inverted (-inf on the past and the "
-             "diagonal, e.g. masked_fill(mask, -inf) with a True = may-attend mask); mask the future keys j > i")
+             "diagonal, as when a True = may-attend mask is used as the positions to fill); hide the future keys")
     fail("forward returned NaN values (a softmax over a row that is entirely -inf?)")
 
 
+@exercise_check(task=3, name="forward")
 def check_forward(fn: Callable) -> None:
     """``fn(x, layer)``: x ``(B, N, C)``, ``layer`` a :class:`MultiheadDiffAttn` -> ``(B, N, C)``, equal to
     ``layer(x, causal=True)`` (causal self-attention, GQA when ``layer.num_kv_heads < layer.num_heads``)."""
@@ -272,14 +278,14 @@ def _check_forward_grads(fn: Callable) -> None:
     dead = [n for n, p in params_a.items() if p.grad is None or not bool(p.grad.any())]
     if dead and len(dead) == len(params_a):
         fail(f"{what}: none of the layer's parameters gets a gradient: use the layer's own modules and "
-             f"parameters (layer.q_proj(x), layer.lambda_q1, ...), not copies, .data or .detach()")
+             f"parameters, not copies, .data or .detach()")
     for name, pb in [("x", xb)] + list(lb.named_parameters()):
         pa = xa if name == "x" else params_a[name]
         if pb.grad is None:
             continue
         if pa.grad is None or (not bool(pa.grad.any()) and bool(pb.grad.any())):
-            extra = (" lambda must be built from layer.lambda_q1 ... lambda_k2 with torch ops (not .item() or "
-                     "float()), or call layer.lambda_full()" if name.startswith("lambda") else
+            extra = (" lambda must be built from the layer's four lambda vectors with torch operations (a Python "
+                     "float is a constant copy)" if name.startswith("lambda") else
                      " use the layer's own parameters (not a copy, .data or .detach())")
             fail(f"{what}: {name} gets no gradient.{extra}")
         if not close(pa.grad, pb.grad, rtol=1e-4, atol=1e-6):

@@ -14,7 +14,7 @@ import torch
 from einops import rearrange
 
 from diffattn_tutorial import flops
-from diffattn_tutorial.checks._core import call, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.functional import diff_attention
 
 __all__ = ["check_sdpa_split", "check_sdpa_split_flops"]
@@ -29,15 +29,19 @@ _CASES = [
     (2, 2, 2, 9, 9, 4, True, "scalar"),  # causal, Nq == Nk
     (1, 4, 1, 3, 10, 8, True, "per_token"),  # causal with a KV cache: Nq < Nk (bottom-right), GQA
     (1, 2, 2, 4, 11, 4, False, "scalar"),  # cross-length, not causal
+    (2, 2, 1, 2, 2, 4, False, "per_head"),  # GQA with as many heads as batch elements and tokens
+    (1, 2, 1, 1, 5, 4, True, "per_token"),  # decoding one token from a cache, GQA: Nq == Hkv == 1
 ]
 
 
 def _lam(kind: str, b: int, h: int, nq: int, seed: int) -> Tensor:
     if kind == "scalar":
         return torch.tensor(0.37, dtype=torch.float64)
-    if kind == "per_head":
-        return 0.2 + 0.5 * torch.rand(1, h, 1, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return 0.2 + 0.5 * torch.rand(b, h, nq, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    shape = (1, h, 1, 1) if kind == "per_head" else (b, h, nq, 1)
+    lam = 0.2 + 0.5 * torch.rand(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sign = torch.ones(shape, dtype=torch.float64).flatten()
+    sign[1::2] = -1.0  # lambda may be negative: every other head or token
+    return lam * sign.view(shape)
 
 
 def _blocked(t: Tensor) -> Tensor:
@@ -64,35 +68,40 @@ def _wrong_answers(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -
     wrong: dict[str, Tensor] = {}
     if causal and nq != nk:
         top_left = torch.ones(nq, nk, dtype=torch.bool).tril()
-        wrong[("is_causal=True aligns the causal mask top-left (query i sees keys j <= i), but with a KV cache "
-               f"(Nq={nq} < Nk={nk}) query i must see keys j <= i + Nk - Nq (bottom-right). Use is_causal only "
-               "when Nq == Nk; otherwise pass attn_mask=causal_mask(Nq, Nk) "
-               "(from diffattn_tutorial.functional).")] = lib(causal=False, attn_mask=top_left)
+        wrong[("SDPA's is_causal aligns the mask top-left (query i sees keys j <= i), but with a KV cache "
+               f"(Nq={nq} < Nk={nk}) the queries are the last Nq positions, so the mask must be aligned "
+               "bottom-right; the flag only fits when Nq == Nk, otherwise pass the mask yourself.")] = \
+            lib(causal=False, attn_mask=top_left)
     if causal:
-        wrong["causal=True was ignored: pass is_causal=True (Nq == Nk) or a causal attn_mask to every SDPA call."] = \
-            lib(causal=False)
-    wrong["lambda is missing: the output is o1 - lam * o2, not o1 - o2."] = lib(lam=torch.ones_like(lam))
-    wrong["the sign is flipped: the output is o1 - lam * o2 (map 2 is subtracted)."] = lib(lam=-lam)
-    wrong[("the two V halves come back swapped: concatenate [A va, A vb] with va = v[..., :d] first "
-           "(torch.cat([... va ..., ... vb ...], dim=-1)).")] = torch.cat([right[..., d:], right[..., :d]], dim=-1)
+        wrong["the causal mask is missing: every one of the four SDPA calls must be causal."] = lib(causal=False)
+    wrong["lambda is missing: the output is map 1's attention minus lambda times map 2's."] = \
+        lib(lam=torch.ones_like(lam))
+    wrong["the sign is flipped: map 2's attention is subtracted, not added."] = lib(lam=-lam)
+    wrong["lambda lost its sign: lambda can be negative (it is here for some heads or tokens); use it as it is."] = \
+        lib(lam=lam.abs())
+    wrong["lambda was clamped at 0: lambda can be negative (it is here for some heads or tokens); use it as it is."] = \
+        lib(lam=lam.clamp(min=0))
+    wrong[("the two V halves come back swapped: the output's first d columns come from the first half of V.")] = \
+        torch.cat([right[..., d:], right[..., :d]], dim=-1)
     interleaved_v = torch.cat([v[..., 0::2], v[..., 1::2]], dim=-1)
-    wrong[("the V halves are not contiguous: split V with v.chunk(2, dim=-1) (va = v[..., :d], vb = v[..., d:]), "
-           "not v[..., 0::2] / v[..., 1::2].")] = lib(v=interleaved_v)
-    blocked_hint = ("the two maps of head i are heads 2i and 2i+1 (interleaved): take q1 = q[:, 0::2], q2 = q[:, 1::2] "
-                    "and k1 = k[:, 0::2], k2 = k[:, 1::2], not the first and second half of the heads.")
+    wrong[("the V halves are not contiguous: V = [Va | Vb] is its first d columns and its last d columns, "
+           "not its even and odd columns.")] = lib(v=interleaved_v)
+    blocked_hint = ("the two maps of head i are the adjacent heads 2i and 2i+1 (interleaved), not the first and "
+                    "second half of the heads.")
     wrong[blocked_hint] = lib(q=_blocked(q), k=_blocked(k))
     wrong[blocked_hint + " (Here q is split in halves.)"] = lib(q=_blocked(q))
     wrong[blocked_hint + " (Here k is split in halves.)"] = lib(k=_blocked(k))
     if hkv != h:
         kt, vt = _tiled(k, v, h)
         wrong[(f"with GQA ({h} heads, {hkv} KV groups) differential head i reads KV group i // {h // hkv} "
-               "(consecutive heads share a group); you tiled the groups (repeat), so head i read group i % Hkv. "
-               "Pass enable_gqa=True to SDPA, or expand with repeat_interleave.")] = lib(k=kt, v=vt)
+               "(consecutive heads share a group); you tiled the groups (the whole list repeated), so head i read "
+               "group i % Hkv. SDPA's own GQA support pairs heads the right way.")] = lib(k=kt, v=vt)
     wrong["the softmax scale is 1/sqrt(d) with d the q/k head dim, not 1/sqrt(2d) (V's width)."] = \
         lib(scale=(2 * d) ** -0.5)
     return wrong
 
 
+@exercise_check(task=1, name="sdpa_split")
 def check_sdpa_split(fn: Callable[..., Tensor]) -> None:
     """Check ``fn(q, k, v, lam, *, causal=False)``: four SDPA calls with V halves, equal to explicit maps.
 
@@ -103,18 +112,18 @@ def check_sdpa_split(fn: Callable[..., Tensor]) -> None:
         seed = 800 + 10 * i
         q, k = randn(b, 2 * h, nq, d, seed=seed), randn(b, 2 * hkv, nk, d, seed=seed + 1)
         v, lam = randn(b, hkv, nk, 2 * d, seed=seed + 2), _lam(kind, b, h, nq, seed + 3)
-        what = (f"sdpa_split on q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, lam {tuple(lam.shape)}, "
-                f"causal={causal}")
+        what = (f"sdpa_split (B={b}, H={h}, Hkv={hkv}, Nq={nq}, Nk={nk}, d={d}, lambda "
+                f"{'per ' + kind.split('_')[1] if kind != 'scalar' else 'scalar'}{', causal' if causal else ''})")
         got = call(fn, q, k, v, lam, causal=causal, what=what)
         expected = diff_attention(q, k, v, lam, causal=causal, backend="naive")
         if isinstance(got, Tensor) and got.shape[:-1] == expected.shape[:-1] and got.shape[-1] == d:
-            fail(f"{what} returned width d = {d}, expected 2d = {2 * d}: every map multiplies BOTH halves of V "
-                 f"(o1 = [A1 va, A1 vb], o2 = [A2 va, A2 vb]); pairing map 1 with va and map 2 with vb drops half "
-                 f"of the output.")
+            fail(f"{what} returned width d = {d}, expected 2d = {2 * d}: every map multiplies BOTH halves of V; "
+                 f"pairing map 1 with one half and map 2 with the other drops half of the output.")
         if isinstance(got, Tensor) and got.shape[:2] == (b, 2 * h):
-            fail(f"{what} returned {2 * h} heads, expected H = {h}: combine the maps of each pair, o1 - lam * o2.")
+            fail(f"{what} returned {2 * h} heads, expected H = {h}: the two maps of each pair combine into one "
+                 f"differential head.")
         expect(got, expected, what=what, wrong=_wrong_answers(q, k, v, lam, causal),
-               default_hint="Compare with diff_attention(q, k, v, lam, causal=causal, backend='naive') "
+               default_hint="Compare with the explicit maps (the library's diff_attention with backend='naive') "
                             "on a tiny input.")
     b, h, hkv, nq, nk, d = 2, 4, 2, 5, 5, 4
     q, k = randn(b, 2 * h, nq, d, seed=890), randn(b, 2 * hkv, nk, d, seed=891)
@@ -129,6 +138,7 @@ def check_sdpa_split(fn: Callable[..., Tensor]) -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
+@exercise_check(task=2, name="sdpa_split_flops")
 def check_sdpa_split_flops(fn: Callable[..., float]) -> None:
     """Check ``fn(b, h, n, d, causal=False) -> float``: forward FLOPs of the four-call formulation.
 
@@ -148,7 +158,7 @@ def check_sdpa_split_flops(fn: Callable[..., float]) -> None:
             continue
         wrong: dict[str, float] = {}
         if causal:
-            wrong["causal attention counts half of the (query, key) pairs: multiply by 1/2 when causal."] = 2 * expected
+            wrong["causal attention counts half of the (query, key) pairs."] = 2 * expected
         wrong[("you counted each map once (12 B H N^2 d, the least V1 work); sdpa_split computes every q.k map twice, "
                "once per V half: four calls, each 2 N^2 d (q k^T) + 2 N^2 d (P v of width d) per head.")] = 6 * unit
         wrong[("that is half the answer: a product (m, k) @ (k, n) costs 2 m k n FLOPs (a multiply and an add), "

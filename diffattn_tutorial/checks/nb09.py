@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from diffattn_tutorial.checks._core import CheckFailed, expect, fail, passed, randn
+from diffattn_tutorial.checks._core import CheckFailed, close, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, softmax_attention
 
 __all__ = ["check_online_softmax_step", "check_diff_combine", "check_diff_softmax_grads"]
@@ -74,11 +74,27 @@ def _no_nan(got: Tensor, expected: Tensor, hint: str) -> None:
 # TASK 1: the online-softmax update
 # --------------------------------------------------------------------------------------------
 
-_STEP_CASES = [  # Nq, Nk, D, BLOCK_M, BLOCK_N: one tile first, then several, ragged
-    (16, 16, 16, 16, 16),
-    (20, 37, 16, 16, 16),
-    (33, 70, 32, 16, 32),
+_STEP_CASES = [  # Nq, Nk, D, BLOCK_M, BLOCK_N, kind: one tile first, then several, ragged; then the hard inputs
+    (16, 16, 16, 16, 16, "plain"),
+    (20, 37, 16, 16, 16, "plain"),
+    (33, 70, 32, 16, 32, "plain"),
+    (24, 50, 16, 16, 16, "padded"),  # a padding mask: some rows see no key in their first tiles, or none at all
+    (16, 40, 16, 16, 16, "large"),  # rows whose scores are all far below 0, rows whose scores span 300 units
 ]
+
+_STEP_HINTS = {
+    "natural": "you used the natural exponential: the scores s arrive in base-2 units (already multiplied by "
+               "log2(e)), so every exponential in the update is base 2, the rescale factor's too.",
+    "no_rescale": "the old running sum and the accumulator are never rescaled: both were kept relative to the old "
+                  "running max, so when the max grows both must be multiplied by the factor 2^(m - m_new) before "
+                  "this tile is added.",
+    "no_rescale_acc": "the accumulator is not rescaled (the running sum is): both were kept relative to the old "
+                      "running max, so both take the factor 2^(m - m_new).",
+    "no_rescale_l": "the running sum is not rescaled (the accumulator is): both were kept relative to the old "
+                    "running max, so both take the factor 2^(m - m_new).",
+    "tile_max": "the weights p are computed against this tile's own max: they must use the running max m_new, "
+                "the one the running sum and the accumulator are kept relative to.",
+}
 
 
 def _simulate_step(q: Tensor, k: Tensor, v: Tensor, scale: float, block_n: int, mistake: str = "") -> Tensor:
@@ -100,48 +116,93 @@ def _simulate_step(q: Tensor, k: Tensor, v: Tensor, scale: float, block_n: int, 
     return torch.cat([acc / l[:, None], (m + torch.log2(l))[:, None]], dim=-1)
 
 
+def _step_inputs(i: int, nq: int, nk: int, d: int, kind: str):
+    """q, k, v (float32) and each row's visible key range ``[lo, hi)``."""
+    q, k, v = (randn(n, d, seed=90 + 3 * i + j, dtype=torch.float32) for j, n in enumerate((nq, nk, nk)))
+    lo = torch.zeros(nq, dtype=torch.int32)
+    hi = torch.full((nq,), nk, dtype=torch.int32)
+    if kind == "padded":  # left padding of 0 to nk + 1 keys (the first one, two or all tiles hidden), a few rows
+        lo = (torch.arange(nq, dtype=torch.int32) * 11) % (nk + 2)  # cut short on the right as well
+        hi[1::4] = nk - 3
+    if kind == "large":  # two features that put scores far from 0: every key of feature 0 is 1, of feature 1 +-1
+        a = 220.0 / (d ** -0.5 * LOG2E)  # a score of 220 in base-2 units
+        k[:, 0] = 1.0
+        k[:, 1] = torch.where(torch.arange(nk) % 2 == 0, 1.0, -1.0)
+        q[:, :2] = 0.0
+        q[:nq // 2, 0] = -a  # rows whose scores are all near -220: no weight survives unless relative to their max
+        q[nq // 2:, 1] = a / 1.5  # rows whose scores are near +147 or -147: a spread of about 300
+    return q.contiguous(), k.contiguous(), v.contiguous(), lo, hi
+
+
+def _step_reference(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``[o | lse]`` in float64 from the float32 inputs (0 and 0 for a row that sees no key), and the empty rows."""
+    s = (q.double() @ k.double().T) * scale
+    j = torch.arange(k.shape[0])[None, :]
+    visible = (j >= lo[:, None]) & (j < hi[:, None])
+    s = s.masked_fill(~visible, float("-inf"))
+    empty = ~visible.any(-1)
+    lse = torch.logsumexp(s, dim=-1) * LOG2E
+    o = torch.softmax(s, dim=-1) @ v.double()
+    o = torch.where(empty[:, None], torch.zeros_like(o), o)
+    lse = torch.where(empty, torch.zeros_like(lse), lse)
+    return torch.cat([o, lse[:, None]], dim=-1), empty
+
+
+@exercise_check(task=1, name="online_softmax_step")
 def check_online_softmax_step(online_softmax_step) -> None:
     """``online_softmax_step(m, l, acc, s, v)``: one tile of the online softmax in base 2 (see the exercise)."""
     _check_jit(online_softmax_step, "online_softmax_step")
     kernels = _harness()
-    for i, (nq, nk, d, bm, bn) in enumerate(_STEP_CASES):
-        q, k, v = (randn(n, d, seed=90 + 3 * i + j, dtype=torch.float32) for j, n in enumerate((nq, nk, nk)))
+    for i, (nq, nk, d, bm, bn, kind) in enumerate(_STEP_CASES):
+        q, k, v, lo, hi = _step_inputs(i, nq, nk, d, kind)
         scale = d ** -0.5
-        o = torch.empty(nq, d)
-        lse = torch.empty(nq)
-        _launch(kernels.online_softmax_harness, ((nq + bm - 1) // bm,), q, k, v, o, lse, nq, nk, scale * LOG2E,
-                online_softmax_step, d, bm, bn, what="online_softmax_step")
-        got = torch.cat([o, lse[:, None]], dim=-1).double()
-        ref_o = softmax_attention(q[None, None].double(), k[None, None].double(), v[None, None].double())[0, 0]
-        ref_lse = torch.logsumexp((q @ k.T).double() * scale, dim=-1) * LOG2E
-        expected = torch.cat([ref_o, ref_lse[:, None]], dim=-1)
-        _no_nan(got, expected, (
-            "online_softmax_step produced NaN. At the first tile the running max m is -inf: the rescale factor "
-            "must be alpha = exp2(m - m_new) (which is 0 there), not exp2(m_new - m), and the probabilities "
-            "exp2(s - m_new[:, None]) must use the NEW max, never the old one."))
-        qd, kd, vd = q.double(), k.double(), v.double()
-        wrong = {
-            ("you used tl.exp: the scores s arrive in base-2 units (already multiplied by log2(e)), so every "
-             "exponential in the update is tl.math.exp2 (the rescale factor too)."):
-                _simulate_step(qd, kd, vd, scale, bn, "natural"),
-            ("the old running sum l and the accumulator acc are never rescaled: when the running max grows from "
-             "m to m_new, multiply BOTH by alpha = exp2(m - m_new) before adding this tile."):
-                _simulate_step(qd, kd, vd, scale, bn, "no_rescale"),
-            ("the accumulator acc is not rescaled: acc_new = acc * alpha[:, None] + tl.dot(p, v) with "
-             "alpha = exp2(m - m_new) (you rescaled l but not acc)."):
-                _simulate_step(qd, kd, vd, scale, bn, "no_rescale_acc"),
-            ("the running sum l is not rescaled: l_new = l * alpha + tl.sum(p, 1) with alpha = exp2(m - m_new) "
-             "(you rescaled acc but not l)."):
-                _simulate_step(qd, kd, vd, scale, bn, "no_rescale_l"),
-            ("p is computed against this tile's own max: subtract the running max m_new = "
-             "tl.maximum(m, tl.max(s, 1)), the one l and acc are kept relative to."):
-                _simulate_step(qd, kd, vd, scale, bn, "tile_max"),
-        }
-        expect(got, expected, what=f"online_softmax_step (Nq={nq}, Nk={nk}, BLOCK_N={bn}: {-(-nk // bn)} tiles)",
-               wrong=wrong, rtol=1e-4, atol=2e-5,
-               default_hint="Return (m_new, l_new, acc_new) in that order, each in float32.")
+        m_out, l_out, acc_out = torch.empty(nq), torch.empty(nq), torch.empty(nq, d)
+        _launch(kernels.online_softmax_harness, ((nq + bm - 1) // bm,), q, k, v, lo, hi, m_out, l_out, acc_out,
+                nq, nk, scale * LOG2E, online_softmax_step, d, bm, bn, what="online_softmax_step")
+        m64, l64, acc64 = m_out.double(), l_out.double(), acc_out.double()
+        safe_l = torch.where(l64 == 0, torch.ones_like(l64), l64)
+        got = torch.cat([acc64 / safe_l[:, None], torch.where(l64 == 0, torch.zeros_like(m64),
+                                                                m64 + torch.log2(safe_l))[:, None]], dim=-1)
+        expected, empty = _step_reference(q, k, v, lo, hi, scale)
+        what = f"online_softmax_step (Nq={nq}, Nk={nk}, BLOCK_N={bn}: {-(-nk // bn)} tiles"
+        bad = ~torch.isfinite(got).all(-1)
+        if kind == "plain" and bad.any():
+            fail("online_softmax_step produced NaN. At the first tile the running max m is -inf: the rescale "
+                 "factor 2^(m - m_new) must be 0 there (nothing seen so far counts), not 2^(m_new - m), and the "
+                 "weights p must be taken against the NEW running max, never the old one.")
+        if kind == "padded":
+            first_hidden = (lo >= bn) | empty
+            nan_rows = torch.isnan(m64) | torch.isnan(l64) | torch.isnan(acc64).any(-1)
+            if (nan_rows & first_hidden).any():
+                fail(f"{what}, a padding mask) gave NaN on rows whose first key tiles are entirely masked: there m "
+                     f"and m_new are both -inf, and -inf - (-inf) is NaN. A row that has seen no key yet needs a "
+                     f"finite reference for its exponentials (all its weights are 0 anyway, so any finite value "
+                     f"works); m_new itself may stay -inf.")
+            if (l64[empty] != 0).any() or (acc64[empty] != 0).any():
+                fail(f"{what}, a padding mask): a row that sees no key at all must end with l = 0 and acc = 0 "
+                     f"(no weight was ever added)")
+        if kind == "large":
+            low = torch.arange(nq) < nq // 2
+            if bad.any():
+                fail(f"{what}, scores spanning hundreds of units) overflowed to inf or NaN: the exponentials must "
+                     f"be taken relative to the running maximum, the largest score seen so far, so that no weight "
+                     f"exceeds 1.")
+            if (l64[low] == 0).any() or not close(got[low], expected[low], rtol=1e-4, atol=2e-5):
+                fail(f"{what}) is wrong on rows whose scores are all far below 0 (about -220): their weights "
+                     f"underflowed. The reference for the exponentials must be the running maximum itself, "
+                     f"whatever its sign (not 0, not its absolute value).")
+            if not close(got, expected, rtol=1e-4, atol=2e-5):
+                fail(f"{what}) is wrong on rows whose scores span about 300 units: the exponentials must be taken "
+                     f"relative to the running maximum, the largest score seen so far.")
+        wrong = {}
+        if kind == "plain":
+            qd, kd, vd = q.double(), k.double(), v.double()
+            wrong = {hint: _simulate_step(qd, kd, vd, scale, bn, mistake) for mistake, hint in _STEP_HINTS.items()}
+        expect(got, expected, what=what + (", a padding mask)" if kind == "padded" else ")"), wrong=wrong,
+               rtol=1e-4, atol=2e-5, default_hint="Return the state after this tile, (m_new, l_new, acc_new) in "
+                                                  "that order, each in float32.")
     passed("online_softmax_step: the harness reproduces softmax attention and its base-2 log-sum-exp, "
-           "for one tile and for many ragged tiles")
+           "for one tile and many ragged tiles, rows hidden by a padding mask, and scores far from 0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,6 +215,13 @@ _COMBINE_CASES = [  # Nq, Nk, d, causal: the causal case has Nq > Nk, so its fir
 ]
 
 
+def _lambdas(nq: int, seed: int) -> Tensor:
+    """One lambda per row, ``(1, 1, nq, 1)``: mostly in (0.2, 0.9), a third of them negative (lambda may be)."""
+    lam = 0.2 + 0.5 * randn(1, 1, nq, 1, seed=seed).abs()
+    lam[:, :, 1::3] *= -1
+    return lam
+
+
 def _unnormalised(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, seed: int) -> tuple[Tensor, Tensor]:
     """``acc = exp(s - c) v`` and ``l = sum exp(s - c)`` with an arbitrary per-row shift ``c`` (0 for empty rows)."""
     s = (q @ k.T) * q.shape[-1] ** -0.5
@@ -164,6 +232,7 @@ def _unnormalised(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, seed: int) -
     return p @ v, p.sum(-1)
 
 
+@exercise_check(task=2, name="diff_combine")
 def check_diff_combine(diff_combine) -> None:
     """``diff_combine(acc1, l1, acc2, l2, lam)``: ``acc1 / l1 - lam * acc2 / l2``, zero where ``l == 0``."""
     _check_jit(diff_combine, "diff_combine")
@@ -171,7 +240,7 @@ def check_diff_combine(diff_combine) -> None:
     for i, (nq, nk, d, causal) in enumerate(_COMBINE_CASES):
         seed = 200 + 10 * i
         q, k = randn(1, 2, nq, d, seed=seed), randn(1, 2, nk, d, seed=seed + 1)
-        v, lam = randn(1, 1, nk, 2 * d, seed=seed + 2), 0.2 + 0.5 * randn(1, 1, nq, 1, seed=seed + 3).abs()
+        v, lam = randn(1, 1, nk, 2 * d, seed=seed + 2), _lambdas(nq, seed + 3)
         visible = causal_mask(nq, nk) if causal else torch.ones(nq, nk, dtype=torch.bool)
         acc1, l1 = _unnormalised(q[0, 0], k[0, 0], v[0, 0], visible, seed + 4)
         acc2, l2 = _unnormalised(q[0, 1], k[0, 1], v[0, 0], visible, seed + 5)
@@ -186,25 +255,31 @@ def check_diff_combine(diff_combine) -> None:
         if torch.isnan(got).any():
             if empty.any() and torch.isnan(got[empty]).any():
                 fail(f"diff_combine returned NaN on the {int(empty.sum())} rows that see no key (causal with Nq={nq} > "
-                     f"Nk={nk}): there l1 = l2 = 0. Divide by tl.where(l == 0, 1.0, l) so those rows give 0.")
+                     f"Nk={nk}): there l1 = l2 = 0 and acc1 = acc2 = 0, and 0 / 0 is NaN. Such a row's output is "
+                     f"defined as 0: divide those rows by a harmless nonzero number instead.")
             fail("diff_combine returned NaN values (a division by zero?)")
         safe = lambda x: torch.where(x == 0, torch.ones_like(x), x)[:, None]  # noqa: E731
         o1, o2, lr = acc1 / safe(l1), acc2 / safe(l2), lam_rows[:, None]
         wrong = {
-            "lambda is missing: the output is o1 - lam * o2 with o1 = acc1 / l1 and o2 = acc2 / l2.": o1 - o2,
-            "the sign is flipped: map 2 is subtracted, out = o1 - lam[:, None] * o2.": o1 + lr * o2,
-            "lambda multiplies the wrong map: out = o1 - lam[:, None] * o2 (lambda scales map 2).": lr * o1 - o2,
-            ("the accumulators are not normalised: divide each by its own running sum first, "
-             "o1 = acc1 / l1[:, None] and o2 = acc2 / l2[:, None]."): acc1 - lr * acc2,
-            ("both maps are divided by l1: each stream has its own softmax denominator, "
-             "o1 = acc1 / l1[:, None], o2 = acc2 / l2[:, None]."): (acc1 - lr * acc2) / safe(l1),
-            "the normalisers are swapped: o1 = acc1 / l1[:, None] and o2 = acc2 / l2[:, None].":
+            "lambda is missing: the output is map 1's normalised stream minus lambda times map 2's.": o1 - o2,
+            "the sign is flipped: map 2 is subtracted, not added.": o1 + lr * o2,
+            "lambda multiplies the wrong map: lambda scales map 2, the one subtracted.": lr * o1 - o2,
+            ("the accumulators are not normalised: each is a sum of unnormalised weights times values, and becomes "
+             "an attention output only once divided by its own running sum."): acc1 - lr * acc2,
+            ("both maps are divided by map 1's running sum: each stream has its own softmax denominator."):
+                (acc1 - lr * acc2) / safe(l1),
+            "the normalisers are swapped: each accumulator is divided by its own stream's running sum.":
                 acc1 / safe(l2) - lr * acc2 / safe(l1),
+            "lambda lost its sign: lambda can be negative (some rows here have a negative lambda); use it as it is.":
+                o1 - lr.abs() * o2,
+            "lambda was clamped at 0: lambda can be negative (some rows here have one); use it as it is.":
+                o1 - lr.clamp(min=0) * o2,
         }
         if 2 * d == 16:  # lam * o2 without [:, None] broadcasts lam along the columns when 2d == BLOCK_M
             idx = (torch.arange(nq) // 16 * 16)[:, None] + torch.arange(2 * d)[None, :]
             lam_cols = torch.cat([lam_rows, torch.zeros(16, dtype=lam_rows.dtype)])[idx]
-            wrong["lambda is broadcast along the columns: it is one number per row, write lam[:, None] * o2."] = \
+            wrong["lambda is broadcast along the columns: it is one number per row, so it must be shaped as a "
+                  "column to scale each row of map 2."] = \
                 o1 - lam_cols * o2
         expect(got, expected, what=f"diff_combine (Nq={nq}, Nk={nk}{', causal' if causal else ''})", wrong=wrong,
                rtol=1e-4, atol=1e-5)
@@ -221,6 +296,7 @@ _GRAD_CASES = [  # Nq, Nk, d, causal
 ]
 
 
+@exercise_check(task=3, name="diff_softmax_grads")
 def check_diff_softmax_grads(diff_softmax_grads) -> None:
     """``diff_softmax_grads(p1, p2, dp, delta1, dd, lam) -> (ds1, ds2)``, checked through autograd of
     ``diff_attention``: ``dq_m = scale * ds_m @ k_m`` and ``dk_m = scale * ds_m^T @ q_m`` must match."""
@@ -231,7 +307,7 @@ def check_diff_softmax_grads(diff_softmax_grads) -> None:
         q = randn(1, 2, nq, d, seed=seed).requires_grad_()
         k = randn(1, 2, nk, d, seed=seed + 1).requires_grad_()
         v = randn(1, 1, nk, 2 * d, seed=seed + 2)
-        lam = 0.2 + 0.5 * randn(1, 1, nq, 1, seed=seed + 3).abs()
+        lam = _lambdas(nq, seed + 3)
         g = randn(1, 1, nq, 2 * d, seed=seed + 4)
         (diff_attention(q, k, v, lam, causal=causal, backend="naive") * g).sum().backward()
         expected = torch.cat([q.grad[0].flatten(), k.grad[0].flatten()])
@@ -261,19 +337,23 @@ def check_diff_softmax_grads(diff_softmax_grads) -> None:
         d1, ddc = delta1[:, None], dd[:, None]
         right1 = p1 * (dp - d1)
         wrong = {
-            ("the sign of ds2 is flipped: map 2's upstream gradient is -lam * dO, so "
-             "ds2 = -lam[:, None] * p2 * (dp - dd[:, None])."): through(right1, L * p2 * (dp - ddc)),
-            ("lambda is missing from ds2: map 2 receives -lam * dO, so ds2 = -lam[:, None] * p2 * (dp - dd[:, None])."):
-                through(right1, -p2 * (dp - ddc)),
-            ("ds2 uses delta1: each map subtracts its own row statistic, dd = rowsum(dO * o2) for map 2: "
-             "ds2 = -lam[:, None] * p2 * (dp - dd[:, None])."): through(right1, -L * p2 * (dp - d1)),
-            ("the row statistics are not subtracted (softmax's backward is P * (dP - rowsum(dP * P))): "
-             "ds1 = p1 * (dp - delta1[:, None]), ds2 = -lam[:, None] * p2 * (dp - dd[:, None])."):
-                through(p1 * dp, -L * p2 * dp),
-            ("map 2's row statistic also carries -lam: rowsum(dP2 * P2) = -lam * dd, so "
-             "ds2 = p2 * (-lam * dp + lam * dd) = -lam[:, None] * p2 * (dp - dd[:, None])."):
-                through(right1, p2 * (-L * dp - ddc)),
-            "ds1 and ds2 come back swapped: return (ds1, ds2), map 1 first.": through(-L * p2 * (dp - ddc), right1),
+            ("the sign of ds2 is flipped: the output is O1 - lambda O2, so map 2 receives the upstream gradient "
+             "times -lambda."): through(right1, L * p2 * (dp - ddc)),
+            ("lambda is missing from ds2: the output is O1 - lambda O2, so map 2 receives the upstream gradient "
+             "times -lambda, not just its negative."): through(right1, -p2 * (dp - ddc)),
+            ("map 2's factor -lambda is missing: the output is O1 - lambda O2, so map 2 receives the upstream "
+             "gradient times -lambda, while map 1 receives it as it is."): through(right1, p2 * (dp - ddc)),
+            ("ds2 uses delta1: each map subtracts its own row statistic, rowsum(dO * O2) = dd for map 2."):
+                through(right1, -L * p2 * (dp - d1)),
+            ("the row statistics are not subtracted: softmax's backward is P * (dP - rowsum(dP * P)), and the "
+             "row sums are the delta1 and dd you are given."): through(p1 * dp, -L * p2 * dp),
+            ("map 2's row statistic also carries -lambda: with dP2 = -lambda dP, rowsum(dP2 * P2) = -lambda dd, so "
+             "-lambda multiplies both terms."): through(right1, p2 * (-L * dp - ddc)),
+            "ds1 and ds2 come back swapped: map 1's gradient comes first.": through(-L * p2 * (dp - ddc), right1),
+            "lambda lost its sign: lambda can be negative (some rows here have a negative lambda); use it as it is.":
+                through(right1, -L.abs() * p2 * (dp - ddc)),
+            "lambda was clamped at 0: lambda can be negative (some rows here have one); use it as it is.":
+                through(right1, -L.clamp(min=0) * p2 * (dp - ddc)),
         }
         expect(got, expected, what=f"diff_softmax_grads (Nq={nq}, Nk={nk}{', causal' if causal else ''}), "
                f"through dq and dk", wrong=wrong, rtol=1e-4, atol=2e-5)
