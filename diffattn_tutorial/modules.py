@@ -184,6 +184,8 @@ class MultiheadDiffAttn(_Attention):
     Args:
         embed_dim: model width C. num_heads: differential heads H. depth: 0-based layer index for
             ``lambda_init``. num_kv_heads: KV groups (GQA), dividing H; default H.
+        head_dim: width d of one q/k map (default ``C // H // 2``); another value makes ``q_proj``
+            ``C -> 2Hd`` and ``out_proj`` ``2Hd -> C`` (as Hugging Face DiffLlama's ``head_dim``).
         kdim: width of a cross-attention ``context`` (default C).
         lambda_mode: ``"paper"`` (four vectors, ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init``) or
             ``"dual"`` (timm's two scalars, ``exp(a) - exp(b) + lambda_init``).
@@ -196,32 +198,34 @@ class MultiheadDiffAttn(_Attention):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, depth: int = 0, num_kv_heads: Optional[int] = None,
-                 kdim: Optional[int] = None, lambda_mode: str = "paper", lambda_init: Optional[float] = None,
+                 head_dim: Optional[int] = None, kdim: Optional[int] = None, lambda_mode: str = "paper", lambda_init: Optional[float] = None,
                  qk_norm: bool = False, qk_norm_eps: float = 1e-6, subln: bool = True, subln_affine: bool = True,
                  subln_eps: float = 1e-5, qkv_bias: bool = False, out_bias: bool = False, dropout: float = 0.0,
                  backend: str = "auto", rope_interleaved: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or embed_dim % (2 * num_heads):
+        if head_dim is None and (num_heads <= 0 or embed_dim % (2 * num_heads)):
             raise ValueError(f"embed_dim={embed_dim} must be divisible by 2 * num_heads={2 * num_heads} "
-                             f"(num_heads counts differential heads, each with two maps)")
+                             f"(num_heads counts differential heads, each with two maps), or pass head_dim")
+        if head_dim is not None and (num_heads <= 0 or head_dim <= 0):
+            raise ValueError(f"num_heads and head_dim must be positive, got num_heads={num_heads}, head_dim={head_dim}")
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if lambda_mode not in ("paper", "dual"):
             raise ValueError(f"lambda_mode must be 'paper' or 'dual', got {lambda_mode!r}")
         dd = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
-        self.head_dim = embed_dim // num_heads // 2
+        self.head_dim = embed_dim // num_heads // 2 if head_dim is None else head_dim
         self.kdim = embed_dim if kdim is None else kdim
         self.depth, self.lambda_mode = depth, lambda_mode
         self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
         self.backend = _check_backend(backend, ("auto",) + BACKENDS)
-        kv_width = 2 * num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=qkv_bias, **dd)
+        q_width, kv_width = 2 * num_heads * self.head_dim, 2 * num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias, **dd)
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=qkv_bias, **dd)
         self.v_proj = nn.Linear(self.kdim, kv_width, bias=qkv_bias, **dd)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_bias, **dd)
+        self.out_proj = nn.Linear(q_width, embed_dim, bias=out_bias, **dd)
         f32 = {"device": device, "dtype": torch.float32}  # lambda parameters stay float32, as the references
         if lambda_mode == "paper":
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
