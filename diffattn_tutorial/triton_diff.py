@@ -5,15 +5,19 @@ in the layout of :func:`diffattn_tutorial.functional.diff_attention`: q ``(B, 2H
 maps of differential head ``i`` at heads ``2i`` and ``2i+1``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``;
 differential head ``i`` reads KV group ``i // (H // Hkv)`` for both maps.
 
-Forward (:func:`_diff_attn_fwd`), one program per (query tile, batch x differential head):
+Forward (:func:`_diff_attn_fwd`), one program per (query tile, batch x differential head), in one of two
+forms (a :class:`Plan`, chosen per head dim by :func:`plan_for`):
 
-* the query tile of **both** maps (``q1``, ``q2``, ``BLOCK_M x d`` each) stays on chip;
-* the program walks the key/value tiles; each ``k1``, ``k2``, ``v`` tile is loaded **once** and feeds two
-  online-softmax streams, one per map, each with its running max ``m``, running sum ``l`` and an
-  accumulator of width ``2d`` (``v`` is the same for both maps, which is why one load serves both);
-* at the end ``o1 = acc1 / l1``, ``o2 = acc2 / l2`` and the lambda combine ``o1 - lam * o2`` (``lam`` a
-  scalar or one value per query token and head) happen in registers; the kernel stores the output, the
-  log-sum-exp of both maps (base 2, ``m + log2 l``) and, when a gradient is needed, ``o2``.
+* **fused** (``MAP=0``, head dims up to 64): the query tiles of **both** maps stay on chip; each ``k1``,
+  ``k2``, ``v`` tile is loaded **once** and feeds two online-softmax streams, each with its running max ``m``,
+  running sum ``l`` and a float32 accumulator of width ``2d``; the lambda combine ``o1 - lam * o2`` happens in
+  registers at the end;
+* **split maps** (``MAP=2`` then ``MAP=1``, head dim 128): two launches of the same kernel, one map per
+  program. Two accumulators of ``BLOCK_M x 2d`` float32 do not fit one program's registers at ``d = 128``
+  (notebook 09 counts them), so the map-2 launch writes ``o2`` (float32) and the map-1 launch reads it back
+  in its epilogue for the combine. No matrix product is done twice.
+
+Both store the log-sum-exp of each map (base 2, ``m + log2 l``) and, when a gradient is needed, ``o2``.
 
 Backward, from those statistics (nothing of size ``N x N`` is kept between passes):
 
@@ -22,27 +26,36 @@ Backward, from those statistics (nothing of size ``N x N`` is kept between passe
   ``rowsum(dO2 * O2)`` is ``-lam * dd`` and ``dlam = -dd`` per row (summed over broadcast dims on the host);
 * a dK/dV kernel, one program per (key tile, batch x KV group), loops over the heads of its group and
   over the query tiles, **recomputes** ``P1``, ``P2`` from ``q``, ``k`` and the saved log-sum-exps, and
-  accumulates ``dV += (P1 - lam P2)^T dO``, ``dK1 += dS1^T q1``, ``dK2 += dS2^T q2`` (no atomics);
+  accumulates ``dV += (P1 - lam P2)^T dO``, ``dK1 += dS1^T q1``, ``dK2 += dS2^T q2`` (no atomics); at
+  ``d = 128`` dV and dK are two launches of it (``DV_OUT``, ``DK_MAPS``), for the same register reason;
 * a dQ kernel, one program per (query tile, batch x head), recomputes the same tiles and accumulates
-  ``dQ1 += dS1 k1``, ``dQ2 += dS2 k2``. With ``dP = dO v^T`` (computed once for both maps):
-  ``dS1 = P1 (dP - delta1)`` and ``dS2 = -lam P2 (dP - dd)``.
+  ``dQ1 += dS1 k1``, ``dQ2 += dS2 k2`` (one map per launch at ``d = 128``, ``DQ_MAPS``). With
+  ``dP = dO v^T``: ``dS1 = P1 (dP - delta1)`` and ``dS2 = -lam P2 (dP - dd)``.
 
 Supported: scalar and per-token/per-head ``lam``; ``causal`` (bottom-right aligned, fully masked key
 tiles skipped); an ``attn_mask`` (bool or additive float, broadcastable to ``(B, H, Nq, Nk)``, read tile
-by tile); GQA/MQA; any ``Nq``, ``Nk`` (edge tiles masked); head dims 1..128 (padded to a power of two
->= 16); float32/float16/bfloat16 inputs with float32 accumulation. Fully masked query rows give zeros
-and zero gradients. Not supported: attention dropout, float64 (use the ``naive`` or ``chunked`` backends).
+by tile; additive entries ``<= torch.finfo(dtype).min``, the Hugging Face convention, count as masked);
+GQA/MQA; any ``Nq``, ``Nk`` (edge tiles masked); head dims 1..128 (padded to a power of two >= 16);
+float32/float16/bfloat16 inputs with float32 accumulation; any strides (a tensor whose last dim is not
+contiguous, such as a slice of a fused qkv projection, is copied once with ``.contiguous()``). Fully masked
+query rows give zeros and zero gradients; NaN inputs give NaN outputs. Not supported: attention dropout,
+float64 (use the ``naive`` or ``chunked`` backends).
 
-Where it runs: on a CUDA GPU (block sizes autotuned), or on the CPU in Triton's interpreter when the
-environment variable ``TRITON_INTERPRET=1`` is set **before triton is first imported** (exact but slow:
-for learning and tests; the interpreter cannot multiply bfloat16 tiles, so there they are multiplied as
-the float32 values they hold, see ``_dot``).
+Where it runs: on a CUDA GPU (block sizes autotuned over a few configurations per kernel, each checked to
+compile without register spills and onto Hopper's ``wgmma`` by :mod:`diffattn_tutorial.triton_compile`), or
+on the CPU in Triton's interpreter when the environment variable ``TRITON_INTERPRET=1`` is set **before
+triton is first imported** (exact but slow: for learning and tests; the interpreter cannot multiply
+bfloat16 tiles, so there they are multiplied as the float32 values they hold, see ``_dot``).
+``DIFFATTN_TRITON_AUTOTUNE=0`` in the environment pins every kernel to the first configuration of its list
+(no autotuning: the GPU tests use it to finish in minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import triton
@@ -51,9 +64,16 @@ import triton.language as tl
 Tensor = torch.Tensor
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: the kernels use exp2, so scores are kept in base-2 units
+_LOG2E = tl.constexpr(LOG2E)  # the same number, visible inside @triton.jit functions
 MAX_HEAD_DIM = 128
 INTERPRETER_BLOCK = 16
 """Tile size under the interpreter: small, so the CPU tests cover several tiles and ragged edges."""
+AUTOTUNE_ENV = "DIFFATTN_TRITON_AUTOTUNE"
+"""Set to ``0`` to pin every kernel to the first configuration of its list instead of autotuning."""
+MAX_TILE_ROWS = 256
+"""Offsets inside a tile are int32: ``stride * MAX_TILE_ROWS`` must stay below 2**31 (checked on the host)."""
+
+MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
 
 def _interpret_mode() -> bool:
@@ -89,7 +109,7 @@ def triton_available() -> tuple[bool, str]:
 
 
 # ============================================================================================
-# forward
+# building blocks shared by the kernels
 # ============================================================================================
 
 
@@ -104,113 +124,148 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kv_loop(acc1, acc2, m1, l1, m2, l2, q1, q2,  # running state of both maps, the query tiles
-                 K1, K2, V, MASK,  # base pointers of this (batch, KV group) / (batch, head)
-                 offs_m, lo, hi, Nq, Nk, qk_scale,
-                 stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Key/value tiles ``[lo, hi)``: both online-softmax streams. ``EDGE``: tiles may cross ``Nk`` or
-    the causal diagonal (mask every score); otherwise every (query, key) pair of a tile is visible."""
+def _apply_mask(s, mvals, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr):
+    """Scores ``s`` (base 2) with the user's mask tile: bool (``mvals != 0`` may attend) or additive (natural
+    log units, so times ``LOG2E``; entries ``<= MASK_MIN``, the dtype's most negative finite number, count as
+    masked, as Hugging Face models fill their masks). NaN in an additive mask stays NaN."""
+    if MASK_KIND == 1:
+        s = tl.where(mvals != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        mf = mvals.to(tl.float32)
+        s = tl.where(mf <= MASK_MIN, float("-inf"), s + mf * _LOG2E)
+    return s
+
+
+@triton.jit
+def _visible(s, rows, cols, Nq, Nk, EDGE: tl.constexpr, CAUSAL: tl.constexpr):
+    """``-inf`` where key ``cols`` is past ``Nk`` or, causal (bottom-right aligned: query ``i`` sees keys
+    ``j <= i + Nk - Nq``), after the query's diagonal. Only tiles that cross an edge (``EDGE``) pay for it."""
+    if EDGE:
+        ok = cols[None, :] < Nk
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + (Nk - Nq))
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map's online softmax: ``s`` the ``(BLOCK_M, BLOCK_N)`` base-2 scores, ``v`` the
+    ``(BLOCK_N, 2d)`` values. New running max, rescale the old sum and accumulator by ``alpha``, add the tile."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key so far
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m - m_ref)
+    l = l * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    return acc, m_new, l
+
+
+# ============================================================================================
+# forward
+# ============================================================================================
+
+
+@triton.jit
+def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map(s), the query tiles
+                 K1, K2, V, MASK,  # base pointers: this (batch, KV group) / the mask rows of this query tile
+                 start_m, lo, hi, Nq, Nk, qk_scale, stride_kn, stride_vn, stride_mm, stride_mn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                 TWO_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Key/value tiles ``[lo, hi)``. ``TWO_MAPS``: both online-softmax streams from one load of each tile
+    (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal."""
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, 2 * BLOCK_D)
+    rows = start_m + offs_m
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < 2 * HEAD_DIM
+    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]  # k tiles are loaded transposed: d x BLOCK_N
+    v_off = offs_n[:, None] * stride_vn + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
+        n64 = tl.cast(start_n, tl.int64)  # tile bases in int64, offsets inside a tile in int32
         cols = start_n + offs_n
-        col_ok = cols < Nk
-        # one load of each K/V tile serves both maps (k1 and k2 are loaded transposed: d x BLOCK_N)
-        kt_off = cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
         if EDGE:
+            col_ok = cols < Nk
             kt_mask = d_ok[:, None] & col_ok[None, :]
             v_mask = col_ok[:, None] & dv_ok[None, :]
         else:
             kt_mask = d_ok[:, None]
             v_mask = dv_ok[None, :]
-        k1t = tl.load(K1 + kt_off, mask=kt_mask, other=0.0)
-        k2t = tl.load(K2 + kt_off, mask=kt_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)
+        v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
+        mvals = 0
+        if MASK_KIND != 0:  # the same mask tile for both maps of a head
+            mvals = tl.load(MASK + n64 * stride_mn + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                            mask=(rows[:, None] < Nq) & (cols[None, :] < Nk), other=0)
+        k1t = tl.load(K1 + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
         s1 = _dot(q1, k1t, None, DOT_PRECISION, UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 units
-        s2 = _dot(q2, k2t, None, DOT_PRECISION, UPCAST) * qk_scale
-        if HAS_MASK:  # the same mask for both maps of a head
-            mvals = tl.load(MASK + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
-                            mask=(offs_m[:, None] < Nq) & col_ok[None, :], other=0)
-            if MASK_BOOL:
-                s1 = tl.where(mvals != 0, s1, float("-inf"))
-                s2 = tl.where(mvals != 0, s2, float("-inf"))
-            else:
-                s1 += mvals.to(tl.float32) * 1.4426950408889634
-                s2 += mvals.to(tl.float32) * 1.4426950408889634
-        if EDGE:
-            ok = col_ok[None, :]
-            if CAUSAL:  # bottom-right aligned: query i sees keys j <= i + Nk - Nq
-                ok = ok & (cols[None, :] <= offs_m[:, None] + (Nk - Nq))
-            s1 = tl.where(ok, s1, float("-inf"))
-            s2 = tl.where(ok, s2, float("-inf"))
-        # online softmax, map 1: new running max, rescale the old sum and accumulator, add this tile
-        m1_new = tl.maximum(m1, tl.max(s1, 1))
-        m1_ref = tl.where(m1_new == float("-inf"), 0.0, m1_new)  # a row with no visible key so far
-        p1 = tl.math.exp2(s1 - m1_ref[:, None])
-        alpha1 = tl.math.exp2(m1 - m1_ref)
-        l1 = l1 * alpha1 + tl.sum(p1, 1)
-        acc1 = _dot(p1.to(v.dtype), v, acc1 * alpha1[:, None], DOT_PRECISION, UPCAST)
-        m1 = m1_new
-        # online softmax, map 2: the same update with its own state, the same v tile
-        m2_new = tl.maximum(m2, tl.max(s2, 1))
-        m2_ref = tl.where(m2_new == float("-inf"), 0.0, m2_new)
-        p2 = tl.math.exp2(s2 - m2_ref[:, None])
-        alpha2 = tl.math.exp2(m2 - m2_ref)
-        l2 = l2 * alpha2 + tl.sum(p2, 1)
-        acc2 = _dot(p2.to(v.dtype), v, acc2 * alpha2[:, None], DOT_PRECISION, UPCAST)
-        m2 = m2_new
-    return acc1, acc2, m1, l1, m2, l2
+        s1 = _visible(_apply_mask(s1, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+        acc1, m1, l1 = _online_softmax_step(acc1, m1, l1, s1, v, DOT_PRECISION, UPCAST)
+        if TWO_MAPS:  # map 2: the same update with its own state, the same v tile
+            k2t = tl.load(K2 + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
+            s2 = _dot(q2, k2t, None, DOT_PRECISION, UPCAST) * qk_scale
+            s2 = _visible(_apply_mask(s2, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+            acc2, m2, l2 = _online_softmax_step(acc2, m2, l2, s2, v, DOT_PRECISION, UPCAST)
+    return acc1, m1, l1, acc2, m2, l2
+
+
+@triton.jit
+def _lse(m, l):
+    """Base-2 log-sum-exp of a row; ``+inf`` marks a row with no visible key (the backward's P becomes 0)."""
+    return tl.where(l == 0.0, float("inf"), m + tl.math.log2(tl.where(l == 0.0, 1.0, l)))
 
 
 @triton.jit
 def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
-                   stride_qb, stride_qh, stride_qm, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_ob, stride_oh, stride_om, stride_od,
+                   stride_qb, stride_qh, stride_qm,
+                   stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn,
+                   stride_ob, stride_oh, stride_om,
                    stride_lb, stride_lh, stride_lm,
                    stride_mb, stride_mh, stride_mm, stride_mn,
                    H, Nq, Nk, qk_scale, N_BUCKET,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-                   STORE_O2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                   MAP: tl.constexpr, STORE_O2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: query tile ``program_id(0)`` of differential head ``program_id(1)`` (= b * H + h)."""
+    """One program: one query tile of one (batch, differential head), on a 1-D grid (no 65535 limit).
+
+    ``MAP = 0``: both maps, output ``o1 - lam o2``. ``MAP = 2``: map 2 only, stores ``o2`` (float32) and its
+    log-sum-exp. ``MAP = 1``: map 1 only, reads ``o2`` back and stores the output (run after ``MAP = 2``)."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    off_bh = pid // n_m
+    start_m = (n_m - 1 - pid % n_m) * BLOCK_M  # the longest rows first (causal: the most keys)
     b = off_bh // H
     h = off_bh % H
     g = h // GROUP  # the KV group of this differential head
-    b64, h64, g64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64)
-    Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh
-    Q2 = Q1 + stride_qh
-    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
-    K2 = K1 + stride_kh
+    b64, h64, g64, m64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64), start_m.to(tl.int64)
+    FIRST: tl.constexpr = 1 if MAP == 2 else 0  # the map held in slot 1
+    Q1 = Q + b64 * stride_qb + (2 * h64 + FIRST) * stride_qh + m64 * stride_qm
+    K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
     V = V + b64 * stride_vb + g64 * stride_vh
-    MASK = MASK + b64 * stride_mb + h64 * stride_mh
+    MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
 
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < Nq
-    q_off = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    row_ok = start_m + offs_m < Nq
+    q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
-    q2 = tl.load(Q2 + q_off, mask=q_mask, other=0.0)
-
-    # the state of the two online softmaxes
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
-    l2 = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    TWO_MAPS: tl.constexpr = MAP == 0
+    if TWO_MAPS:
+        q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
+        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l2 = tl.zeros([BLOCK_M], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    else:  # placeholders: the loop leaves slot 2 untouched
+        q2, m2, l2, acc2 = q1, m1, l1, acc1
 
     # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
     nk_full = (Nk // BLOCK_N) * BLOCK_N
@@ -222,32 +277,45 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
     else:
         hi = Nk
         full_hi = nk_full
-    acc1, acc2, m1, l1, m2, l2 = _fwd_kv_loop(
-        acc1, acc2, m1, l1, m2, l2, q1, q2, K1, K2, V, MASK, offs_m, 0, full_hi, Nq, Nk, qk_scale,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, False, CAUSAL, HAS_MASK, MASK_BOOL, DOT_PRECISION, UPCAST)
-    acc1, acc2, m1, l1, m2, l2 = _fwd_kv_loop(
-        acc1, acc2, m1, l1, m2, l2, q1, q2, K1, K2, V, MASK, offs_m, full_hi, hi, Nq, Nk, qk_scale,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, True, CAUSAL, HAS_MASK, MASK_BOOL, DOT_PRECISION, UPCAST)
+    acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
+        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, 0, full_hi, Nq, Nk, qk_scale,
+        stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
+        False, CAUSAL, MASK_KIND, MASK_MIN, TWO_MAPS, DOT_PRECISION, UPCAST)
+    acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
+        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, full_hi, hi, Nq, Nk, qk_scale,
+        stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
+        True, CAUSAL, MASK_KIND, MASK_MIN, TWO_MAPS, DOT_PRECISION, UPCAST)
 
-    # epilogue: normalise both maps, combine with lambda; fully masked rows (l == 0) give 0
-    o1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
-    o2 = acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None]
-    lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
-    out = o1 - lam.to(tl.float32)[:, None] * o2
+    # epilogue: normalise, combine with lambda; fully masked rows (l == 0) give 0
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_off = b64 * stride_ob + h64 * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
     o_mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
-    tl.store(OUT + o_off, out.to(OUT.dtype.element_ty), mask=o_mask)
-    if STORE_O2:
-        tl.store(O2 + o_off, o2.to(O2.dtype.element_ty), mask=o_mask)
-    # log-sum-exp (base 2) per map; +inf marks a fully masked row, so the backward's exp2(s - lse) is 0
-    lse1 = tl.where(l1 == 0.0, float("inf"), m1 + tl.math.log2(tl.where(l1 == 0.0, 1.0, l1)))
-    lse2 = tl.where(l2 == 0.0, float("inf"), m2 + tl.math.log2(tl.where(l2 == 0.0, 1.0, l2)))
-    LSE = LSE + off_bh.to(tl.int64) * 2 * Nq
-    tl.store(LSE + offs_m, lse1, mask=row_ok)
-    tl.store(LSE + Nq + offs_m, lse2, mask=row_ok)
+    LSE = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
+    o_slot1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
+    if MAP == 2:
+        tl.store(O2 + o_off, o_slot1.to(O2.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + Nq, _lse(m1, l1), mask=row_ok)
+    else:
+        lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
+                      other=0.0).to(tl.float32)
+        if TWO_MAPS:
+            o2 = acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None]
+            if STORE_O2:
+                tl.store(O2 + o_off, o2.to(O2.dtype.element_ty), mask=o_mask)
+            tl.store(LSE + Nq, _lse(m2, l2), mask=row_ok)
+            out = o_slot1 - lam[:, None] * o2
+            tl.store(OUT + o_off, out.to(OUT.dtype.element_ty), mask=o_mask)
+        else:  # o2 comes back from memory, one half of its width at a time (a whole tile would not fit
+            # next to the accumulator in registers)
+            o_a, o_b = tl.split(tl.permute(tl.reshape(o_slot1, [BLOCK_M, 2, BLOCK_D]), [0, 2, 1]))
+            h_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_d[None, :]
+            a_mask = row_ok[:, None] & (offs_d[None, :] < 2 * HEAD_DIM)  # columns [0, BLOCK_D)
+            b_mask = row_ok[:, None] & (BLOCK_D + offs_d[None, :] < 2 * HEAD_DIM)  # [BLOCK_D, 2 BLOCK_D)
+            o2_a = tl.load(O2 + h_off, mask=a_mask, other=0.0)
+            tl.store(OUT + h_off, (o_a - lam[:, None] * o2_a).to(OUT.dtype.element_ty), mask=a_mask)
+            o2_b = tl.load(O2 + BLOCK_D + h_off, mask=b_mask, other=0.0)
+            tl.store(OUT + BLOCK_D + h_off, (o_b - lam[:, None] * o2_b).to(OUT.dtype.element_ty), mask=b_mask)
+        tl.store(LSE, _lse(m1, l1), mask=row_ok)
 
 
 # ============================================================================================
@@ -257,294 +325,476 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
 
 @triton.jit
 def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
-                              stride_ob, stride_oh, stride_om, stride_od,
-                              stride_gb, stride_gh, stride_gm, stride_gd,
+                              stride_ob, stride_oh, stride_om,
+                              stride_gb, stride_gh, stride_gm,
                               stride_lb, stride_lh, stride_lm,
                               H, Nq,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per query row: ``delta1 = dO . o1`` (``o1 = out + lam o2``) and ``dd = dO . o2``, in float32."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    off_bh = tl.program_id(1)
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    off_bh = pid // n_m
+    start_m = (pid % n_m) * BLOCK_M
     b = (off_bh // H).to(tl.int64)
     h = (off_bh % H).to(tl.int64)
+    m64 = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Nq
+    row_ok = start_m + offs_m < Nq
     mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
-    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_off = b * stride_ob + h * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
     out = tl.load(OUT + o_off, mask=mask, other=0.0).to(tl.float32)
     o2 = tl.load(O2 + o_off, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
-                 mask=mask, other=0.0).to(tl.float32)
-    lam = tl.load(LAM + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_gb + h * stride_gh + m64 * stride_gm + offs_m[:, None] * stride_gm
+                 + offs_dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    lam = tl.load(LAM + b * stride_lb + h * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
+                  other=0.0).to(tl.float32)
     dd = tl.sum(do * o2, 1)
     delta1 = tl.sum(do * out, 1) + lam * dd
-    DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq
-    tl.store(DELTA + offs_m, delta1, mask=row_ok)
-    tl.store(DELTA + Nq + offs_m, dd, mask=row_ok)
+    DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
+    tl.store(DELTA, delta1, mask=row_ok)
+    tl.store(DELTA + Nq, dd, mask=row_ok)
+
+
+@triton.jit
+def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1, k2 (BLOCK_N x d), v (BLOCK_N x 2d)
+                 Q1, DOh, LSEh, DELTAh, LAMh, MASKh,  # this head's query map 1 / dO / statistics / lambda / mask
+                 start_n, lo, hi, Nq, Nk, qk_scale,
+                 stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DIAG: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                 DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Query tiles ``[lo, hi)`` against one key tile, everything transposed (rows are keys). ``DIAG``: the
+    tiles cross the causal diagonal (mask them). Rows past ``Nq`` load ``lse = +inf``, so their P is 0."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_nl = tl.arange(0, BLOCK_N)  # key rows inside the tile (MASKh already points at key start_n)
+    offs_n = start_n + offs_nl
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, 2 * BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < 2 * HEAD_DIM
+    NEED1: tl.constexpr = DV_OUT or DK_MAPS == 1 or DK_MAPS == 3
+    NEED2: tl.constexpr = DV_OUT or DK_MAPS == 2 or DK_MAPS == 3
+    qt_off = offs_mb[None, :] * stride_qm + offs_d[:, None]
+    do_off = offs_mb[:, None] * stride_gm + offs_dv[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        m64 = tl.cast(start_m, tl.int64)
+        rows = start_m + offs_mb
+        row_ok = rows < Nq
+        do = tl.load(DOh + m64 * stride_gm + do_off, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
+        mvals = 0
+        if MASK_KIND != 0:
+            mvals = tl.load(MASKh + m64 * stride_mm + offs_mb[None, :] * stride_mm + offs_nl[:, None] * stride_mn,
+                            mask=row_ok[None, :] & (offs_n[:, None] < Nk), other=0)
+        if DIAG:
+            visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
+        # recompute the maps, transposed: (BLOCK_N, BLOCK_M); map 2's upstream gradient is -lam dO
+        if NEED1:
+            q1t = tl.load(Q1 + m64 * stride_qm + qt_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+            s1t = _apply_mask(_dot(k1, q1t, None, DOT_PRECISION, UPCAST) * qk_scale, mvals, MASK_KIND, MASK_MIN)
+            p1t = tl.math.exp2(s1t - tl.load(LSEh + rows, mask=row_ok, other=float("inf"))[None, :])
+            if DIAG:
+                p1t = tl.where(visible, p1t, 0.0)
+        if NEED2:
+            q2t = tl.load(Q1 + stride_qh + m64 * stride_qm + qt_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+            s2t = _apply_mask(_dot(k2, q2t, None, DOT_PRECISION, UPCAST) * qk_scale, mvals, MASK_KIND, MASK_MIN)
+            p2t = tl.math.exp2(s2t - tl.load(LSEh + Nq + rows, mask=row_ok, other=float("inf"))[None, :])
+            if DIAG:
+                p2t = tl.where(visible, p2t, 0.0)
+        if DV_OUT:  # dV += (P1 - lam P2)^T dO: the differential map, transposed
+            dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        if DK_MAPS != 0:  # dP = dO v^T, shared by both maps
+            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
+            if NEED1 and DK_MAPS != 2:
+                delta1 = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
+                ds1t = p1t * (dpt - delta1[None, :])
+                dk1 = _dot(ds1t.to(q1t.dtype), tl.trans(q1t), dk1, DOT_PRECISION, UPCAST)
+            if NEED2 and DK_MAPS != 1:
+                dd = tl.load(DELTAh + Nq + rows, mask=row_ok, other=0.0)
+                ds2t = -lam[None, :] * p2t * (dpt - dd[None, :])
+                dk2 = _dot(ds2t.to(q2t.dtype), tl.trans(q2t), dk2, DOT_PRECISION, UPCAST)
+    return dk1, dk2, dv
 
 
 @triton.jit
 def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
-                        stride_qb, stride_qh, stride_qm, stride_qd,
-                        stride_kb, stride_kh, stride_kn, stride_kd,
-                        stride_vb, stride_vh, stride_vn, stride_vd,
-                        stride_gb, stride_gh, stride_gm, stride_gd,
+                        stride_qb, stride_qh, stride_qm,
+                        stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn,
+                        stride_gb, stride_gh, stride_gm,
                         stride_lb, stride_lh, stride_lm,
                         stride_mb, stride_mh, stride_mm, stride_mn,
                         H, Hkv, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+                        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                        DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr):
-    """One program: key tile ``program_id(0)`` of KV group ``program_id(1)`` (= b * Hkv + g); it sums
-    over the ``GROUP`` differential heads that share the group, so each dK/dV row has one writer."""
+    """One program: one key tile of one (batch, KV group); it sums over the ``GROUP`` differential heads that
+    share the group, so each dK/dV row has one writer. ``DV_OUT``: accumulate dV; ``DK_MAPS``: dK of map 1
+    (1), map 2 (2), both (3) or none (0)."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bg = tl.program_id(1)
+    n_n = tl.cdiv(Nk, BLOCK_N)
+    pid = tl.program_id(0)
+    off_bg = pid // n_n
+    start_n = (pid % n_n) * BLOCK_N
     b64 = (off_bg // Hkv).to(tl.int64)
     g64 = (off_bg % Hkv).to(tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = start_n.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    col_ok = offs_n < Nk
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < 2 * HEAD_DIM
-    k_off = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    k_mask = col_ok[:, None] & d_ok[None, :]
-    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
+    col_ok = start_n + offs_n < Nk
+    k_off = offs_n[:, None] * stride_kn + offs_d[None, :]
+    k_mask = col_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh + n64 * stride_kn
     k1 = tl.load(K1 + k_off, mask=k_mask, other=0.0)
     k2 = tl.load(K1 + stride_kh + k_off, mask=k_mask, other=0.0)
-    v_mask = col_ok[:, None] & dv_ok[None, :]
-    v = tl.load(V + b64 * stride_vb + g64 * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                mask=v_mask, other=0.0)
+    v_off = b64 * stride_vb + g64 * stride_vh + n64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
+    v_mask = col_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
+    v = tl.load(V + v_off, mask=v_mask, other=0.0)
     dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
+    # query rows i < start_n - (Nk - Nq) see none of these keys; rows below the band see all of them
     lo = 0
-    if CAUSAL:  # rows i < start_n - (Nk - Nq) see none of these keys
+    mid = 0
+    if CAUSAL:
         lo = (tl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M) * BLOCK_M
-    offs_mb = tl.arange(0, BLOCK_M)
+        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - (Nk - Nq), lo), Nq)  # first row that sees the whole tile
+        mid = lo + tl.cdiv(mid - lo, BLOCK_M) * BLOCK_M
     for r in range(GROUP):
         h64 = g64 * GROUP + r
         bh = b64 * H + h64
         Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh
         DOh = DO + b64 * stride_gb + h64 * stride_gh
         LAMh = LAM + b64 * stride_lb + h64 * stride_lh
-        MASKh = MASK + b64 * stride_mb + h64 * stride_mh
+        MASKh = MASK + b64 * stride_mb + h64 * stride_mh + n64 * stride_mn
         LSEh = LSE + bh * 2 * Nq
         DELTAh = DELTA + bh * 2 * Nq
-        for start_m in range(lo, Nq, BLOCK_M):
-            rows = start_m + offs_mb
-            row_ok = rows < Nq
-            qt_off = rows[None, :] * stride_qm + offs_d[:, None] * stride_qd
-            qt_mask = row_ok[None, :] & d_ok[:, None]
-            q1t = tl.load(Q1 + qt_off, mask=qt_mask, other=0.0)  # (d, BLOCK_M)
-            q2t = tl.load(Q1 + stride_qh + qt_off, mask=qt_mask, other=0.0)
-            do = tl.load(DOh + rows[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
-                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-            # padded rows: lse = +inf makes P = 0, delta = 0 makes dS = 0
-            lse1 = tl.load(LSEh + rows, mask=row_ok, other=float("inf"))
-            lse2 = tl.load(LSEh + Nq + rows, mask=row_ok, other=float("inf"))
-            delta1 = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
-            dd = tl.load(DELTAh + Nq + rows, mask=row_ok, other=0.0)
-            lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
-            # recompute both maps, transposed: (BLOCK_N, BLOCK_M)
-            s1t = _dot(k1, q1t, None, DOT_PRECISION, UPCAST) * qk_scale
-            s2t = _dot(k2, q2t, None, DOT_PRECISION, UPCAST) * qk_scale
-            if HAS_MASK:
-                mvals = tl.load(MASKh + rows[None, :] * stride_mm + offs_n[:, None] * stride_mn,
-                                mask=row_ok[None, :] & col_ok[:, None], other=0)
-                if MASK_BOOL:
-                    s1t = tl.where(mvals != 0, s1t, float("-inf"))
-                    s2t = tl.where(mvals != 0, s2t, float("-inf"))
-                else:
-                    s1t += mvals.to(tl.float32) * 1.4426950408889634
-                    s2t += mvals.to(tl.float32) * 1.4426950408889634
-            p1t = tl.math.exp2(s1t - lse1[None, :])
-            p2t = tl.math.exp2(s2t - lse2[None, :])
-            if CAUSAL:
-                visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
-                p1t = tl.where(visible, p1t, 0.0)
-                p2t = tl.where(visible, p2t, 0.0)
-            # dV += (P1 - lam P2)^T dO: the differential map, transposed
-            pdt = p1t - lam[None, :] * p2t
-            dv = _dot(pdt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
-            # dP = dO v^T, shared by both maps; map 2's upstream gradient is -lam dO
-            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST).to(tl.float32)
-            ds1t = p1t * (dpt - delta1[None, :])
-            ds2t = -lam[None, :] * p2t * (dpt - dd[None, :])
-            dk1 = _dot(ds1t.to(q1t.dtype), tl.trans(q1t), dk1, DOT_PRECISION, UPCAST)
-            dk2 = _dot(ds2t.to(q2t.dtype), tl.trans(q2t), dk2, DOT_PRECISION, UPCAST)
+        if CAUSAL:
+            dk1, dk2, dv = _bwd_kv_loop(dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh,
+                                        start_n, lo, mid, Nq, Nk, qk_scale,
+                                        stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                                        BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN,
+                                        DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
+        dk1, dk2, dv = _bwd_kv_loop(dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh,
+                                    start_n, mid, Nq, Nq, Nk, qk_scale,
+                                    stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                                    BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN,
+                                    DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
 
-    DK1 = DK + b64 * stride_kb + (2 * g64) * stride_kh
-    tl.store(DK1 + k_off, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DK1 + stride_kh + k_off, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DV + b64 * stride_vb + g64 * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-             dv.to(DV.dtype.element_ty), mask=v_mask)
+    if DK_MAPS == 1 or DK_MAPS == 3:
+        tl.store(DK + b64 * stride_kb + (2 * g64) * stride_kh + n64 * stride_kn + k_off,
+                 (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    if DK_MAPS == 2 or DK_MAPS == 3:
+        tl.store(DK + b64 * stride_kb + (2 * g64 + 1) * stride_kh + n64 * stride_kn + k_off,
+                 (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    if DV_OUT:
+        tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, dd, lam,  # this query tile's state
+                K1, V, MASK, start_m, lo, hi, Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Key tiles ``[lo, hi)`` for one query tile: ``dQ_m += dS_m k_m`` for the maps in ``DQ_MAPS``."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, 2 * BLOCK_D)
+    rows = start_m + offs_m
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < 2 * HEAD_DIM
+    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]
+    vt_off = offs_n[None, :] * stride_vn + offs_dv[:, None]
+    for start_n in range(lo, hi, BLOCK_N):
+        n64 = tl.cast(start_n, tl.int64)
+        cols = start_n + offs_n
+        col_ok = cols < Nk
+        vt = tl.load(V + n64 * stride_vn + vt_off, mask=dv_ok[:, None] & col_ok[None, :], other=0.0)  # (2d, BLOCK_N)
+        dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)  # dP = dO v^T, shared by both maps
+        mvals = 0
+        if MASK_KIND != 0:
+            mvals = tl.load(MASK + n64 * stride_mn + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                            mask=(rows[:, None] < Nq) & col_ok[None, :], other=0)
+        if DQ_MAPS != 2:
+            k1t = tl.load(K1 + n64 * stride_kn + kt_off, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+            s1 = _dot(q1, k1t, None, DOT_PRECISION, UPCAST) * qk_scale
+            s1 = _visible(_apply_mask(s1, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+            ds1 = tl.math.exp2(s1 - lse1[:, None]) * (dp - delta1[:, None])
+            dq1 = _dot(ds1.to(k1t.dtype), tl.trans(k1t), dq1, DOT_PRECISION, UPCAST)
+        if DQ_MAPS != 1:
+            k2t = tl.load(K1 + stride_kh + n64 * stride_kn + kt_off, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+            s2 = _dot(q2, k2t, None, DOT_PRECISION, UPCAST) * qk_scale
+            s2 = _visible(_apply_mask(s2, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+            ds2 = -lam[:, None] * tl.math.exp2(s2 - lse2[:, None]) * (dp - dd[:, None])
+            dq2 = _dot(ds2.to(k2t.dtype), tl.trans(k2t), dq2, DOT_PRECISION, UPCAST)
+    return dq1, dq2
 
 
 @triton.jit
 def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
-                      stride_qb, stride_qh, stride_qm, stride_qd,
-                      stride_kb, stride_kh, stride_kn, stride_kd,
-                      stride_vb, stride_vh, stride_vn, stride_vd,
-                      stride_gb, stride_gh, stride_gm, stride_gd,
+                      stride_qb, stride_qh, stride_qm,
+                      stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn,
+                      stride_gb, stride_gh, stride_gm,
                       stride_lb, stride_lh, stride_lm,
                       stride_mb, stride_mh, stride_mm, stride_mn,
                       H, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """One program: query tile ``program_id(0)`` of differential head ``program_id(1)`` (= b * H + h)."""
+                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                      DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: one query tile of one (batch, differential head); dQ of map 1 (``DQ_MAPS`` 1), map 2 (2)
+    or both (3)."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    off_bh = pid // n_m
+    start_m = (n_m - 1 - pid % n_m) * BLOCK_M
     b64 = (off_bh // H).to(tl.int64)
     h64 = (off_bh % H).to(tl.int64)
     g64 = h64 // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m64 = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Nq
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < 2 * HEAD_DIM
-    q_off = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q_mask = row_ok[:, None] & d_ok[None, :]
-    Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh
-    q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
-    q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_gb + h64 * stride_gh + offs_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
-                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    rows = start_m + offs_m
+    row_ok = rows < Nq
+    q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh + m64 * stride_qm
+    do = tl.load(DO + b64 * stride_gb + h64 * stride_gh + m64 * stride_gm + offs_m[:, None] * stride_gm
+                 + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM), other=0.0)
     LSE = LSE + off_bh.to(tl.int64) * 2 * Nq
     DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq
-    lse1 = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
-    lse2 = tl.load(LSE + Nq + offs_m, mask=row_ok, other=float("inf"))
-    delta1 = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-    dd = tl.load(DELTA + Nq + offs_m, mask=row_ok, other=0.0)
-    lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
+    lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=0.0)
     lam = lam.to(tl.float32)
-    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
-    K2 = K1 + stride_kh
-    V = V + b64 * stride_vb + g64 * stride_vh
-    MASK = MASK + b64 * stride_mb + h64 * stride_mh
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # the maps this program does not compute get placeholders (the loop never reads them)
+    q1, lse1, delta1 = do, lam, lam
+    q2, lse2, dd = do, lam, lam
+    if DQ_MAPS != 2:
+        q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
+        lse1 = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
+        delta1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    if DQ_MAPS != 1:
+        q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
+        lse2 = tl.load(LSE + Nq + rows, mask=row_ok, other=float("inf"))
+        dd = tl.load(DELTA + Nq + rows, mask=row_ok, other=0.0)
+    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
+    V = V + b64 * stride_vb + g64 * stride_vh
+    MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
 
-    hi = Nk
+    nk_full = (Nk // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(Nk, tl.maximum(start_m + BLOCK_M + (Nk - Nq), 0))
-    offs_nb = tl.arange(0, BLOCK_N)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_nb
-        col_ok = cols < Nk
-        kt_off = cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        kt_mask = d_ok[:, None] & col_ok[None, :]
-        k1t = tl.load(K1 + kt_off, mask=kt_mask, other=0.0)  # (d, BLOCK_N)
-        k2t = tl.load(K2 + kt_off, mask=kt_mask, other=0.0)
-        vt = tl.load(V + cols[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                     mask=dv_ok[:, None] & col_ok[None, :], other=0.0)  # (2d, BLOCK_N)
-        s1 = _dot(q1, k1t, None, DOT_PRECISION, UPCAST) * qk_scale
-        s2 = _dot(q2, k2t, None, DOT_PRECISION, UPCAST) * qk_scale
-        if HAS_MASK:
-            mvals = tl.load(MASK + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
-                            mask=row_ok[:, None] & col_ok[None, :], other=0)
-            if MASK_BOOL:
-                s1 = tl.where(mvals != 0, s1, float("-inf"))
-                s2 = tl.where(mvals != 0, s2, float("-inf"))
-            else:
-                s1 += mvals.to(tl.float32) * 1.4426950408889634
-                s2 += mvals.to(tl.float32) * 1.4426950408889634
-        p1 = tl.math.exp2(s1 - lse1[:, None])
-        p2 = tl.math.exp2(s2 - lse2[:, None])
-        visible = col_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + (Nk - Nq))
-        p1 = tl.where(visible, p1, 0.0)
-        p2 = tl.where(visible, p2, 0.0)
-        dp = _dot(do, vt, None, DOT_PRECISION, UPCAST).to(tl.float32)
-        ds1 = p1 * (dp - delta1[:, None])
-        ds2 = -lam[:, None] * p2 * (dp - dd[:, None])
-        dq1 = _dot(ds1.to(k1t.dtype), tl.trans(k1t), dq1, DOT_PRECISION, UPCAST)
-        dq2 = _dot(ds2.to(k2t.dtype), tl.trans(k2t), dq2, DOT_PRECISION, UPCAST)
+        full_hi = tl.minimum(nk_full, (tl.maximum(start_m + 1 + (Nk - Nq), 0) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Nk
+        full_hi = nk_full
+    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, dd, lam, K1, V, MASK, start_m, 0, full_hi,
+                           Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
+                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
+                           DOT_PRECISION, UPCAST)
+    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, dd, lam, K1, V, MASK, start_m, full_hi, hi,
+                           Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
+                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
+                           DOT_PRECISION, UPCAST)
 
-    DQ1 = DQ + b64 * stride_qb + (2 * h64) * stride_qh
-    tl.store(DQ1 + q_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
-    tl.store(DQ1 + stride_qh + q_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    DQ1 = DQ + b64 * stride_qb + (2 * h64) * stride_qh + m64 * stride_qm
+    if DQ_MAPS != 2:
+        tl.store(DQ1 + q_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    if DQ_MAPS != 1:
+        tl.store(DQ1 + stride_qh + q_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # ============================================================================================
-# mode switching and autotuning
+# plans, configurations, launching
 # ============================================================================================
 
-_tuned: dict[str, object] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the work is split into launches. ``fused``: both maps per program in every kernel (one forward
+    launch, one dK/dV launch, one dQ launch). ``split``: one map per forward program (two launches), dV and dK
+    in separate launches, one map per dQ program: each program holds half the accumulators."""
+
+    name: str
+    fwd_maps: tuple[int, ...]  # forward launches, in order: (0,) fused, or (2, 1): map 2 then map 1
+    kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches: (DV_OUT, DK_MAPS)
+    dq_maps: tuple[int, ...]  # dQ launches: DQ_MAPS 3 (both), or 1 and 2
 
 
-def _check_mode(device: torch.device) -> bool:
-    """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
-    interpret = _interpret_mode()
-    if type(_diff_attn_fwd).__name__ != type(tl.sum).__name__:
-        raise RuntimeError("diffattn_tutorial.triton_diff was imported under a different TRITON_INTERPRET "
-                           "setting than triton itself; set TRITON_INTERPRET once, before importing either")
-    if device.type != "cuda" and not interpret:
-        why = _LATE_INTERPRET if _interpret_requested() else (
-            f"backend='triton' needs CUDA tensors, or Triton's interpreter for {device.type} tensors (set "
-            f"os.environ['TRITON_INTERPRET'] = '1' before importing triton)")
-        raise RuntimeError(f"{why}; or use backend='naive', 'chunked' or 'sdpa'")
-    return interpret
+PLANS = {
+    "fused": Plan("fused", (0,), ((True, 3),), (3,)),
+    "split": Plan("split", (2, 1), ((True, 0), (False, 1), (False, 2)), (1, 2)),
+}
+SPLIT_FROM_HEAD_DIM = 128
+"""Head dims (padded) from which :func:`plan_for` splits the maps: at d = 128 two accumulators of 2d
+float32 per row (1024 per query row, forward) do not fit a program's registers next to the score tiles."""
 
 
-def _keep_fwd(cfg) -> bool:
-    """Drop forward configs whose two fp32 accumulators (BLOCK_M x 2d each) would spill registers,
-    or whose pipelined K1/K2/V tiles would not fit in shared memory."""
-    bm, bn, bd = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_D"]
-    acc_regs_per_thread = 2 * bm * 2 * bd / (cfg.num_warps * 32)
-    smem = cfg.num_stages * bn * (4 * bd) * 2
-    return acc_regs_per_thread <= 128 and smem <= 200 * 1024
+def plan_for(block_d: int) -> Plan:
+    """The plan the library uses for a padded head dim ``block_d``: fused up to 64, split at 128."""
+    return PLANS["split" if block_d >= SPLIT_FROM_HEAD_DIM else "fused"]
 
 
-def _keep_bwd(cfg) -> bool:
-    bm, bn, bd = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_D"]
-    rows = max(bm, bn)  # dK/dV programs keep 4d accumulators per key row, dQ programs 2d per query row
-    acc_regs_per_thread = rows * 4 * bd / (cfg.num_warps * 32)
-    smem = cfg.num_stages * max(bm, bn) * (4 * bd) * 2
-    return acc_regs_per_thread <= 128 and smem <= 200 * 1024
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-def _configs(block_d: int, keep, ms, ns, stages) -> list:
-    cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm in ms for bn in ns for w in (4, 8) for s in stages]
-    kept = []
-    for c in cfgs:
-        probe = triton.Config({**c.kwargs, "BLOCK_D": block_d}, num_warps=c.num_warps, num_stages=c.num_stages)
-        if keep(probe):
-            kept.append(c)
-    return kept or cfgs[:1]
+# (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
+# without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups, and for sm_80
+# without spills (tests/test_triton_compile.py; benchmarks/compile_facts.json has the numbers).
+_C = _cfg
+_CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "fused"): {
+        16: [_C(128, 64, 4, 3), _C(128, 64, 8, 2), _C(64, 64, 4, 3)],
+        32: [_C(128, 64, 8, 2), _C(128, 64, 4, 3), _C(64, 64, 4, 3)],
+        64: [_C(128, 32, 8, 3), _C(128, 32, 8, 4), _C(64, 32, 4, 2)],
+    },
+    ("_diff_attn_fwd", "map"): {
+        128: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 64, 4, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dkdv"): {
+        16: [_C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(64, 64, 4, 2)],
+        32: [_C(32, 128, 8, 2), _C(64, 64, 4, 2), _C(32, 64, 4, 2)],
+        64: [_C(32, 128, 8, 2), _C(32, 128, 8, 3), _C(16, 128, 8, 2), _C(16, 64, 4, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dv"): {
+        128: [_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 64, 4, 2), _C(16, 128, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk1"): {
+        128: [_C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 3), _C(64, 64, 4, 2)],
+    },
+    ("_diff_attn_bwd_dq", "dq2"): {
+        16: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2)],
+        32: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2)],
+        64: [_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 4, 2), _C(64, 32, 4, 3)],
+    },
+    ("_diff_attn_bwd_dq", "dq1"): {
+        128: [_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 4, 2), _C(64, 32, 4, 3)],
+    },
+}
+# float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only
+_FP32_FWD, _FP32_KV, _FP32_Q = [_C(32, 16, 4, 2)], [_C(16, 16, 4, 2)], [_C(32, 16, 4, 2)]
+_CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "fused"): {d: _FP32_FWD for d in (16, 32, 64)},
+    ("_diff_attn_fwd", "map"): {128: _FP32_FWD},
+    ("_diff_attn_bwd_dkdv", "dkdv"): {d: _FP32_KV for d in (16, 32, 64)},
+    ("_diff_attn_bwd_dkdv", "dv"): {128: _FP32_KV},
+    ("_diff_attn_bwd_dkdv", "dk1"): {128: _FP32_KV},
+    ("_diff_attn_bwd_dq", "dq2"): {d: _FP32_Q for d in (16, 32, 64)},
+    ("_diff_attn_bwd_dq", "dq1"): {128: [_C(16, 16, 4, 2)]},
+}
 
 
-def _tuned_kernel(name: str, block_d: int):
-    """The autotuned (GPU) version of kernel ``name`` for head-dim tile ``block_d`` (built once)."""
-    key = f"{name}:{block_d}"
+def _form(name: str, consts: dict) -> str:
+    """A short name for the kernel variant the constexprs select (the autotune lists are per variant)."""
+    if name == "_diff_attn_fwd":
+        return "fused" if consts["MAP"] == 0 else "map"
+    if name == "_diff_attn_bwd_dkdv":
+        dv, dk = consts["DV_OUT"], consts["DK_MAPS"]
+        return "dkdv" if dv and dk else ("dv" if dv else ("dk" if dk == 3 else "dk1"))
+    if name == "_diff_attn_bwd_dq":
+        return "dq2" if consts["DQ_MAPS"] == 3 else "dq1"
+    return "pre"
+
+
+def autotune_configs(name: str, consts: dict, dtype: torch.dtype) -> list[triton.Config]:
+    """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``);
+    the first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins."""
+    if name == "_diff_attn_bwd_preprocess":
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS_16BIT
+    by_d = table.get((name, _form(name, consts)), {})
+    return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "1") not in ("0", "", "false", "False")
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as the host code makes it (recorded by :func:`capture_launches`)."""
+
+    name: str
+    args: tuple
+    consts: dict
+    configs: list
+    dtype: torch.dtype
+
+
+_capture: Optional[list[Launch]] = None
+_tuned: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list[Launch]]:
+    """Record the kernel launches of :func:`triton_diff_attention` (forward and backward) instead of running
+    them, on tensors of any device; :mod:`diffattn_tutorial.triton_compile` compiles what it records."""
+    global _capture
+    saved, _capture = _capture, []
+    try:
+        yield _capture
+    finally:
+        _capture = saved
+
+
+_AUTOTUNE_KEYS = ("N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "MASK_KIND", "MASK_MIN")
+
+
+def _tuned_kernel(name: str, consts: dict, configs: list):
+    key = (name, _form(name, consts), consts.get("BLOCK_D"), tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                                                                   c.num_warps, c.num_stages) for c in configs))
     if key not in _tuned:
-        if name == "_diff_attn_fwd":
-            cfgs = _configs(block_d, _keep_fwd, (64, 128), (32, 64, 128), (2, 3, 4))
-        else:
-            cfgs = _configs(block_d, _keep_bwd, (32, 64, 128), (32, 64, 128), (1, 2, 3))
-        _tuned[key] = triton.autotune(cfgs, key=["N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_MASK"])(
-            globals()[name])
+        _tuned[key] = triton.autotune(configs, key=list(_AUTOTUNE_KEYS))(globals()[name])
     return _tuned[key]
 
 
-def _launch(name: str, grid_fn, args: tuple, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool):
-    """Launch kernel ``name``: fixed ``blocks`` (interpreter, or when given) or autotuned on a GPU."""
+def _launch(name: str, n_programs, args: tuple, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool,
+            dtype: torch.dtype) -> None:
+    """Launch kernel ``name`` on a 1-D grid of ``n_programs(meta)`` programs: the interpreter's fixed
+    blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
+    the autotuner over :func:`autotune_configs`."""
+    configs = autotune_configs(name, consts, dtype)
+    if _capture is not None:
+        _capture.append(Launch(name, args, dict(consts), configs, dtype))
+        return
+    kernel = globals()[name]
+    if name == "_diff_attn_bwd_preprocess":
+        kernel[(n_programs(consts),)](*args, **consts)
+        return
     if interpret or blocks is not None:
         bm, bn = blocks or (INTERPRETER_BLOCK, INTERPRETER_BLOCK)
         meta = {"BLOCK_M": bm, "BLOCK_N": bn}
-        globals()[name][grid_fn(meta)](*args, **consts, **meta)
+        same = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == (bm, bn)]
+        opts = {} if interpret else {"num_warps": same[0].num_warps if same else 4,
+                                     "num_stages": same[0].num_stages if same else 2}
+        kernel[(n_programs(meta),)](*args, **consts, **meta, **opts)
+    elif not autotune_enabled():
+        c = configs[0]
+        kernel[(n_programs(c.kwargs),)](*args, **consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
     else:
-        _tuned_kernel(name, consts["BLOCK_D"])[grid_fn](*args, **consts)
+        _tuned_kernel(name, consts, configs)[lambda meta: (n_programs(meta),)](*args, **consts)
+
+
+def chosen_configs() -> dict[str, dict]:
+    """What the autotuner picked so far, per kernel variant and key: ``{"fwd/fused/d64": {key: config}}``."""
+    picked = {}
+    for (name, form, block_d, _), tuner in _tuned.items():
+        cache = getattr(tuner, "cache", {})
+        picked[f"{name}/{form}/d{block_d}"] = {str(k): str(c) for k, c in cache.items()}
+    return picked
 
 
 # ============================================================================================
@@ -560,13 +810,28 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _mask_args(mask: Optional[Tensor], shape4: tuple[int, int, int, int], q: Tensor):
-    """``(tensor, strides, has_mask, is_bool)`` for the kernels (a dummy pointer when there is no mask)."""
+    """``(tensor, strides, kind, min)`` for the kernels (a dummy pointer when there is no mask). Additive masks
+    are read in their own dtype; their entries ``<= finfo(dtype).min`` count as masked."""
     if mask is None:
-        return q, (0, 0, 0, 0), False, False
+        return q, (0, 0, 0, 0), MASK_NONE, 0.0
     m = mask.expand(shape4)
     if m.dtype == torch.bool:
-        m = m.view(torch.uint8)  # same bytes; the kernels test != 0
-    return m, tuple(m.stride()), True, mask.dtype == torch.bool
+        return m.view(torch.uint8), tuple(m.stride()), MASK_BOOL, 0.0  # same bytes; the kernels test != 0
+    return m, tuple(m.stride()), MASK_ADD, float(torch.finfo(m.dtype).min)
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    """The kernels read the last dim with unit stride (16-byte vector loads). A tensor whose last dim is
+    strided, such as ``qkv.unflatten(-1, (heads, d, 3))[..., 0]`` of a fused projection, is copied once."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_offsets(**tensors: Tensor) -> None:
+    for name, t in tensors.items():
+        if t is not None and max((abs(s) for s in t.stride()), default=0) * MAX_TILE_ROWS >= 2**31:
+            raise ValueError(f"backend='triton': {name} has a stride of {max(t.stride())} elements, too large for "
+                             f"the kernels' int32 offsets inside a tile (limit {2**31 // MAX_TILE_ROWS}); pass "
+                             f"{name}.contiguous() or use backend='sdpa'")
 
 
 def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) -> Tensor:
@@ -587,58 +852,74 @@ def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) ->
     return schedule
 
 
+def _lam4(lam: Tensor, B: int, H: int, Nq: int) -> Tensor:
+    return lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
+
+
 class _DiffAttnFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lam, mask, causal, scale, blocks):
+    def forward(ctx, q, k, v, lam, mask, causal, scale, blocks, plan):
         B, H2, Nq, d = q.shape
         H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
         interpret = _interpret_mode()
-        lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
-        m, m_strides, has_mask, mask_bool = _mask_args(mask, (B, H, Nq, Nk), q)
+        lam4 = _lam4(lam, B, H, Nq)
+        m, m_strides, mask_kind, mask_min = _mask_args(mask, (B, H, Nq, Nk), q)
         needs_o2 = any(ctx.needs_input_grad[:4])
         out = torch.empty(B, H, Nq, 2 * d, device=q.device, dtype=q.dtype)
-        o2 = torch.empty_like(out) if needs_o2 else out
+        if plan.fwd_maps != (0,):  # split maps: o2 travels between the launches, in float32
+            o2 = torch.empty(B, H, Nq, 2 * d, device=q.device, dtype=torch.float32)
+        else:
+            o2 = torch.empty_like(out) if needs_o2 else out
         lse = torch.empty(B, H, 2, Nq, device=q.device, dtype=torch.float32)
         block_d = max(16, triton.next_power_of_2(d))
-        consts = dict(GROUP=H // Hkv, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), HAS_MASK=has_mask,
-                      MASK_BOOL=mask_bool, DOT_PRECISION=_dot_precision(q.dtype),
+        consts = dict(GROUP=H // Hkv, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), MASK_KIND=mask_kind,
+                      MASK_MIN=mask_min, DOT_PRECISION=_dot_precision(q.dtype),
                       UPCAST=interpret and q.dtype == torch.bfloat16)
         n_bucket = triton.next_power_of_2(max(Nq, Nk, 1))
         if out.numel():
-            _launch("_diff_attn_fwd", lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-                    (q, k, v, lam4, m, out, o2, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                     *lam4.stride()[:3], *m_strides, H, Nq, Nk, scale * LOG2E, n_bucket),
-                    dict(consts, STORE_O2=needs_o2), blocks, interpret)
-        ctx.save_for_backward(q, k, v, lam, m if has_mask else None, out, o2 if needs_o2 else None, lse)
-        ctx.setup = (causal, scale, blocks, consts, m_strides, n_bucket)
+            args = (q, k, v, lam4, m, out, o2, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                    *out.stride()[:3], *lam4.stride()[:3], *m_strides, H, Nq, Nk, scale * LOG2E, n_bucket)
+            for map_ in plan.fwd_maps:
+                _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
+                        dict(consts, MAP=map_, STORE_O2=needs_o2), blocks, interpret, q.dtype)
+        ctx.save_for_backward(q, k, v, lam, m if mask_kind else None, out, o2 if needs_o2 else None, lse)
+        ctx.setup = (causal, scale, blocks, consts, m_strides, n_bucket, plan)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, lam, m, out, o2, lse = ctx.saved_tensors
-        causal, scale, blocks, consts, m_strides, n_bucket = ctx.setup
+        causal, scale, blocks, consts, m_strides, n_bucket, plan = ctx.setup
         interpret = _interpret_mode()
         B, H2, Nq, d = q.shape
         H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
-        lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
+        lam4 = _lam4(lam, B, H, Nq)
+        dout = _unit_last_stride(dout)
+        _check_offsets(dout=dout)
         if m is None:
             m = q
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         delta = torch.zeros(B, H, 2, Nq, device=q.device, dtype=torch.float32)
         if out.numel() and Nk:
             pre_bm = INTERPRETER_BLOCK if interpret else 4096 // (2 * consts["BLOCK_D"])  # 3 tiles of 2d
-            _diff_attn_bwd_preprocess[(triton.cdiv(Nq, pre_bm), B * H)](
-                out, o2, dout, lam4, delta, *out.stride(), *dout.stride(), *lam4.stride()[:3], H, Nq,
-                HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm)
-            common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lam4.stride()[:3], *m_strides)
+            _launch("_diff_attn_bwd_preprocess", lambda meta: triton.cdiv(Nq, pre_bm) * B * H,
+                    (out, o2, dout, lam4, delta, *out.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], H, Nq),
+                    dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype)
+            common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3],
+                      *m_strides)
             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-                _launch("_diff_attn_bwd_dkdv", lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
-                        (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, H, Hkv, Nq, Nk, scale * LOG2E, scale,
-                         n_bucket), consts, blocks, interpret)
+                for dv_out, dk_maps in plan.kv_parts:
+                    if not (dv_out and ctx.needs_input_grad[2]) and not (dk_maps and ctx.needs_input_grad[1]):
+                        continue
+                    _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
+                            (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, H, Hkv, Nq, Nk, scale * LOG2E,
+                             scale, n_bucket), dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), blocks, interpret,
+                            q.dtype)
             if ctx.needs_input_grad[0]:
-                _launch("_diff_attn_bwd_dq", lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H),
-                        (q, k, v, lam4, m, dout, lse, delta, dq, *common, H, Nq, Nk, scale * LOG2E, scale,
-                         n_bucket), consts, blocks, interpret)
+                for dq_maps in plan.dq_maps:
+                    _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
+                            (q, k, v, lam4, m, dout, lse, delta, dq, *common, H, Nq, Nk, scale * LOG2E, scale,
+                             n_bucket), dict(consts, DQ_MAPS=dq_maps), blocks, interpret, q.dtype)
         dlam = None
         if ctx.needs_input_grad[3]:
             # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
@@ -647,12 +928,12 @@ class _DiffAttnFn(torch.autograd.Function):
             dlam = dlam.reshape(lam.shape).to(lam.dtype)
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dlam,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: bool = False,
                           attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-                          blocks: Optional[tuple[int, int]] = None) -> Tensor:
+                          blocks: Optional[tuple[int, int]] = None, plan: str = "auto") -> Tensor:
     """Differential attention with the fused Triton kernels (differentiable in ``q``, ``k``, ``v``, ``lam``).
 
     Shapes as :func:`diffattn_tutorial.functional.diff_attention` (which validates them and calls this
@@ -661,9 +942,11 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     broadcastable to ``(B, H, Nq, Nk)``. Returns ``(B, H, Nq, 2d)`` in q's dtype.
 
     ``blocks=(BLOCK_M, BLOCK_N)`` fixes the tile sizes (default: autotuned on a GPU, 16 x 16 in the
-    interpreter). Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
+    interpreter). ``plan``: ``"fused"``, ``"split"`` or ``"auto"`` (:func:`plan_for`: fused up to d = 64).
+    Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """
-    interpret = _check_mode(q.device)
+    if _capture is None:
+        _check_mode(q.device)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"backend='triton' runs float32, float16 and bfloat16, got {q.dtype}; for {q.dtype} use "
                         f"backend='naive' or 'chunked'")
@@ -673,9 +956,30 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
                          f"{2 * MAX_HEAD_DIM}), got d={d}; use backend='sdpa' or 'naive'")
     if blocks is not None and (len(blocks) != 2 or min(blocks) < 16 or any(b & (b - 1) for b in blocks)):
         raise ValueError(f"blocks must be two powers of two >= 16 (BLOCK_M, BLOCK_N), got {blocks}")
+    if plan not in ("auto", *PLANS):
+        raise ValueError(f"plan must be 'auto', 'fused' or 'split', got {plan!r}")
+    the_plan = plan_for(max(16, triton.next_power_of_2(d))) if plan == "auto" else PLANS[plan]
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
     lam = lam.to(device=q.device, dtype=q.dtype)
-    return _DiffAttnFn.apply(q, k, v, lam, attn_mask, bool(causal), scale, blocks)
+    return _DiffAttnFn.apply(q, k, v, lam, attn_mask, bool(causal), scale, blocks, the_plan)
 
 
-__all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "INTERPRETER_BLOCK", "MAX_HEAD_DIM"]
+def _check_mode(device: torch.device) -> bool:
+    """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
+    interpret = _interpret_mode()
+    if type(_diff_attn_fwd).__name__ != type(tl.sum).__name__:
+        raise RuntimeError("diffattn_tutorial.triton_diff was imported under a different TRITON_INTERPRET "
+                           "setting than triton itself; set TRITON_INTERPRET once, before importing either")
+    if device.type != "cuda" and not interpret:
+        why = _LATE_INTERPRET if _interpret_requested() else (
+            f"backend='triton' needs CUDA tensors, or Triton's interpreter for {device.type} tensors (set "
+            f"os.environ['TRITON_INTERPRET'] = '1' before importing triton)")
+        raise RuntimeError(f"{why}; or use backend='naive', 'chunked' or 'sdpa'")
+    return interpret
+
+
+__all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "plan_for", "autotune_configs",
+           "capture_launches", "chosen_configs", "Plan", "PLANS", "LOG2E", "INTERPRETER_BLOCK", "MAX_HEAD_DIM",
+           "AUTOTUNE_ENV"]

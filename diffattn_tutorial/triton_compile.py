@@ -1,0 +1,456 @@
+"""Compile the Triton kernels ahead of time for GPUs that are not here, and read what a GPU would meet.
+
+Triton's compiler runs on any machine: given a target (``GPUTarget("cuda", 90, 32)`` is an H100) it lowers a
+kernel to PTX and assembles it with the ``ptxas`` shipped inside the Triton wheel, whose ``-v`` report says how
+many registers each thread uses and how many bytes it spills to local memory. This module compiles every
+launch :func:`diffattn_tutorial.triton_diff.triton_diff_attention` makes (captured from the real host code, so
+the arguments, strides and constexprs are exactly those of a run) for every configuration its autotuner may
+pick, and records per compile (:class:`Facts`):
+
+* ``regs``, ``spill_stores``, ``spill_loads``, ``stack``: from ``ptxas -v`` (255 registers is the ceiling);
+* ``shared``: bytes of shared memory (limits: 227 KiB per block on an H100, 163 KiB on an A100);
+* ``wgmma`` / ``mma_sync``: Hopper's warpgroup matrix instructions vs the Ampere path, counted in the PTX,
+  and the ``wgmma`` shapes (``m64n64k16``...);
+* ``dup``: how many times a matrix product is computed redundantly. Triton spreads a dot over the warps of
+  a program; on Hopper each warpgroup (4 warps) owns 64 rows, so a dot of 64 rows run by 8 warps is done
+  twice, once per warpgroup (read from the layouts in the TTGIR);
+* ``p_via_smem``: the probabilities P change layout through shared memory before the ``P V`` product.
+
+:meth:`Facts.problems` turns them into failures: a compile error, any spill, shared memory over the limit,
+or on sm_90a a 16-bit dot that is not ``wgmma`` or a duplicated dot. ``tests/test_triton_compile.py`` runs a
+representative subset; ``python -m diffattn_tutorial.triton_compile --all`` runs every case and writes
+``benchmarks/compile_facts.json``.
+
+Triton's compiler cannot run in a process where ``TRITON_INTERPRET=1`` was set before triton was imported
+(the kernels are interpreter functions there), so :func:`compile_check` then runs itself in a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
+"""Target name -> (compute capability, shared memory a block may use, bytes: 227 KiB H100, 163 KiB A100)."""
+HEAD_DIMS = (16, 32, 64, 128)
+"""Every padded head dim the kernels support (d = 1..128 is padded to the next of these)."""
+DTYPES = ("bfloat16", "float16")
+SCHEMA = "diffattn-tutorial/compile_facts/1"
+FACTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_facts.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One workload; the host code decides which launches it makes (forward and backward)."""
+
+    head_dim: int
+    dtype: str = "bfloat16"
+    causal: bool = False
+    mask: str = "none"  # "none", "bool" or "additive"
+    group: int = 1  # GQA: differential heads per KV group
+    lam: str = "scalar"  # "scalar" or "token"
+    grad: bool = True  # training (forward stores o2, backward launches) or inference (forward only)
+    plan: str = "auto"  # the library's plan for the head dim, or "fused" / "split" to compare
+
+    @property
+    def label(self) -> str:
+        return (f"d{self.head_dim} {self.dtype}{' causal' if self.causal else ''}"
+                f"{'' if self.mask == 'none' else ' mask=' + self.mask}{' gqa' + str(self.group) if self.group > 1 else ''}"
+                f"{' lam=token' if self.lam == 'token' else ''}{'' if self.grad else ' inference'}"
+                f"{'' if self.plan == 'auto' else ' plan=' + self.plan}")
+
+
+@dataclasses.dataclass
+class Facts:
+    """What compiling one launch with one configuration for one target showed."""
+
+    kernel: str
+    form: str
+    case: str
+    arch: str
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    pinned: bool
+    regs: Optional[int] = None
+    spill_stores: Optional[int] = None
+    spill_loads: Optional[int] = None
+    stack: Optional[int] = None
+    shared: Optional[int] = None
+    dots: int = 0
+    wgmma: int = 0
+    mma_sync: int = 0
+    wgmma_shapes: tuple = ()
+    dup: float = 1.0
+    p_via_smem: bool = False
+    compile_s: float = 0.0
+    error: str = ""
+
+    @property
+    def config(self) -> str:
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+    def problems(self) -> list[str]:
+        """Why this compile would fail on the GPU or run slowly there; empty if none."""
+        if self.error:
+            return [f"compile error: {self.error}"]
+        out = []
+        if (self.spill_stores or 0) or (self.spill_loads or 0):
+            out.append(f"register spills: {self.spill_stores} B stored, {self.spill_loads} B loaded")
+        limit = ARCHS[self.arch][1]
+        if (self.shared or 0) > limit:
+            out.append(f"shared memory {self.shared} B over the {self.arch} limit {limit} B")
+        if self.arch == "sm_90a" and self.dtype != "float32" and self.dots:
+            if self.mma_sync or not self.wgmma:
+                out.append(f"16-bit dots not on wgmma ({self.mma_sync} mma.sync, {self.wgmma} wgmma)")
+            if self.dup > 1:
+                out.append(f"a dot is computed {self.dup:g} times (warpgroups over the same rows)")
+        return out
+
+    def row(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["wgmma_shapes"] = list(self.wgmma_shapes)
+        return d
+
+
+def _interpreted() -> bool:
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# capture the launches of a case, from the real host code
+# ----------------------------------------------------------------------------------------------------------
+
+
+def launches_for(case: Case, n: int = 1024):
+    """The kernel launches ``diff_attention(..., backend="triton")`` makes for ``case`` (forward + backward),
+    recorded on small CPU tensors (contiguous, like a real run; lengths a multiple of 16 as at N = 8192)."""
+    import torch
+
+    from diffattn_tutorial.triton_diff import capture_launches, triton_diff_attention
+
+    dtype = getattr(torch, case.dtype)
+    B, Hkv, d = 1, 2, case.head_dim
+    H = Hkv * case.group
+    q = torch.zeros(B, 2 * H, n, d, dtype=dtype)
+    k = torch.zeros(B, 2 * Hkv, n, d, dtype=dtype)
+    v = torch.zeros(B, Hkv, n, 2 * d, dtype=dtype)
+    lam = (torch.zeros(B, H, n, 1, dtype=dtype) if case.lam == "token" else torch.zeros((), dtype=dtype))
+    for t in (q, k, v, lam):
+        t.requires_grad_(case.grad)
+    mask = None
+    if case.mask == "bool":
+        mask = torch.ones(B, 1, n, n, dtype=torch.bool)
+    elif case.mask == "additive":
+        mask = torch.zeros(B, 1, n, n, dtype=dtype)
+    with capture_launches() as launches:
+        out = triton_diff_attention(q, k, v, lam, causal=case.causal, attn_mask=mask, plan=case.plan)
+        if case.grad:
+            out.backward(torch.zeros_like(out))
+    from triton.runtime.jit import MockTensor
+
+    for launch in launches:  # the compiler needs only each tensor's dtype (and 16-byte alignment, which holds)
+        assert all(a.data_ptr() % 16 == 0 for a in launch.args if isinstance(a, torch.Tensor))
+        launch.args = tuple(MockTensor(a.dtype) if isinstance(a, torch.Tensor) else a for a in launch.args)
+    return launches
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compile one launch
+# ----------------------------------------------------------------------------------------------------------
+
+_MMA_LAYOUT = re.compile(r"^#(\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+).*?warpsPerCTA = \[(\d+), (\d+)\]"
+                         r"(?:.*?instrShape = \[(\d+), (\d+)(?:, \d+)?\])?", re.M)
+_DOT = re.compile(r"(?:ttng\.warp_group_dot|tt\.dot) .*-> tensor<(\d+)x(\d+)xf32, #(\w+)>")
+_CONVERT_P = re.compile(r"ttg\.convert_layout %\S+ : tensor<\S+, #(\w+)> -> tensor<\S+, #ttg\.dot_op<\{opIdx = 0, "
+                        r"parent = #(\w+)")
+_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def analyse_ttgir(ttgir: str) -> tuple[int, float, bool]:
+    """``(dots, dup, p_via_smem)`` from Triton's GPU IR: the number of dots, the worst duplication factor
+    (rows or columns the warps of a dot's layout cover, over the rows or columns it has), and whether an
+    operand goes from one MMA layout to another with different warps (a round trip through shared memory)."""
+    layouts = {}
+    for name, major, wm, wn, _im, inn in _MMA_LAYOUT.findall(ttgir):
+        per_warp_cols = int(inn) if (major == "3" and inn) else 8
+        layouts[name] = (int(wm), int(wn), per_warp_cols)
+    dots, dup = 0, 1.0
+    for rows, cols, layout in _DOT.findall(ttgir):
+        dots += 1
+        if layout in layouts:
+            wm, wn, per_warp_cols = layouts[layout]
+            covered_rows, covered_cols = wm * 16, wn * per_warp_cols
+            dup = max(dup, max(1.0, covered_rows / int(rows)) * max(1.0, covered_cols / int(cols)))
+    p_via_smem = any(src in layouts and dst in layouts and layouts[src][:2] != layouts[dst][:2]
+                     for src, dst in _CONVERT_P.findall(ttgir))
+    return dots, dup, p_via_smem
+
+
+def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
+    """Compile ``launch`` with ``config`` for ``arch`` (a key of :data:`ARCHS`) and read the facts."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from diffattn_tutorial import triton_diff
+
+    fn = getattr(triton_diff, launch.name)
+    capability, _ = ARCHS[arch]
+    kw = dict(launch.consts)
+    kw.update(config.kwargs)
+    facts = Facts(kernel=launch.name, form=triton_diff._form(launch.name, launch.consts), case=case.label,
+                  arch=arch, dtype=case.dtype, head_dim=launch.consts.get("BLOCK_D", 0),
+                  block_m=kw.get("BLOCK_M", 0), block_n=kw.get("BLOCK_N", 0), num_warps=config.num_warps,
+                  num_stages=config.num_stages, pinned=pinned)
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*launch.args, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
+    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        with knobs.nvidia.scope(), knobs.cache.scope(), tempfile.TemporaryDirectory() as tmp:
+            knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed by Triton's own ptxas call
+            knobs.cache.dir = tmp  # a fresh cache: always compile, so the report is always printed
+            with contextlib.redirect_stdout(log):
+                kernel = triton.compile(src, target=target, options=options.__dict__)
+    except Exception as e:  # noqa: BLE001 - a compile error is a fact to report
+        facts.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        facts.compile_s = time.perf_counter() - t0
+        return facts
+    facts.compile_s = time.perf_counter() - t0
+    report = log.getvalue()
+    m = _PTXAS.search(report)
+    if m:
+        facts.stack, facts.spill_stores, facts.spill_loads = map(int, m.groups())
+    m = _REGS.search(report)
+    if m:
+        facts.regs = int(m.group(1))
+    facts.shared = int(kernel.metadata.shared)
+    ptx = kernel.asm["ptx"]
+    facts.wgmma = ptx.count("wgmma.mma_async")
+    facts.mma_sync = len(re.findall(r"\bmma\.sync\b", ptx))
+    facts.wgmma_shapes = tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))))
+    facts.dots, facts.dup, facts.p_via_smem = analyse_ttgir(kernel.asm["ttgir"])
+    return facts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases, the whole check, the facts file
+# ----------------------------------------------------------------------------------------------------------
+
+
+def all_cases(head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[str] = DTYPES) -> list[tuple[Case, bool]]:
+    """``(case, every_config)`` for the full check: per dtype and head dim, every autotune configuration of
+    the plain training case, of the heaviest variant (causal, additive mask, per-token lambda) and of the
+    inference forward; the pinned configuration of the other variants whose code differs (a bool mask,
+    GQA 4:1 with its dK/dV loop over heads)."""
+    cases = []
+    for dt in dtypes:
+        for d in head_dims:
+            cases += [(Case(d, dt), True), (Case(d, dt, causal=True, mask="additive", lam="token"), True),
+                      (Case(d, dt, grad=False), True), (Case(d, dt, mask="bool"), False),
+                      (Case(d, dt, group=4), False)]
+    return cases
+
+
+def subset_cases() -> list[tuple[Case, bool]]:
+    """The representative subset the test suite compiles: bf16, the pinned configuration of every launch of
+    the plain training case at d = 64 (fused plan) and d = 128 (split plan)."""
+    return [(Case(64, "bfloat16"), False), (Case(128, "bfloat16"), False)]
+
+
+def _work(cases: Iterable[tuple[Case, bool]], archs: Sequence[str], every_config: Optional[bool] = None):
+    """``(launch, config, arch, case, pinned)`` for every distinct compile (same kernel, constexprs, argument
+    specialisation and configuration compiled once, under the first case that needs it). ``every_config``
+    overrides each case's own choice between every configuration and the pinned one."""
+    seen = set()
+    for case, every in cases:
+        every = every if every_config is None else every_config
+        for launch in launches_for(case):
+            configs = launch.configs if every else launch.configs[:1]
+            for i, config in enumerate(configs):
+                for arch in archs:
+                    spec = tuple(sorted((k, str(v)) for k, v in launch.consts.items()))
+                    args = tuple((type(a).__name__, str(getattr(a, "dtype", "")),
+                                  a if isinstance(a, int) and a in (0, 1) else
+                                  (a % 16 == 0 if isinstance(a, int) else None)) for a in launch.args)
+                    key = (launch.name, spec, args, str(config), arch)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    yield launch, config, arch, case, i == 0
+
+
+def _compile_job(job) -> dict:
+    launch, config, arch, case, pinned = job
+    return compile_one(launch, config, arch, case, pinned).row()
+
+
+def _run_here(cases: Sequence[tuple[Case, bool]], archs: Sequence[str], every_config: Optional[bool], jobs: int,
+              progress=None) -> list[Facts]:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
+    work = list(_work(cases, archs, every_config))
+    rows = []
+    if jobs > 1 and len(work) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs) as pool:
+            for row in pool.map(_compile_job, [(w[0], w[1], w[2], w[3], w[4]) for w in work]):
+                rows.append(row)
+                if progress:
+                    progress(Facts(**{**row, "wgmma_shapes": tuple(row["wgmma_shapes"])}))
+    else:
+        for w in work:
+            rows.append(_compile_job(w))
+            if progress:
+                progress(Facts(**{**rows[-1], "wgmma_shapes": tuple(rows[-1]["wgmma_shapes"])}))
+    return [Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in rows]
+
+
+def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Sequence[str] = ("sm_90a",), *,
+                  every_config: Optional[bool] = None, jobs: int = 1) -> list[Facts]:
+    """Compile the launches of ``cases`` (``(case, every_config)`` pairs, default :func:`subset_cases`) for
+    ``archs``: the pinned configuration of each launch, or every configuration its autotuner may pick. Runs
+    in a subprocess when this process's triton is in interpreter mode. Returns one :class:`Facts` per
+    distinct compile."""
+    cases = list(subset_cases() if cases is None else cases)
+    if not _interpreted():
+        return _run_here(cases, archs, every_config, jobs)
+    spec = json.dumps({"cases": [[dataclasses.asdict(c), e] for c, e in cases], "archs": list(archs),
+                       "every_config": every_config, "jobs": jobs})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.triton_compile", "--spec", spec, "--json", "-"],
+                          capture_output=True, text=True, env=env, check=False)
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"the compile-check subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = json.loads(proc.stdout)["facts"]
+    return [Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in rows]
+
+
+def source_hash() -> str:
+    """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
+    from diffattn_tutorial import triton_diff
+
+    h = hashlib.sha256()
+    for name in sorted(dir(triton_diff)):
+        obj = getattr(triton_diff, name)
+        src = getattr(obj, "src", None)
+        if isinstance(src, str) and hasattr(obj, "arg_names"):
+            h.update(name.encode() + src.encode())
+    for table in (triton_diff._CONFIGS_16BIT, triton_diff._CONFIGS_FP32):
+        h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
+                 .encode())
+    h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in triton_diff.PLANS.items())).encode())
+    return h.hexdigest()[:16]
+
+
+def table(facts: Sequence[Facts]) -> str:
+    """A Markdown table of the facts, one row per compile."""
+    lines = ["| kernel | form | d | dtype | arch | config | regs | spills st/ld | smem KiB | wgmma shapes | mma.sync "
+             "| dup | problems |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in facts:
+        probs = "; ".join(f.problems()) or "-"
+        lines.append(f"| {f.kernel.replace('_diff_attn_', '')} | {f.form} | {f.head_dim} | {f.dtype} | {f.arch} | "
+                     f"{f.config}{' (pinned)' if f.pinned else ''} | {f.regs} | {f.spill_stores}/{f.spill_loads} | "
+                     f"{(f.shared or 0) / 1024:.0f} | {' '.join(f.wgmma_shapes) or '-'} | {f.mma_sync} | {f.dup:g} | "
+                     f"{probs} |")
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    import platform
+
+    import torch
+    import triton
+
+    return {"triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description="Compile the Triton kernels for sm_90a / sm_80 without a GPU and "
+                                             "check registers, spills, shared memory and wgmma.")
+    ap.add_argument("--all", action="store_true", help="every case (all head dims, bf16 and fp16, variants), "
+                                                       "every autotune configuration, sm_90a and sm_80")
+    ap.add_argument("--archs", nargs="+", default=None, choices=sorted(ARCHS))
+    ap.add_argument("--head-dims", type=int, nargs="+", default=None)
+    ap.add_argument("--dtypes", nargs="+", default=None, choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--every-config", action="store_true", help="all autotune configurations, not the pinned one")
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    ap.add_argument("--write", type=Path, nargs="?", const=FACTS_FILE, default=None,
+                    help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[1])})")
+    ap.add_argument("--json", default=None, help="write the facts as JSON to this path ('-': stdout)")
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if _interpreted():
+        raise SystemExit("run this without TRITON_INTERPRET=1 (the compiler needs the real @triton.jit kernels)")
+    if args.spec:
+        spec = json.loads(args.spec)
+        cases = [(Case(**c), e) for c, e in spec["cases"]]
+        archs, every, jobs = spec["archs"], spec["every_config"], spec["jobs"]
+    else:
+        every = True if args.every_config else None
+        archs = args.archs or (list(ARCHS) if args.all else ["sm_90a"])
+        jobs = args.jobs
+        if args.all or args.head_dims or args.dtypes:
+            cases = all_cases(args.head_dims or HEAD_DIMS, args.dtypes or DTYPES)
+        else:
+            cases = subset_cases()
+    quiet = args.json == "-"
+    t0 = time.perf_counter()
+
+    def progress(f: Facts) -> None:
+        if not quiet:
+            probs = "; ".join(f.problems()) or "ok"
+            print(f"{f.kernel:<26} {f.form:<5} d{f.head_dim:<3} {f.dtype:<8} {f.arch:<6} {f.config:<15} "
+                  f"regs {f.regs} spill {f.spill_stores}/{f.spill_loads} smem {f.shared} "
+                  f"wgmma {','.join(f.wgmma_shapes) or '-'} dup {f.dup:g} {f.compile_s:.1f}s: {probs}", flush=True)
+
+    facts = _run_here(cases, archs, every, jobs, progress)
+    bad = [f for f in facts if f.problems()]
+    result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                                              "source_hash": source_hash(), "archs": list(archs),
+                                              "every_config": every, "wall_s": round(time.perf_counter() - t0, 1)},
+              "cases": [c.label + (" (every config)" if (e if every is None else every) else "") for c, e in cases],
+              "facts": [f.row() for f in facts]}
+    if args.json:
+        text = json.dumps(result, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    if args.write:
+        args.write.write_text(json.dumps(result, indent=1) + "\n")
+    if not quiet:
+        print(f"{len(facts)} compiles in {time.perf_counter() - t0:.0f} s, {len(bad)} with problems")
+        for f in bad:
+            print(f"  {f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: "
+                  f"{'; '.join(f.problems())}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
