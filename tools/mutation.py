@@ -238,6 +238,14 @@ class _Sites(ast.NodeVisitor):
     def visit_Subscript(self, node: ast.Subscript):
         idx = node.slice
         parts = idx.elts if isinstance(idx, ast.Tuple) else [idx]
+        for sub in ast.walk(idx):  # an integer index or slice bound: one position off
+            v = _int_value(sub)
+            if v is not None and id(sub) not in self.skip_constants:
+                self.skip_constants.add(id(sub))
+                if isinstance(sub, ast.UnaryOp):
+                    self.skip_constants.add(id(sub.operand))
+                self.add("index", sub, ast.Constant(v + 1))
+                self.add("index", sub, ast.Constant(v - 1))
         for i, part in enumerate(parts):
             if isinstance(part, ast.Slice):
                 lo, hi = part.lower, part.upper
@@ -425,9 +433,11 @@ def mutants_of(source: str, *, notebook: str, task: int) -> list[Mutant]:
             before = before.splitlines()[0] + " ..."
         else:
             after = new if isinstance(new, str) else ast.unparse(new)
-            if isinstance(node, ast.expr) and not isinstance(node, (ast.Name, ast.Constant, ast.Attribute,
-                                                                      ast.Call, ast.Subscript, ast.List)):
-                after = f"({after})"  # keep precedence when an operator node becomes something else
+            atom = isinstance(new, str) or isinstance(new, (ast.Name, ast.Attribute, ast.Call, ast.Subscript,
+                                                               ast.List, ast.Tuple)) \
+                or isinstance(new, ast.Constant) and not (isinstance(new.value, (int, float)) and new.value < 0)
+            if isinstance(node, ast.expr) and not atom:
+                after = f"({after})"  # keep precedence when an expression becomes an operator expression
             text = (raw[:a] + after.encode() + raw[b:]).decode()
         if text in seen:
             continue
@@ -541,6 +551,11 @@ def run_notebook(path: Path, *, only_task: Optional[int] = None, timeout: int = 
                 task = task_cells[i]
                 check_src = nb.cells[task.check_cell].source
                 if only_task is None or only_task == task.number:
+                    original = _run_mutant(Mutant(path.stem, task.number, "none", "", "", cell.source), ns,
+                                           check_src, timeout)
+                    if original is None or original.status != SURVIVED:
+                        raise RuntimeError(f"{path.name}: the solution of TASK {task.number} fails its own check: "
+                                           f"{original.message if original else ''}")
                     for m in mutants_of(cell.source, notebook=path.stem, task=task.number):
                         outcome = _run_mutant(m, ns, check_src, timeout)
                         if outcome is not None:

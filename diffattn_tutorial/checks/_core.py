@@ -8,7 +8,8 @@ In Jupyter (IPython) a failed check shows one line, ``FAILED: <hint>``, and a st
 ``NotImplementedError`` shows ``TASK n not attempted yet: ...`` (:class:`NotAttempted`): both exceptions render
 themselves through IPython's ``_render_traceback_``, so the learner never sees a traceback into the check's
 source (which holds the right answer). Every public check is wrapped by :func:`exercise_check`, which also
-turns anything unexpected into a one-line :class:`CheckFailed`.
+turns anything unexpected into a one-line :class:`CheckFailed`; it runs the check on one CPU thread (its inputs
+are tiny, and small ops on several threads crawl when another process holds a core).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
     def decorate(check: Callable) -> Callable:
         @functools.wraps(check)
         def wrapper(fn, *args, **kwargs):
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # the inputs are tiny: one thread is fastest, and steady on a busy machine
             try:
                 return check(fn, *args, **kwargs)
             except NotImplementedError:
@@ -69,6 +72,8 @@ def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
             except Exception as e:  # noqa: BLE001 - a learner's odd return value must not show the check's source
                 raise CheckFailed(f"the check could not use what `{name}` returned ({type(e).__name__}: "
                                   f"{_first_line(e)}); compare its type and shape with the docstring") from None
+            finally:
+                torch.set_num_threads(threads)
 
         wrapper.task, wrapper.function_name = task, name  # type: ignore[attr-defined]
         return wrapper

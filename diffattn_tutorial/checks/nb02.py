@@ -116,6 +116,10 @@ def check_answer_noise_shares(fn: Callable) -> None:
             "the pair is in the wrong order: return (to_answer, to_noise)": exp_n,
             "averaged instead of summed: the share is the sum of the attention weights on the answer positions":
                 (attn * a_f).sum(-1) / a_f.sum(-1).clamp_min(1),
+            "averaged over all keys instead of summed: the share is the sum of the attention weights on the "
+            "answer positions": (attn * a_f).mean(-1),
+            "the answer mask is not applied: the share counts only the weights on the answer positions":
+                attn.sum(-1),
             **{hint: (m * a_f).sum(-1) for hint, m in maps.items()},
             **({_OUT_SIGN_HINT.format(name="to_answer"): exp_a.abs()} if diff else {}),
             **({_OUT_SIGN_HINT.format(name="to_answer") + " (here it was clamped at 0)": exp_a.clamp(min=0)}
@@ -129,6 +133,10 @@ def check_answer_noise_shares(fn: Callable) -> None:
             "the pair is in the wrong order: return (to_answer, to_noise)": exp_a,
             "averaged instead of summed: the share is the sum of the attention weights on the noise positions":
                 (attn * n_f).sum(-1) / n_f.sum(-1),
+            "averaged over all keys instead of summed: the share is the sum of the attention weights on the "
+            "noise positions": (attn * n_f).mean(-1),
+            "the noise mask is not applied: the share counts only the weights on the noise positions":
+                attn.sum(-1),
             **{hint: (m * n_f).sum(-1) for hint, m in maps.items()},
             **({_OUT_SIGN_HINT.format(name="to_noise"): exp_n.abs()} if diff else {}),
             **({_OUT_SIGN_HINT.format(name="to_noise") + " (here it was clamped at 0)": exp_n.clamp(min=0)}

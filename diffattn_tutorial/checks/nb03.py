@@ -98,6 +98,12 @@ def check_diff_attn(fn: Callable) -> None:
                 "as it is, no absolute value or clamp": diff_attention(q, k, v, lam.abs(), backend="naive"),
                 "lambda was clamped at 0: lambda can be negative (notebook 04's re-parameterisation allows it); use "
                 "it as it is": diff_attention(q, k, v, lam.clamp(min=0), backend="naive")} if lam_v < 0 else {}),
+            "added the second map: differential attention subtracts lambda times map 2 from map 1":
+                diff_attention(q, k, v, -lam, backend="naive"),
+            "the second map is missing: the output is map 1 minus lambda times map 2":
+                diff_attention(q, k, v, 0.0, backend="naive"),
+            "the difference is the wrong way round (lambda A2 - A1): it is map 1 minus lambda times map 2":
+                -diff_attention(q, k, v, lam, backend="naive"),
         })
     B, H, nq, nk, d, lam_v = _CASES[0]
     expect_grads(

@@ -31,6 +31,8 @@ def check_lambda_init(fn: Callable) -> None:
         "the exponent has the wrong sign: exp(-0.3 * depth) decays with depth": 0.8 - 0.6 * torch.exp(0.3 * dep),
         "the constants are swapped: 0.8 - 0.6 * exp(-0.3 * depth)": 0.6 - 0.8 * torch.exp(-0.3 * dep),
         "added instead of subtracted: 0.8 - 0.6 * exp(-0.3 * depth)": 0.8 + 0.6 * torch.exp(-0.3 * dep),
+        "used a base-2 exponential: the formula uses the natural exponential, e to the power -0.3 depth":
+            0.8 - 0.6 * torch.exp2(-0.3 * dep),
     }, atol=1e-9)
     passed(f"lambda_init(0) = {lambda_init_fn(0):.1f}, rising towards 0.8 with depth (0-based).")
 
@@ -71,6 +73,12 @@ def check_reparam_lambda(fn: Callable) -> None:
             "took one exp of the difference: lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, two exps":
                 torch.exp(_dot(q1, k1) - _dot(q2, k2)) + li,
             "subtracted lambda_init: it is added": reparam_lambda(q1, k1, q2, k2, -li),
+            "added the two exponentials: the second one is subtracted, which is what lets lambda go below "
+            "lambda_init": torch.exp(_dot(q1, k1)) + torch.exp(_dot(q2, k2)) + li,
+            "used a base-2 exponential: lambda uses the natural exponential": torch.exp2(_dot(q1, k1))
+                - torch.exp2(_dot(q2, k2)) + li,
+            "averaged the products: a dot product sums the elementwise products": torch.exp((q1 * k1).mean(-1))
+                - torch.exp((q2 * k2).mean(-1)) + li,
         }
         if d == 1:  # exp-before-sum equals the right answer for one element; skip that hint
             wrong.pop(next(h for h in wrong if h.startswith("took exp before")))

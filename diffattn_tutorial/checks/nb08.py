@@ -29,8 +29,8 @@ _CASES = [
     (2, 2, 2, 9, 9, 4, True, "scalar"),  # causal, Nq == Nk
     (1, 4, 1, 3, 10, 8, True, "per_token"),  # causal with a KV cache: Nq < Nk (bottom-right), GQA
     (1, 2, 2, 4, 11, 4, False, "scalar"),  # cross-length, not causal
-    (2, 2, 1, 2, 2, 4, False, "per_head"),  # GQA with as many heads as batch elements and tokens
-    (1, 2, 1, 1, 5, 4, True, "per_token"),  # decoding one token from a cache, GQA: Nq == Hkv == 1
+    (4, 4, 2, 3, 5, 4, False, "per_head"),  # GQA with as many heads as batch elements
+    (1, 4, 2, 2, 4, 4, True, "per_token"),  # decoding two tokens from a cache, GQA: Nq == Hkv, H == Nk
 ]
 
 
