@@ -1,0 +1,229 @@
+"""Checks for ``exercises/11_diff_attention_in_the_wild.ipynb``: fixing the bugs of public implementations.
+
+1. axonml's ``DifferentialAttention`` (a frozen copy of lambda, an ignored mask), on its per-head halves layout;
+2. the Introspective fork's causal mask over concatenated paths (flash-attn aligns it bottom-right);
+3. vasqu's four-call SDPA formulation under GQA (both maps of a head read the same key map);
+4. Hugging Face DiffLlama's halves pairing, reordered into this library's adjacent pairs.
+
+References: ``functional.diff_attention`` and ``causal_mask``, ``interop``'s DiffLlama row order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from einops import rearrange
+
+from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.functional import causal_mask, diff_attention
+from diffattn_tutorial.interop import _diffllama_order, _permute_maps
+from diffattn_tutorial.rope import interleaved_to_half_split
+
+__all__ = ["check_axonml_fixed", "check_block_causal_mask", "check_four_calls_gqa", "check_diffllama_rows"]
+
+Tensor = torch.Tensor
+
+
+# --- TASK 1: axonml -------------------------------------------------------------------------------------------
+
+def _halves_to_maps(t: Tensor) -> Tensor:
+    """axonml's layout ``(B, H, N, 2d)`` (map 1 = first half of each head) -> this library's ``(B, 2H, N, d)``."""
+    return rearrange(t, "b h n (two d) -> b (h two) n d", two=2)
+
+
+def _axonml_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], *,
+                scale: Optional[float] = None, swap: bool = False, mask_maps: str = "both") -> Tensor:
+    """Differential attention on axonml's layout; the keywords build the wrong answers."""
+    q, k = _halves_to_maps(q), _halves_to_maps(k)
+    d = q.shape[-1]
+    s = d ** -0.5 if scale is None else scale
+    q1, q2, k1, k2 = q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
+    if swap:
+        q1, q2, k1, k2 = q2, q1, k2, k1
+    s1, s2 = q1 @ k1.transpose(-1, -2) * s, q2 @ k2.transpose(-1, -2) * s
+    if attn_mask is not None and mask_maps in ("both", "first"):
+        s1 = s1.masked_fill(~attn_mask, float("-inf"))
+    if attn_mask is not None and mask_maps in ("both", "second"):
+        s2 = s2.masked_fill(~attn_mask, float("-inf"))
+    a1, a2 = torch.softmax(s1, -1), torch.softmax(s2, -1)
+    if attn_mask is not None and mask_maps == "after":
+        a1, a2 = a1 * attn_mask, a2 * attn_mask
+    return (a1 - lam * a2) @ v
+
+
+def _axonml_mask(kind: str, b: int, nq: int, nk: int, lengths: list[int]) -> Optional[Tensor]:
+    if kind == "none":
+        return None
+    m = causal_mask(nq, nk)[None, None].expand(b, 1, nq, nk).clone()
+    if kind == "causal+padding":
+        m &= (torch.arange(nk)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    return m
+
+
+# (B, H, N, d, lam, mask): mask kinds "causal", "causal+padding" (right padding: no row fully masked), "none"
+_AXON_CASES = [(2, 2, 6, 4, 0.05, "causal"), (2, 3, 7, 8, 0.6, "causal+padding"), (1, 4, 5, 2, -0.3, "causal+padding"),
+               (3, 1, 4, 4, 0.8, "none")]
+
+
+@exercise_check(task=1, name="axonml_fixed")
+def check_axonml_fixed(fn: Callable) -> None:
+    """``fn(q, k, v, lam, attn_mask)``: q, k ``(B, H, N, 2d)`` whose first/second halves are maps 1/2, v
+    ``(B, H, N, 2d)``, lam a 0-dim tensor, attn_mask bool ``(B, 1, N, N)`` (True = may attend) or None ->
+    ``(softmax(q1 k1^T / sqrt d) - lam softmax(q2 k2^T / sqrt d)) v``, masked, with a gradient to lam."""
+    what = "axonml_fixed"
+    for i, (B, H, N, d, lam_v, kind) in enumerate(_AXON_CASES):
+        q, k = randn(B, H, N, 2 * d, seed=1100 + i) * 1.5, randn(B, H, N, 2 * d, seed=1110 + i) * 1.5
+        v, lam = randn(B, H, N, 2 * d, seed=1120 + i), torch.tensor(lam_v, dtype=torch.float64)
+        mask = _axonml_mask(kind, B, N, N, [N, N - 2, N - 1][:B] if B <= 3 else [N] * B)
+        expected = diff_attention(_halves_to_maps(q), _halves_to_maps(k), v, lam, attn_mask=mask, backend="naive")
+        got = call(fn, q, k, v, lam, mask, what=what)
+        wrong = {}
+        if mask is not None:
+            wrong.update({
+                "the mask is ignored (axonml's bug: its attn_mask argument is never read). Set the scores of "
+                "masked keys to -inf before each softmax": _axonml_ref(q, k, v, lam, None),
+                "only map 1 is masked: the same mask applies to both softmax maps":
+                    _axonml_ref(q, k, v, lam, mask, mask_maps="first"),
+                "only map 2 is masked: the same mask applies to both softmax maps":
+                    _axonml_ref(q, k, v, lam, mask, mask_maps="second"),
+                "the mask zeroes the weights after the softmax, so the rows no longer sum to 1: mask the scores "
+                "(-inf) before each softmax": _axonml_ref(q, k, v, lam, mask, mask_maps="after"),
+            })
+        wrong.update({
+            "scaled by 1/sqrt(2d), the full head width: each map has width d (half the head), so the scale is "
+            "1/sqrt(d)": _axonml_ref(q, k, v, lam, mask, scale=(2 * d) ** -0.5),
+            "the maps are swapped: map 1 is the first half of each head's q and k": _axonml_ref(q, k, v, lam, mask,
+                                                                                             swap=True),
+            "the second map is added: it is map 1 minus lambda times map 2":
+                _axonml_ref(q, k, v, -lam, mask),
+        })
+        expect(got, expected, what=what, wrong=wrong)
+    B, H, N, d, lam_v, kind = _AXON_CASES[1]
+    mask = _axonml_mask(kind, B, N, N, [N, N - 2])
+    expect_grads(
+        fn, lambda q, k, v, lam, m: diff_attention(_halves_to_maps(q), _halves_to_maps(k), v, lam, attn_mask=m,
+                                                   backend="naive"),
+        {"q": randn(B, H, N, 2 * d, seed=1130), "k": randn(B, H, N, 2 * d, seed=1131),
+         "v": randn(B, H, N, 2 * d, seed=1132), "lam": torch.tensor(lam_v, dtype=torch.float64), "attn_mask": mask},
+        what=what, missing_hints={"lam": "lambda enters as a constant copy, axonml's bug (lam.item(), float(lam), "
+                                         "torch.full_like(..., lam.item())): multiply by the tensor lam itself so "
+                                         "that it learns."})
+    passed("both maps masked, lambda a live tensor: axonml's layout computes the paper's differential attention.")
+
+
+# --- TASK 2: the Introspective mask ----------------------------------------------------------------------------
+
+@exercise_check(task=2, name="block_causal_mask")
+def check_block_causal_mask(fn: Callable) -> None:
+    """``fn(n, paths)`` -> bool ``(n, paths * n)``: keys are ``paths`` blocks of the same n token positions;
+    query t may attend to position p of every block when p <= t."""
+    what = "block_causal_mask"
+    for n, paths in [(6, 3), (4, 1), (5, 2), (1, 3), (7, 4)]:
+        got = call(fn, n, paths, what=what)
+        if not isinstance(got, Tensor):
+            fail(f"{what} should return a torch.Tensor, got {type(got).__name__}")
+        if got.dtype != torch.bool:
+            fail(f"{what} returned dtype {got.dtype}: return a bool mask, True = may attend")
+        if got.shape != (n, paths * n):
+            fail(f"{what}({n}, {paths}) returned shape {tuple(got.shape)}, expected (n, paths * n) = "
+                 f"{(n, paths * n)}")
+        expected = causal_mask(n, n).repeat(1, paths)
+        if torch.equal(got, expected):
+            continue
+        wrong = {
+            "the mask is aligned bottom-right over all paths * n keys, as flash-attn's causal=True does when keys "
+            "outnumber queries: query t then sees future positions of every block but the last. Make each block "
+            "causal on its own": causal_mask(n, paths * n),
+            "the mask is aligned top-left over all paths * n keys, as SDPA's is_causal=True: the later blocks "
+            "(the earlier paths' keys) are hidden entirely. Repeat one n x n causal mask for every block":
+                torch.ones(n, paths * n, dtype=torch.bool).tril(),
+            "True and False are swapped: True means may attend": ~expected,
+            "each query sees only earlier positions (p < t), not itself: a token may attend to its own position":
+                causal_mask(n, n).tril(-1).repeat(1, paths),
+            "the blocks are stacked along the queries: the keys (the last axis) hold the paths' blocks side by side":
+                causal_mask(n, n),
+        }
+        for hint, candidate in wrong.items():
+            if candidate.shape == got.shape and torch.equal(got, candidate):
+                fail(f"{what} is not right. Likely mistake: {hint}")
+        bad = (got != expected).nonzero()[0].tolist()
+        fail(f"{what}({n}, {paths}) differs at query {bad[0]}, key {bad[1]} (block {bad[1] // n}, position "
+             f"{bad[1] % n}): query t may attend to position p of every block exactly when p <= t")
+    passed("each path's keys are causal at their own token positions: no future token leaks.")
+
+
+# --- TASK 3: vasqu's four calls under GQA ----------------------------------------------------------------------
+
+def _naive_rule(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> Tensor:
+    """vasqu's (and unilm's naive file's) GQA: the 2Hkv interleaved key heads repeated in place."""
+    rep = q.shape[1] // k.shape[1]
+    return diff_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), lam, causal=True,
+                          backend="naive")
+
+
+def _tiled_groups(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> Tensor:
+    """Groups tiled: differential head i reads group i % Hkv instead of i // (H / Hkv)."""
+    rep = q.shape[1] // k.shape[1]
+    k = rearrange(rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat(1, rep, 1, 1, 1),
+                  "b g two n d -> b (g two) n d")
+    return diff_attention(q, k, v.repeat(1, rep, 1, 1), lam, causal=True, backend="naive")
+
+
+# (B, H, Hkv, N, d, lam)
+_GQA_CASES = [(2, 4, 2, 6, 4, 0.6), (1, 6, 2, 5, 8, 0.3), (2, 4, 1, 7, 4, -0.4), (1, 2, 2, 5, 4, 0.8),
+              (2, 8, 4, 3, 2, 0.5)]
+
+
+@exercise_check(task=3, name="four_calls_gqa")
+def check_four_calls_gqa(fn: Callable) -> None:
+    """``fn(q, k, v, lam)``: q ``(B, 2H, N, d)``, k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> causal differential
+    attention ``(B, H, N, 2d)`` where head i reads KV group ``i // (H / Hkv)``, map 1 with k1, map 2 with k2."""
+    what = "four_calls_gqa"
+    for i, (B, H, Hkv, N, d, lam_v) in enumerate(_GQA_CASES):
+        q, k = randn(B, 2 * H, N, d, seed=1300 + i), randn(B, 2 * Hkv, N, d, seed=1310 + i)
+        v, lam = randn(B, Hkv, N, 2 * d, seed=1320 + i), torch.tensor(lam_v, dtype=torch.float64)
+        expected = diff_attention(q, k, v, lam, causal=True, backend="naive")
+        got = call(fn, q, k, v, lam, what=what)
+        wrong = {}
+        if H != Hkv:
+            wrong.update({
+                "both maps of a head read the same key map: repeating the 2Hkv interleaved key heads in place "
+                "(vasqu's repeat_kv, unilm's naive file) puts k1 of a group next to itself. Split the keys into k1 "
+                "(heads 0::2) and k2 (heads 1::2) first, then repeat each": _naive_rule(q, k, v, lam),
+                "the groups are tiled (repeat): differential head i reads group i // (H / Hkv), so each group is "
+                "repeated in place (repeat_interleave)": _tiled_groups(q, k, v, lam),
+            })
+        wrong.update({
+            "the causal mask is missing: vasqu's variants are causal (is_causal=True)":
+                diff_attention(q, k, v, lam, backend="naive"),
+            "the second map is added: it is map 1 minus lambda times map 2":
+                diff_attention(q, k, v, -lam, causal=True, backend="naive"),
+        })
+        expect(got, expected, what=what, wrong=wrong)
+    passed("both maps of head i read KV group i // (H / Hkv), map 1 with k1 and map 2 with k2: the flash files' rule.")
+
+
+# --- TASK 4: DiffLlama rows -------------------------------------------------------------------------------------
+
+@exercise_check(task=4, name="diffllama_rows")
+def check_diffllama_rows(fn: Callable) -> None:
+    """``fn(w, maps, head_dim)``: DiffLlama rows ``(maps * head_dim, ...)`` with map i paired with i + maps/2 ->
+    the same rows in adjacent pairs, map order ``[0, maps/2, 1, maps/2 + 1, ...]``."""
+    what = "diffllama_rows"
+    for i, (maps, hd, cols) in enumerate([(8, 4, 6), (6, 2, 3), (12, 4, None), (2, 8, 5)]):
+        w = randn(maps * hd, *(() if cols is None else (cols,)), seed=1400 + i)
+        order = _diffllama_order(maps)
+        expected = _permute_maps(w, order, hd)
+        got = call(fn, w.clone(), maps, hd, what=what)
+        wrong = {
+            "the channels inside each map were permuted (that is interleaved_to_half_split, the RoPE layout "
+            "change): pairing reorders whole maps, blocks of head_dim rows": interleaved_to_half_split(w, hd),
+            "this is the inverse order (adjacent pairs back to halves, what to_diffllama does): map 2i of the "
+            "result is DiffLlama's map i and map 2i + 1 is map i + maps/2": _permute_maps(w, torch.argsort(order), hd),
+            "the rows are unchanged: DiffLlama's map i pairs with map i + maps/2, which must become adjacent":
+                w,
+        }
+        expect(got, expected, what=what, wrong={h: c for h, c in wrong.items() if c.shape == expected.shape
+                                                 and not torch.equal(c, expected)})
+    passed("map i and map i + maps/2 now sit at 2i and 2i + 1: DiffLlama's weights in the library's layout.")
