@@ -47,6 +47,11 @@ EQUIVALENT = {
     "_mut.abs(0.8 - 0.6 * math.exp(-0.3 * depth), returned=True)",
     "04_lambda_reparameterisation task 1 | clamp added: 0.8 - 0.6 * math.exp(-0.3 * depth) -> "
     "_mut.clamp0(0.8 - 0.6 * math.exp(-0.3 * depth), returned=True)",
+    # A ratio of two magnitudes (|logits|) is never negative.
+    "07_experiments task 2 | abs added: (magnitude.max() / magnitude.median()).item() -> "
+    "_mut.abs((magnitude.max() / magnitude.median()).item(), returned=True)",
+    "07_experiments task 2 | clamp added: (magnitude.max() / magnitude.median()).item() -> "
+    "_mut.clamp0((magnitude.max() / magnitude.median()).item(), returned=True)",
     # A FLOP count is never negative.
     "08_gpu_sdpa task 2 | abs added: total * (0.5 if causal else 1.0) -> "
     "_mut.abs(total * (0.5 if causal else 1.0), returned=True)",
