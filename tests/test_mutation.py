@@ -101,6 +101,12 @@ def test_every_exercise_is_mutated(reports):
     assert REQUIRED_OPERATORS <= ops, f"operators that made no mutant: {sorted(REQUIRED_OPERATORS - ops)}"
 
 
+def test_checks_are_fast(reports):
+    """Each check, on the right answer (the slowest case: every input runs), takes a few seconds at most."""
+    slow = {f"{r.path.stem} task {t}": round(sec, 2) for r in reports for t, sec in r.check_seconds.items() if sec > 5}
+    assert not slow, f"checks slower than 5 s: {slow}"
+
+
 def test_at_least_90_percent_are_caught(reports):
     s = mutation.summary(reports)
     assert s["rate"] >= 0.90, f"only {s['caught']}/{s['mutants']} mutants caught ({s['rate']:.1%})"

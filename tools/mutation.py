@@ -473,6 +473,7 @@ class NotebookReport:
     path: Path
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
+    check_seconds: dict[int, float] = field(default_factory=dict)  # task -> its check on the right answer
 
 
 class _Timeout(Exception):
@@ -556,6 +557,7 @@ def run_notebook(path: Path, *, only_task: Optional[int] = None, timeout: int = 
                     if original is None or original.status != SURVIVED:
                         raise RuntimeError(f"{path.name}: the solution of TASK {task.number} fails its own check: "
                                            f"{original.message if original else ''}")
+                    report.check_seconds[task.number] = original.seconds
                     for m in mutants_of(cell.source, notebook=path.stem, task=task.number):
                         outcome = _run_mutant(m, ns, check_src, timeout)
                         if outcome is not None:
@@ -614,8 +616,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = run_notebook(p, only_task=args.task)
         reports.append(r)
         s = summary([r])
+        checks = ", ".join(f"{t}: {sec:.2f}" for t, sec in r.check_seconds.items())
         print(f"{p.name}: {s['caught']}/{s['mutants']} caught ({s['rate']:.0%}; named hint {s[CAUGHT_HINT]}, "
-              f"generic {s[CAUGHT_GENERIC]}, crash {s[CAUGHT_CRASH]}) in {r.seconds:.1f} s", flush=True)
+              f"generic {s[CAUGHT_GENERIC]}, crash {s[CAUGHT_CRASH]}) in {r.seconds:.1f} s; the checks on the "
+              f"solution (task: s) {checks}", flush=True)
         for o in r.outcomes:
             if args.list or o.status == SURVIVED:
                 print(f"  {o.status:8s} {o.seconds:5.2f}s {o.mutant.key}" + (f"\n           {o.message[:300]}" if args.list and o.message else ""))
