@@ -14,7 +14,8 @@ What runs (``H`` differential heads of q/k dim ``d``; every layer has model widt
 * ``baseline``: softmax attention of the same width, ``2H`` heads of dim ``d`` (``softmax_attention``).
 
 Each runs forward (``fwd``, inference mode) and forward + backward (``fwd_bwd``, lambda trainable), causal
-and not, for every length and head dim. Per row: median milliseconds (CUDA events), achieved TFLOP/s (FLOPs
+and not, for every length and head dim. Per row: median milliseconds (``triton.testing.do_bench`` on CUDA:
+device events, no host sync between calls), achieved TFLOP/s (FLOPs
 from ``diffattn_tutorial.flops``: the work each formulation really does), peak extra memory above the inputs
 (CUDA only), and the largest difference from a reference V1 formulation on the same inputs. Out-of-memory is
 recorded as ``"status": "oom"``. The file also records which SDPA kernels (flash, memory-efficient, cuDNN,
@@ -143,6 +144,27 @@ def _reason(message: str) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def time_call(call: Callable[[], object], device: torch.device, *, warmup: int, reps: int) -> float:
+    """Median seconds of ``call``. CUDA: ``triton.testing.do_bench`` (device events, no host sync between
+    calls, L2 cache flushed before each; its own warm-up), or, without triton, device events around a loop of
+    ``reps`` calls with one sync at the end. CPU: the median of ``reps`` timed calls after ``warmup``."""
+    if device.type == "cuda":
+        try:
+            import triton.testing
+        except ImportError:
+            for _ in range(max(warmup, 3)):
+                call()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / reps / 1e3
+        return float(triton.testing.do_bench(call, warmup=25, rep=max(100, 10 * reps), return_mode="median")) / 1e3
+    return median_time(call, warmup=warmup, reps=reps, device=device)
+
+
 def _peak_extra_fwd_bwd(run: Callable[[], Tensor], device: torch.device) -> Optional[int]:
     if device.type != "cuda":
         return None
@@ -171,7 +193,7 @@ def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int
                 call = lambda: fn(*inputs)  # noqa: E731
                 if device.type == "cuda":
                     row["peak_extra_mib"] = cuda_peak_extra(call) / 2**20
-                sec = median_time(call, warmup=warmup, reps=reps, device=device)
+                sec = time_call(call, device, warmup=warmup, reps=reps)
         else:
             leaves = [t.detach().requires_grad_(True) for t in inputs]
             out = fn(*leaves)
@@ -188,7 +210,7 @@ def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int
             if device.type == "cuda":
                 peak = _peak_extra_fwd_bwd(call, device)
                 row["peak_extra_mib"] = None if peak is None else peak / 2**20
-            sec = median_time(call, warmup=warmup, reps=reps, device=device)
+            sec = time_call(call, device, warmup=warmup, reps=reps)
             out = out.detach()
         row["ms"] = sec * 1e3
         row["tflops"] = row["flops"] / sec / 1e12

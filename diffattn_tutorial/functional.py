@@ -20,7 +20,8 @@ Backends (all exact, they differ in speed and memory):
 ``"auto"``          the fastest exact backend for the device at hand.
 
 Fully masked query rows (every key masked by ``causal`` and/or ``attn_mask``) have no softmax; every
-backend defines their output as **zero** (and their gradients as zero), never NaN.
+backend defines their output as **zero** (and their gradients as zero), never NaN. In an additive mask,
+entries ``<= torch.finfo(dtype).min`` (the Hugging Face convention) count as masked, like ``-inf``.
 """
 
 from __future__ import annotations
@@ -138,11 +139,15 @@ def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optiona
     """Make fully masked rows harmless: they attend everywhere, and are zeroed after attention.
 
     Returns ``(mask, valid)`` where ``valid`` is a bool ``(..., Nq, 1)`` tensor (None if every row
-    has at least one key it may attend to).
+    has at least one key it may attend to). In an additive mask, ``-inf`` and entries ``<= finfo(dtype).min``
+    (how Hugging Face models fill theirs) both mean masked, so a row of them is fully masked in every backend.
     """
     if mask is None:
         return None, None
-    valid = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > float("-inf")).any(-1, keepdim=True)
+    if mask.dtype == torch.bool:
+        valid = mask.any(-1, keepdim=True)
+    else:
+        valid = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
     if bool(valid.all()):
         return mask, None
     if mask.dtype == torch.bool:

@@ -139,7 +139,7 @@ def _interpreted() -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def launches_for(case: Case, n: int = 1024):
+def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
     """The kernel launches ``diff_attention(..., backend="triton")`` makes for ``case`` (forward + backward),
     recorded on small CPU tensors (contiguous, like a real run; lengths a multiple of 16 as at N = 8192)."""
     import torch
@@ -160,7 +160,7 @@ def launches_for(case: Case, n: int = 1024):
         mask = torch.ones(B, 1, n, n, dtype=torch.bool)
     elif case.mask == "additive":
         mask = torch.zeros(B, 1, n, n, dtype=dtype)
-    with capture_launches() as launches:
+    with capture_launches(ARCHS[arch][0]) as launches:
         out = triton_diff_attention(q, k, v, lam, causal=case.causal, attn_mask=mask, plan=case.plan)
         if case.grad:
             out.backward(torch.zeros_like(out))
@@ -290,10 +290,10 @@ def _work(cases: Iterable[tuple[Case, bool]], archs: Sequence[str], every_config
     seen = set()
     for case, every in cases:
         every = every if every_config is None else every_config
-        for launch in launches_for(case):
-            configs = launch.configs if every else launch.configs[:1]
-            for i, config in enumerate(configs):
-                for arch in archs:
+        for arch in archs:  # each architecture has its own plans and autotune tables
+            for launch in launches_for(case, arch=arch):
+                configs = launch.configs if every else launch.configs[:1]
+                for i, config in enumerate(configs):
                     spec = tuple(sorted((k, str(v)) for k, v in launch.consts.items()))
                     args = tuple((type(a).__name__, str(getattr(a, "dtype", "")),
                                   a if isinstance(a, int) and a in (0, 1) else
@@ -355,12 +355,13 @@ def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
     from diffattn_tutorial import triton_diff
 
+    import inspect
+
     h = hashlib.sha256()
     for name in sorted(dir(triton_diff)):
         obj = getattr(triton_diff, name)
-        src = getattr(obj, "src", None)
-        if isinstance(src, str) and hasattr(obj, "arg_names"):
-            h.update(name.encode() + src.encode())
+        if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):  # the same hash in either mode
+            h.update(name.encode() + inspect.getsource(obj.fn).encode())
     for table in (triton_diff._CONFIGS_16BIT, triton_diff._CONFIGS_FP32):
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
                  .encode())

@@ -70,6 +70,9 @@ INTERPRETER_BLOCK = 16
 """Tile size under the interpreter: small, so the CPU tests cover several tiles and ragged edges."""
 AUTOTUNE_ENV = "DIFFATTN_TRITON_AUTOTUNE"
 """Set to ``0`` to pin every kernel to the first configuration of its list instead of autotuning."""
+POISON_ENV = "DIFFATTN_TRITON_POISON"
+"""Set to ``1`` to fill every buffer the kernels write (outputs, gradients, statistics) with NaN before they
+run, instead of leaving it uninitialised: a tile that is never written then shows as NaN (tests use it)."""
 MAX_TILE_ROWS = 256
 """Offsets inside a tile are int32: ``stride * MAX_TILE_ROWS`` must stay below 2**31 (checked on the host)."""
 
@@ -623,28 +626,33 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How the work is split into launches. ``fused``: both maps per program in every kernel (one forward
-    launch, one dK/dV launch, one dQ launch). ``split``: one map per forward program (two launches), dV and dK
-    in separate launches, one map per dQ program: each program holds half the accumulators."""
+    """How the work is split into launches: which maps a forward program computes, which gradients a dK/dV
+    program accumulates, which maps a dQ program computes. Splitting gives each program fewer float32
+    accumulators (registers) at the price of recomputing some score tiles in a second launch."""
 
     name: str
-    fwd_maps: tuple[int, ...]  # forward launches, in order: (0,) fused, or (2, 1): map 2 then map 1
-    kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches: (DV_OUT, DK_MAPS)
-    dq_maps: tuple[int, ...]  # dQ launches: DQ_MAPS 3 (both), or 1 and 2
+    fwd_maps: tuple[int, ...]  # forward launches, in order (MAP): (0,) both maps; (2, 1) map 2, then map 1
+    kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches (DV_OUT, DK_MAPS): DK_MAPS 3 = both maps
+    dq_maps: tuple[int, ...]  # dQ launches (DQ_MAPS): (3,) both maps, or (1, 2)
 
 
 PLANS = {
+    # d <= 32: one launch per kernel, both maps per program
     "fused": Plan("fused", (0,), ((True, 3),), (3,)),
+    # d = 64: dK1, dK2 (4d float32 per key row with dV) do not fit next to the score tiles: dV and dK apart
+    "split_kv": Plan("split_kv", (0,), ((True, 0), (False, 3)), (3,)),
+    # d = 128: one map per forward and dQ program, dV and each map's dK apart
     "split": Plan("split", (2, 1), ((True, 0), (False, 1), (False, 2)), (1, 2)),
 }
-SPLIT_FROM_HEAD_DIM = 128
-"""Head dims (padded) from which :func:`plan_for` splits the maps: at d = 128 two accumulators of 2d
-float32 per row (1024 per query row, forward) do not fit a program's registers next to the score tiles."""
 
 
-def plan_for(block_d: int) -> Plan:
-    """The plan the library uses for a padded head dim ``block_d``: fused up to 64, split at 128."""
-    return PLANS["split" if block_d >= SPLIT_FROM_HEAD_DIM else "fused"]
+def plan_for(block_d: int, capability: int = 90) -> Plan:
+    """The plan the library uses for a padded head dim ``block_d`` (the register budget decides, see
+    notebook 09 and benchmarks/NOTES.md): fused up to 32, dK/dV split at 64, everything split at 128
+    (Ampere, ``capability < 90``, whose ``mma.sync`` layouts take more registers: :data:`AMPERE_PLANS`)."""
+    if capability < 90 and block_d in AMPERE_PLANS:
+        return PLANS[AMPERE_PLANS[block_d]]
+    return PLANS["split" if block_d >= 128 else ("split_kv" if block_d >= 64 else "fused")]
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
@@ -652,32 +660,35 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 
 
 # (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
-# without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups, and for sm_80
-# without spills (tests/test_triton_compile.py; benchmarks/compile_facts.json has the numbers).
+# without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups
+# (tests/test_triton_compile.py; python -m diffattn_tutorial.triton_compile --all; benchmarks/compile_facts.json).
 _C = _cfg
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
-        16: [_C(128, 64, 4, 3), _C(128, 64, 8, 2), _C(64, 64, 4, 3)],
-        32: [_C(128, 64, 8, 2), _C(128, 64, 4, 3), _C(64, 64, 4, 3)],
-        64: [_C(128, 32, 8, 3), _C(128, 32, 8, 4), _C(64, 32, 4, 2)],
+        16: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 2)],
+        32: [_C(128, 64, 8, 2), _C(128, 32, 8, 3), _C(64, 64, 4, 3), _C(64, 32, 4, 3), _C(128, 32, 8, 4)],
+        64: [_C(128, 32, 8, 3), _C(128, 32, 8, 4), _C(64, 32, 4, 3), _C(128, 64, 8, 2)],
     },
     ("_diff_attn_fwd", "map"): {
-        128: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 64, 4, 2)],
+        128: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(128, 32, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dkdv"): {
-        16: [_C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(64, 64, 4, 2)],
-        32: [_C(32, 128, 8, 2), _C(64, 64, 4, 2), _C(32, 64, 4, 2)],
-        64: [_C(32, 128, 8, 2), _C(32, 128, 8, 3), _C(16, 128, 8, 2), _C(16, 64, 4, 2)],
+        16: [_C(32, 128, 8, 2), _C(32, 64, 4, 2), _C(16, 128, 8, 2), _C(64, 64, 4, 3), _C(32, 128, 8, 3)],
+        32: [_C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(32, 128, 8, 3), _C(16, 64, 4, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dv"): {
-        128: [_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 64, 4, 2), _C(16, 128, 8, 2)],
+        64: [_C(32, 128, 8, 2), _C(32, 64, 4, 2), _C(32, 128, 8, 3), _C(16, 128, 8, 2)],
+        128: [_C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(32, 64, 4, 2), _C(64, 128, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk"): {
+        64: [_C(16, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 4, 2), _C(16, 128, 8, 3)],
     },
     ("_diff_attn_bwd_dkdv", "dk1"): {
-        128: [_C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 3), _C(64, 64, 4, 2)],
+        128: [_C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 3), _C(64, 64, 4, 2), _C(32, 64, 4, 2)],
     },
     ("_diff_attn_bwd_dq", "dq2"): {
-        16: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2)],
-        32: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2)],
+        16: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 3)],
+        32: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 3)],
         64: [_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 4, 2), _C(64, 32, 4, 3)],
     },
     ("_diff_attn_bwd_dq", "dq1"): {
@@ -689,12 +700,17 @@ _FP32_FWD, _FP32_KV, _FP32_Q = [_C(32, 16, 4, 2)], [_C(16, 16, 4, 2)], [_C(32, 1
 _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {d: _FP32_FWD for d in (16, 32, 64)},
     ("_diff_attn_fwd", "map"): {128: _FP32_FWD},
-    ("_diff_attn_bwd_dkdv", "dkdv"): {d: _FP32_KV for d in (16, 32, 64)},
-    ("_diff_attn_bwd_dkdv", "dv"): {128: _FP32_KV},
+    ("_diff_attn_bwd_dkdv", "dkdv"): {d: _FP32_KV for d in (16, 32)},
+    ("_diff_attn_bwd_dkdv", "dv"): {d: _FP32_KV for d in (64, 128)},
+    ("_diff_attn_bwd_dkdv", "dk"): {64: _FP32_KV},
     ("_diff_attn_bwd_dkdv", "dk1"): {128: _FP32_KV},
     ("_diff_attn_bwd_dq", "dq2"): {d: _FP32_Q for d in (16, 32, 64)},
     ("_diff_attn_bwd_dq", "dq1"): {128: [_C(16, 16, 4, 2)]},
 }
+
+
+_CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = _CONFIGS_16BIT
+AMPERE_PLANS: dict[int, str] = {}
 
 
 def _form(name: str, consts: dict) -> str:
@@ -709,12 +725,16 @@ def _form(name: str, consts: dict) -> str:
     return "pre"
 
 
-def autotune_configs(name: str, consts: dict, dtype: torch.dtype) -> list[triton.Config]:
-    """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``);
-    the first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins."""
+def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: int = 90) -> list[triton.Config]:
+    """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``) on
+    a GPU of compute ``capability`` (90: Hopper; below 90: the Ampere table); the first is the one
+    ``DIFFATTN_TRITON_AUTOTUNE=0`` pins."""
     if name == "_diff_attn_bwd_preprocess":
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS_16BIT
+    if dtype == torch.float32:
+        table = _CONFIGS_FP32
+    else:
+        table = _CONFIGS_16BIT if capability >= 90 else _CONFIGS_AMPERE
     by_d = table.get((name, _form(name, consts)), {})
     return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
 
@@ -735,19 +755,32 @@ class Launch:
 
 
 _capture: Optional[list[Launch]] = None
+_capture_capability = 90
 _tuned: dict[tuple, object] = {}
 
 
 @contextlib.contextmanager
-def capture_launches() -> Iterator[list[Launch]]:
+def capture_launches(capability: int = 90) -> Iterator[list[Launch]]:
     """Record the kernel launches of :func:`triton_diff_attention` (forward and backward) instead of running
-    them, on tensors of any device; :mod:`diffattn_tutorial.triton_compile` compiles what it records."""
-    global _capture
-    saved, _capture = _capture, []
+    them, on tensors of any device, as they would be on a GPU of compute ``capability`` (90: H100, 80: A100);
+    :mod:`diffattn_tutorial.triton_compile` compiles what it records."""
+    global _capture, _capture_capability
+    saved = _capture, _capture_capability
+    _capture, _capture_capability = [], capability
     try:
         yield _capture
     finally:
-        _capture = saved
+        _capture, _capture_capability = saved
+
+
+def _capability(device: torch.device) -> int:
+    """Compute capability as 10 * major + minor: the capture's, the GPU's, or 90 (unused by the interpreter)."""
+    if _capture is not None:
+        return _capture_capability
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return 90
 
 
 _AUTOTUNE_KEYS = ("N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "MASK_KIND", "MASK_MIN")
@@ -762,11 +795,11 @@ def _tuned_kernel(name: str, consts: dict, configs: list):
 
 
 def _launch(name: str, n_programs, args: tuple, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool,
-            dtype: torch.dtype) -> None:
+            dtype: torch.dtype, capability: int) -> None:
     """Launch kernel ``name`` on a 1-D grid of ``n_programs(meta)`` programs: the interpreter's fixed
     blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
     the autotuner over :func:`autotune_configs`."""
-    configs = autotune_configs(name, consts, dtype)
+    configs = autotune_configs(name, consts, dtype, capability)
     if _capture is not None:
         _capture.append(Launch(name, args, dict(consts), configs, dtype))
         return
@@ -852,6 +885,24 @@ def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) ->
     return schedule
 
 
+def _poison() -> bool:
+    return os.environ.get(POISON_ENV, "0") not in ("0", "", "false", "False")
+
+
+def _alloc(*shape: int, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A buffer every element of which a kernel writes: uninitialised, or NaN under ``DIFFATTN_TRITON_POISON=1``."""
+    dtype = like.dtype if dtype is None else dtype
+    if _poison():
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+def _alloc_like(t: Tensor) -> Tensor:
+    """A gradient buffer with ``t``'s shape and strides (uninitialised, or NaN when poisoning)."""
+    out = torch.empty_like(t)
+    return out.fill_(float("nan")) if _poison() else out
+
+
 def _lam4(lam: Tensor, B: int, H: int, Nq: int) -> Tensor:
     return lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
 
@@ -862,15 +913,15 @@ class _DiffAttnFn(torch.autograd.Function):
         B, H2, Nq, d = q.shape
         H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
         interpret = _interpret_mode()
+        cap = _capability(q.device)
         lam4 = _lam4(lam, B, H, Nq)
         m, m_strides, mask_kind, mask_min = _mask_args(mask, (B, H, Nq, Nk), q)
         needs_o2 = any(ctx.needs_input_grad[:4])
-        out = torch.empty(B, H, Nq, 2 * d, device=q.device, dtype=q.dtype)
-        if plan.fwd_maps != (0,):  # split maps: o2 travels between the launches, in float32
-            o2 = torch.empty(B, H, Nq, 2 * d, device=q.device, dtype=torch.float32)
-        else:
-            o2 = torch.empty_like(out) if needs_o2 else out
-        lse = torch.empty(B, H, 2, Nq, device=q.device, dtype=torch.float32)
+        out = _alloc(B, H, Nq, 2 * d, like=q)
+        # o2 in float32: it travels between the split plan's launches, and the backward's dlam = -dO . o2
+        # keeps its precision (a 16-bit o2 would round it)
+        o2 = _alloc(B, H, Nq, 2 * d, like=q, dtype=torch.float32) if needs_o2 or plan.fwd_maps != (0,) else out
+        lse = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32)
         block_d = max(16, triton.next_power_of_2(d))
         consts = dict(GROUP=H // Hkv, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), MASK_KIND=mask_kind,
                       MASK_MIN=mask_min, DOT_PRECISION=_dot_precision(q.dtype),
@@ -881,15 +932,15 @@ class _DiffAttnFn(torch.autograd.Function):
                     *out.stride()[:3], *lam4.stride()[:3], *m_strides, H, Nq, Nk, scale * LOG2E, n_bucket)
             for map_ in plan.fwd_maps:
                 _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
-                        dict(consts, MAP=map_, STORE_O2=needs_o2), blocks, interpret, q.dtype)
+                        dict(consts, MAP=map_, STORE_O2=needs_o2), blocks, interpret, q.dtype, cap)
         ctx.save_for_backward(q, k, v, lam, m if mask_kind else None, out, o2 if needs_o2 else None, lse)
-        ctx.setup = (causal, scale, blocks, consts, m_strides, n_bucket, plan)
+        ctx.setup = (causal, scale, blocks, consts, m_strides, n_bucket, plan, cap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, lam, m, out, o2, lse = ctx.saved_tensors
-        causal, scale, blocks, consts, m_strides, n_bucket, plan = ctx.setup
+        causal, scale, blocks, consts, m_strides, n_bucket, plan, cap = ctx.setup
         interpret = _interpret_mode()
         B, H2, Nq, d = q.shape
         H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
@@ -898,13 +949,15 @@ class _DiffAttnFn(torch.autograd.Function):
         _check_offsets(dout=dout)
         if m is None:
             m = q
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = torch.zeros(B, H, 2, Nq, device=q.device, dtype=torch.float32)
-        if out.numel() and Nk:
+        runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
+        dq, dk, dv = ((_alloc_like(t) if runs else torch.zeros_like(t)) for t in (q, k, v))
+        delta = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32) if runs else q.new_zeros(B, H, 2, Nq,
+                                                                                         dtype=torch.float32)
+        if runs:
             pre_bm = INTERPRETER_BLOCK if interpret else 4096 // (2 * consts["BLOCK_D"])  # 3 tiles of 2d
             _launch("_diff_attn_bwd_preprocess", lambda meta: triton.cdiv(Nq, pre_bm) * B * H,
                     (out, o2, dout, lam4, delta, *out.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], H, Nq),
-                    dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype)
+                    dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype, cap)
             common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3],
                       *m_strides)
             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
@@ -914,12 +967,12 @@ class _DiffAttnFn(torch.autograd.Function):
                     _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
                             (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, H, Hkv, Nq, Nk, scale * LOG2E,
                              scale, n_bucket), dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), blocks, interpret,
-                            q.dtype)
+                            q.dtype, cap)
             if ctx.needs_input_grad[0]:
                 for dq_maps in plan.dq_maps:
                     _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
                             (q, k, v, lam4, m, dout, lse, delta, dq, *common, H, Nq, Nk, scale * LOG2E, scale,
-                             n_bucket), dict(consts, DQ_MAPS=dq_maps), blocks, interpret, q.dtype)
+                             n_bucket), dict(consts, DQ_MAPS=dq_maps), blocks, interpret, q.dtype, cap)
         dlam = None
         if ctx.needs_input_grad[3]:
             # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
@@ -942,7 +995,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     broadcastable to ``(B, H, Nq, Nk)``. Returns ``(B, H, Nq, 2d)`` in q's dtype.
 
     ``blocks=(BLOCK_M, BLOCK_N)`` fixes the tile sizes (default: autotuned on a GPU, 16 x 16 in the
-    interpreter). ``plan``: ``"fused"``, ``"split"`` or ``"auto"`` (:func:`plan_for`: fused up to d = 64).
+    interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim).
     Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """
     if _capture is None:
@@ -957,8 +1010,9 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     if blocks is not None and (len(blocks) != 2 or min(blocks) < 16 or any(b & (b - 1) for b in blocks)):
         raise ValueError(f"blocks must be two powers of two >= 16 (BLOCK_M, BLOCK_N), got {blocks}")
     if plan not in ("auto", *PLANS):
-        raise ValueError(f"plan must be 'auto', 'fused' or 'split', got {plan!r}")
-    the_plan = plan_for(max(16, triton.next_power_of_2(d))) if plan == "auto" else PLANS[plan]
+        raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
+    block_d = max(16, triton.next_power_of_2(d))
+    the_plan = plan_for(block_d, _capability(q.device)) if plan == "auto" else PLANS[plan]
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)

@@ -30,33 +30,56 @@ def results(tmp_path_factory):
     return mod, json.loads(out.read_text())
 
 
+IMPLS = ("triton", "sdpa_wide", "sdpa_split", "sdpa_stacked", "naive")
+
+
 def test_header_names_device_versions_and_date(results):
     mod, r = results
     assert r["schema"] == mod.SCHEMA
-    assert set(r["recorded"]) >= {"date", "device", "device_type", "torch", "triton", "cuda"}
+    assert set(r["recorded"]) >= {"date", "device", "device_type", "torch", "triton", "cuda", "cudnn"}
     assert r["recorded"]["device_type"] == "cpu" and r["recorded"]["date"].endswith("UTC")
+    assert r["config"]["backends"] == ["default"]  # on a CPU; on CUDA flash, cudnn and efficient, explicitly
+    assert isinstance(r["chosen_configs"], dict)
 
 
 def test_every_impl_ran_and_agrees(results):
     mod, r = results
     rows = r["rows"]
-    assert {x["impl"] for x in rows} == set(mod.IMPLS)
-    assert len(rows) == len(mod.IMPLS) * 2  # fwd and fwd_bwd, causal only, one length, one head dim
+    assert {x["impl"] for x in rows} == set(IMPLS)
+    assert len(rows) == len(IMPLS) * 2  # fwd and fwd_bwd, causal only, one length, one head dim, one backend
     for x in rows:
         assert set(x) == set(mod.ROW_KEYS)
         assert x["status"] == "ok", x
         assert x["ms"] > 0 and x["tflops"] > 0 and x["batch"] == 1 and x["heads"] == 2
         assert x["max_abs_err"] < 1e-4, x
+        assert x["peak_extra_mib"] is None  # measured on CUDA only
     for mode in ("fwd", "fwd_bwd"):
         group = [x for x in rows if x["mode"] == mode]
         assert sum(x["best_sdpa"] for x in group) == 1
         assert next(x for x in group if x["impl"] == "triton")["speedup_vs_best_sdpa"] > 0
 
 
-def test_summary_table(results):
+def test_summary_table_merge_and_goals(results):
     mod, r = results
     table = mod.summary(r)
     assert table.count("\n") == 3 and "| 16 | True | fwd | 32 |" in table
+    other = json.loads(json.dumps(r))
+    for x in other["rows"]:
+        x["d"] = 32
+    other["config"]["head_dims"] = [32]
+    merged = mod.merge([r, other])
+    assert len(merged["rows"]) == 2 * len(r["rows"]) and merged["config"]["head_dims"] == [16, 32]
+    assert [g["d"] for g in mod.goals(merged)] == [64, 128]  # no rows at N = 8192 here: nothing is met
+    assert not any(any(g["met"].values()) for g in mod.goals(merged))
+
+
+def test_a_refusing_backend_is_a_result_not_a_crash():
+    spec = importlib.util.spec_from_file_location("bench_triton", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    inputs = mod.make_inputs(1, 2, 16, 8, dtype=torch.float32, device=torch.device("cpu"))
+    ms, peak, out, status = mod.measure("sdpa_wide", "cudnn", "fwd", False, inputs, device=torch.device("cpu"), reps=1)
+    assert ms is None and out is None and status.startswith("refused"), status
 
 
 def test_shapes_keep_tokens_and_width():

@@ -1,0 +1,100 @@
+"""The Triton kernels compile for a Hopper GPU (sm_90a) without one: no register spills, shared memory within
+the limit, every 16-bit dot on ``wgmma``, no dot computed twice (``diffattn_tutorial.triton_compile``).
+
+* ``test_pinned_launches_compile_clean_for_hopper`` compiles a representative subset here, every time: the
+  pinned configuration of every launch of the plain bf16 training case at d = 64 and d = 128 (about 40 s on
+  a 2-core machine, in a subprocess: Triton's compiler cannot run where ``TRITON_INTERPRET=1`` was set);
+* ``test_recorded_facts_cover_every_config_and_are_current`` checks ``benchmarks/compile_facts.json``, the
+  full run (every autotune configuration, bf16 and fp16, every head dim, the variants whose code differs,
+  sm_90a and sm_80: ``python -m diffattn_tutorial.triton_compile --all --jobs 8 --write``), against the
+  kernels' current source, so a kernel change without a new full run fails here.
+"""
+
+import json
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (see tests/test_triton.py)
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from diffattn_tutorial import triton_compile as tc  # noqa: E402
+from diffattn_tutorial import triton_diff as td  # noqa: E402
+
+
+def _nvidia_backend() -> bool:
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+needs_nvidia = pytest.mark.skipif(not _nvidia_backend(), reason="this triton build has no NVIDIA backend")
+
+TTGIR = """
+#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 128, 16]}>
+#mma1 = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 32, 16]}>
+      %s1 = ttng.warp_group_dot %q, %k, %c {inputPrecision = 0 : i32} : !ttg.memdesc<64x64xbf16> * !ttg.memdesc<64x64xbf16> -> tensor<64x64xf32, #mma1>
+      %p = ttg.convert_layout %x : tensor<64x64xbf16, #mma1> -> tensor<64x64xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>>
+      %o = ttng.warp_group_dot %p, %v, %acc {inputPrecision = 0 : i32} : tensor<64x64xbf16> * !ttg.memdesc<64x256xbf16> -> tensor<64x256xf32, #mma>
+"""
+
+
+def test_ttgir_analysis_finds_a_dot_done_twice():
+    """The layout issue #13 found at d = 128: 8 warps (two warpgroups) over a 64-row score tile."""
+    dots, dup, p_via_smem = tc.analyse_ttgir(TTGIR)
+    assert dots == 2 and dup == 2.0 and p_via_smem
+
+
+def test_problems_name_what_is_wrong():
+    f = tc.Facts(kernel="_diff_attn_fwd", form="map", case="d128 bfloat16", arch="sm_90a", dtype="bfloat16",
+                 head_dim=128, block_m=64, block_n=64, num_warps=8, num_stages=2, pinned=True, regs=255,
+                 spill_stores=192, spill_loads=212, stack=120, shared=240 * 1024, dots=4, wgmma=8, mma_sync=2,
+                 dup=2.0)
+    text = "; ".join(f.problems())
+    assert "spills" in text and "shared memory" in text and "not on wgmma" in text and "2 times" in text
+    f80 = tc.Facts(**{**f.row(), "arch": "sm_80", "wgmma_shapes": (), "spill_stores": 0, "spill_loads": 0,
+                      "shared": 1000})
+    assert f80.problems() == []  # Ampere has no wgmma: dots there are mma.sync by design
+
+
+@needs_nvidia
+def test_pinned_launches_compile_clean_for_hopper():
+    t0 = time.perf_counter()
+    facts = tc.compile_check(jobs=2)
+    seconds = time.perf_counter() - t0
+    forms = {(f.head_dim, f.form) for f in facts}
+    assert {(64, "fused"), (64, "dv"), (64, "dk"), (64, "dq2"), (128, "map"), (128, "dv"), (128, "dk1"),
+            (128, "dq1"), (64, "pre"), (128, "pre")} <= forms, forms
+    bad = {f"{f.kernel} {f.form} d{f.head_dim} {f.config}": f.problems() for f in facts if f.problems()}
+    assert not bad, bad
+    for f in facts:
+        if f.form != "pre":
+            assert f.wgmma_shapes and all(s.startswith("m64") for s in f.wgmma_shapes), f
+    print(f"{len(facts)} compiles in {seconds:.0f} s")
+
+
+def test_recorded_facts_cover_every_config_and_are_current():
+    assert tc.FACTS_FILE.exists(), "run: python -m diffattn_tutorial.triton_compile --all --jobs 8 --write"
+    data = json.loads(tc.FACTS_FILE.read_text())
+    rec = data["recorded"]
+    assert data["schema"] == tc.SCHEMA
+    assert rec["source_hash"] == tc.source_hash(), (
+        "the kernels or their autotune tables changed since benchmarks/compile_facts.json was written; run "
+        "python -m diffattn_tutorial.triton_compile --all --jobs 8 --write")
+    facts = [tc.Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in data["facts"]]
+    bad = [f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: {f.problems()}"
+           for f in facts if f.problems()]
+    assert not bad, bad
+    seen = {(f.arch, f.dtype, f.kernel, f.form, f.head_dim, f.config) for f in facts}
+    for arch in tc.ARCHS:
+        for dtype in tc.DTYPES:
+            for (name, form), by_d in td._CONFIGS_16BIT.items():
+                for d, cfgs in by_d.items():
+                    for c in cfgs:
+                        config = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+                        assert (arch, dtype, name, form, d, config) in seen, (arch, dtype, name, form, d, config)
