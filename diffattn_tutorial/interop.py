@@ -198,7 +198,8 @@ def from_diffllama(state_dict: StateDict, *, layer_idx: int, hidden_size: int, n
     the layer computes the same function. Its forward takes ``rope=(cos, sin)`` of shape
     ``(N, head_dim/2)``: DiffLlama's ``position_embeddings`` ``(B, N, head_dim)`` are ``cat(f, f)``, pass
     ``(cos[0, :, :head_dim // 2], sin[0, :, :head_dim // 2])`` or ``rope_cos_sin(N, head_dim, base=rope_theta)``;
-    RoPE is applied in DiffLlama's half-split layout. The sub-norm is DiffLlama's ``groupnorm``
+    RoPE is applied in DiffLlama's half-split layout. DiffLlama's eager additive mask ``(B, 1, N, N)`` (0 or
+    ``finfo.min``, causal merged in) can be passed as ``attn_mask`` as it is. The sub-norm is DiffLlama's ``groupnorm``
     (RMSNorm over ``2 * head_dim``, eps ``rms_norm_eps``, no weight). Extra keyword arguments go to the module
     (e.g. ``backend``).
 

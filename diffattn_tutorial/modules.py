@@ -198,8 +198,9 @@ class MultiheadDiffAttn(_Attention):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, depth: int = 0, num_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, kdim: Optional[int] = None, lambda_mode: str = "paper", lambda_init: Optional[float] = None,
-                 qk_norm: bool = False, qk_norm_eps: float = 1e-6, subln: bool = True, subln_affine: bool = True,
+                 head_dim: Optional[int] = None, kdim: Optional[int] = None, lambda_mode: str = "paper",
+                 lambda_init: Optional[float] = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 subln: bool = True, subln_affine: bool = True,
                  subln_eps: float = 1e-5, qkv_bias: bool = False, out_bias: bool = False, dropout: float = 0.0,
                  backend: str = "auto", rope_interleaved: bool = True, device=None, dtype=None) -> None:
         super().__init__()

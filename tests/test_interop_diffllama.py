@@ -131,3 +131,13 @@ def test_head_dim_option_keeps_the_default_layer():
         MultiheadDiffAttn(48, 5)
     # unilm export still works for the default layout
     assert from_unilm(to_unilm(MultiheadDiffAttn(64, 4)), embed_dim=64, num_heads=4, depth=0)
+
+
+def test_diffllamas_own_additive_mask_can_be_passed_as_it_is():
+    case = load("gqa_bias_padding.pt")
+    b, n = case["x"].shape[:2]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & case["attn_mask"]
+    hf_mask = torch.zeros(b, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    layer = from_diffllama(case["state_dict"], **case["config"])
+    torch.testing.assert_close(layer(case["x"], rope=tuple(case["rope"]), attn_mask=hf_mask), case["out"],
+                               rtol=RTOL, atol=ATOL)
