@@ -1,0 +1,217 @@
+"""Everything the GPU half needs from a GPU, in steps that each fit a 10-minute command.
+
+    python benchmarks/gpu_session.py                      # every step in order, then collect (about 15 min on an H100)
+    python benchmarks/gpu_session.py --list               # the steps, what each runs, its time limit
+    python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
+    python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into benchmarks/
+
+The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
+
+1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
+   (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: 16-bit (and float32) forward and
+   gradients against float64 for masks, Nq != Nk, GQA, every lambda form, at d = 64 and 128; B * H > 65535;
+   a mask past 2**31 elements; the CPU suite's shapes, compiled;
+2. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
+3. ``bench64`` and 4. ``bench128``: ``benchmarks/bench_triton.py`` at N = 8192, one head dim each, causal and
+   not, fwd and fwd+bwd: the kernel against every SDPA formulation under the flash, cuDNN and efficient
+   backends, each selected explicitly; time and peak memory;
+5. ``sdpa``: ``benchmarks/bench_sdpa.py`` at N = 8192 (notebook 08's table: every formulation, DIFF V2 and
+   the baseline under PyTorch's own dispatch).
+
+Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
+and ``session_<step>.log`` into ``--out-dir``; the benchmark steps also write their results part. ``--collect``
+merges them into ``benchmarks/results_triton_<device>.json``, ``benchmarks/results_sdpa_<device>.json`` and
+``benchmarks/gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, issue 13's goals
+checked), which notebooks 08 and 09 show. With the device tool of this workplace, run one step per call with
+``--out-dir "$OUT"``, then ``--collect`` the fetched folders here and commit the three files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SCHEMA = "diffattn-tutorial/gpu_session/1"
+
+STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
+    "tests": ("GPU tests, pinned configurations, poisoned buffers", 5,
+              ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
+               "not autotuned_configs_at_8192"]),
+    "autotune": ("the autotuner's picks at N = 8192, checked", 2,
+                 ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
+                  "autotuned_configs_at_8192"]),
+    "bench64": ("bench_triton, N = 8192, d = 64", 3,
+                ["benchmarks/bench_triton.py", "--lengths", "8192", "--head-dims", "64", "--out", "{out}/results_triton_part_d64.json"]),
+    "bench128": ("bench_triton, N = 8192, d = 128", 4,
+                 ["benchmarks/bench_triton.py", "--lengths", "8192", "--head-dims", "128", "--out", "{out}/results_triton_part_d128.json"]),
+    "sdpa": ("bench_sdpa, N = 8192", 2,
+             ["benchmarks/bench_sdpa.py", "--lengths", "8192", "--out", "{out}/results_sdpa_part.json"]),
+}
+
+
+def environment() -> dict:
+    """Device, versions and date, as every recorded GPU result carries them."""
+    env = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+
+        env.update(torch=torch.__version__, cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
+        if torch.cuda.is_available():
+            env.update(device=torch.cuda.get_device_name(), capability=".".join(map(str, torch.cuda.get_device_capability())),
+                       gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,power.limit",
+                            "--format=csv,noheader"], capture_output=True, text=True, check=False)
+        env["nvidia_smi"] = q.stdout.strip()
+    return env
+
+
+def run_step(name: str, out_dir: Path, timeout: int) -> dict:
+    """Run one step as a subprocess with a time limit; write ``session_<name>.json`` and ``.log``."""
+    what, minutes, argv = STEPS[name]
+    argv = [a.replace("{out}", str(out_dir)) for a in argv]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    if name == "autotune":
+        env["DIFFATTN_CHOSEN_CONFIGS"] = str(out_dir / "chosen_configs_tests.json")
+    log_path = out_dir / f"session_{name}.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout, check=False)
+            code, status = proc.returncode, "passed" if proc.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            code, status = None, f"timed out after {timeout} s"
+    seconds = time.perf_counter() - t0
+    tail = log_path.read_text(errors="replace")[-4000:]
+    record = {"schema": SCHEMA, "step": name, "what": what, "command": " ".join(["python", *argv]),
+              "returncode": code, "status": status, "seconds": round(seconds, 1), "expected_minutes": minutes,
+              "environment": environment(), "log_tail": tail}
+    (out_dir / f"session_{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"[{name}] {status} in {seconds:.0f} s ({what})", flush=True)
+    return record
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def collect(dirs: Sequence[Path], dest: Path = BENCH) -> dict:
+    """Merge the steps' files found in ``dirs`` into ``dest``: the results files and ``gpu_session_<device>.json``."""
+    from diffattn_tutorial.bench import slug
+
+    steps, triton_parts, sdpa_parts, picks = {}, [], [], {}
+    for d in dirs:
+        d = Path(d)
+        for p in sorted(d.glob("session_*.json")):
+            rec = json.loads(p.read_text())
+            steps[rec["step"]] = rec
+        triton_parts += [json.loads(p.read_text()) for p in sorted(d.glob("results_triton_part_*.json"))]
+        sdpa_parts += [json.loads(p.read_text()) for p in sorted(d.glob("results_sdpa_part*.json"))]
+        for p in d.glob("chosen_configs_tests.json"):
+            picks.update(json.loads(p.read_text()))
+    if not steps:
+        raise SystemExit(f"no session_*.json in {[str(d) for d in dirs]}")
+    env = next(iter(steps.values()))["environment"]
+    device = env.get("device", "unknown device")
+    written = []
+    session = {"schema": SCHEMA, "recorded": env, "steps": {}, "autotune_picks_in_tests": picks}
+    for name in STEPS:
+        if name in steps:
+            rec = steps[name]
+            session["steps"][name] = {k: rec[k] for k in ("what", "command", "status", "returncode", "seconds")}
+            session["steps"][name]["log_tail"] = rec["log_tail"][-1500:]
+    if triton_parts:
+        bench = _load_script("bench_triton")
+        merged = bench.merge(triton_parts)
+        path = dest / f"results_triton_{slug(merged['recorded']['device'])}.json"
+        path.write_text(json.dumps(merged, indent=1) + "\n")
+        written.append(path)
+        session["goals"] = bench.goals(merged)
+        session["summary"] = bench.summary(merged)
+    for part in sdpa_parts:
+        path = dest / f"results_sdpa_{slug(part['recorded']['device'])}.json"
+        path.write_text(json.dumps(part, indent=1) + "\n")
+        written.append(path)
+    path = dest / f"gpu_session_{slug(device)}.json"
+    path.write_text(json.dumps(session, indent=1) + "\n")
+    written.append(path)
+    for p in written:
+        print(f"wrote {p}")
+    return session
+
+
+def find_sessions(folder: Path = BENCH) -> list[tuple[Path, dict]]:
+    """Every ``gpu_session_*.json`` in ``folder`` (what notebooks 08 and 09 show)."""
+    found = []
+    for path in sorted(Path(folder).glob("gpu_session_*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("schema") == SCHEMA:
+            found.append((path, data))
+    return found
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="print the steps and exit")
+    ap.add_argument("--step", choices=list(STEPS), action="append", help="run only this step (repeatable)")
+    ap.add_argument("--out-dir", type=Path, default=None, help="where the steps write (default: a temporary folder)")
+    ap.add_argument("--step-timeout", type=int, default=540, help="seconds per step (a 10-minute command fits one)")
+    ap.add_argument("--collect", type=Path, nargs="+", default=None, metavar="DIR",
+                    help="merge the files of earlier steps in DIR... into benchmarks/")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, (what, minutes, cmd) in STEPS.items():
+            print(f"{name:<9} ~{minutes} min  {what}\n          python {' '.join(cmd)}")
+        return 0
+    if args.collect:
+        collect(args.collect)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: the session needs one (the CPU half is `pytest` and "
+              "`python -m diffattn_tutorial.triton_compile --all`)", file=sys.stderr)
+        return 2
+    out = args.out_dir or Path(tempfile.mkdtemp(prefix="gpu_session_"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.step or list(STEPS)
+    t0 = time.perf_counter()
+    records = [run_step(n, out, args.step_timeout) for n in names]
+    print(f"{len(records)} steps in {time.perf_counter() - t0:.0f} s; files in {out}")
+    if args.step is None:  # the whole session: collect into benchmarks/ (commit the three files)
+        collect([out])
+    return 0 if all(r["status"] == "passed" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""benchmarks/gpu_session.py without a GPU: its steps fit the 10-minute limit, and ``--collect`` merges the
+steps' files into the results files the notebooks read (on synthetic step outputs)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_steps_fit_the_limits(capsys):
+    session = load("gpu_session")
+    assert session.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in session.STEPS)
+    assert sum(minutes for _, minutes, _ in session.STEPS.values()) <= 20  # the whole session, H100 estimate
+    assert all(minutes < 9 for _, minutes, _ in session.STEPS.values())
+
+
+def _part(bench, d):
+    rows = []
+    for mode in ("fwd", "fwd_bwd"):
+        for impl, backend, ms in (("triton", "triton", 2.0), ("sdpa_split", "flash", 3.0), ("sdpa_split", "cudnn", 2.5),
+                                  ("sdpa_wide", "flash", None)):
+            rows.append({"impl": impl, "backend": backend, "mode": mode, "causal": False, "n": 8192, "d": d,
+                         "batch": 2, "heads": 1024 // d, "status": "ok" if ms else "refused: x", "ms": ms,
+                         "tflops": 400.0 if ms else None, "peak_extra_mib": 10.0 if ms else None,
+                         "best_sdpa": (impl, backend) == ("sdpa_split", "cudnn"),
+                         "speedup_vs_best_sdpa": 1.25 if impl == "triton" else None, "max_abs_err": 0.0})
+    return {"schema": bench.SCHEMA, "recorded": {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda",
+                                                 "command": f"d{d}", "date": "2026-01-01 00:00 UTC"},
+            "config": {"head_dims": [d], "lengths": [8192], "modes": ["fwd", "fwd_bwd"], "causal": [False]},
+            "chosen_configs": {f"_diff_attn_fwd/x/d{d}": {"k": "BLOCK_M: 128"}}, "rows": rows}
+
+
+def test_collect_merges_steps_into_results(tmp_path):
+    session, bench = load("gpu_session"), load("bench_triton")
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.x", "triton": "3.x", "date": "2026-01-01 00:00 UTC"}
+    for name in ("tests", "bench64", "bench128"):
+        (steps / f"session_{name}.json").write_text(json.dumps(
+            {"schema": session.SCHEMA, "step": name, "what": "", "command": "python x", "returncode": 0,
+             "status": "passed", "seconds": 1.0, "expected_minutes": 1, "environment": env, "log_tail": "ok"}))
+    for d in (64, 128):
+        (steps / f"results_triton_part_d{d}.json").write_text(json.dumps(_part(bench, d)))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    out = session.collect([steps], dest=dest)
+    assert set(out["steps"]) == {"tests", "bench64", "bench128"}
+    merged = json.loads((dest / "results_triton_nvidia-h100-80gb-hbm3.json").read_text())
+    assert merged["config"]["head_dims"] == [64, 128] and len(merged["rows"]) == 16
+    assert [g["met"]["fwd_speedup_vs_best_sdpa"] for g in out["goals"]] == [True, True]
+    assert [p.name for p, _ in session.find_sessions(dest)] == ["gpu_session_nvidia-h100-80gb-hbm3.json"]
+    assert [p.name for p, _ in bench.find_results(dest)] == ["results_triton_nvidia-h100-80gb-hbm3.json"]
+
+
+def test_no_gpu_no_session(monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert load("gpu_session").main(["--step", "tests"]) == 2
