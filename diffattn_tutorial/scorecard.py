@@ -30,7 +30,7 @@ CHECK_RE = re.compile(r"^#\s*CHECK\s+(\d+)\b")
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "FAILED", "not attempted"
 NOT_ATTEMPTED_ERRORS = ("NotAttempted", "NotImplementedError")
-TODO = "replace `raise NotImplementedError` with your answer"
+STUB_ADVICE = "replace `raise NotImplementedError` with your answer"
 
 
 @dataclass
@@ -160,7 +160,7 @@ def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
         elif err is None:
             results.append(Result(t, PASSED))
         elif err[0] in NOT_ATTEMPTED_ERRORS:
-            results.append(Result(t, NOT_ATTEMPTED, TODO))
+            results.append(Result(t, NOT_ATTEMPTED, STUB_ADVICE))
         elif err[0] == "CheckFailed":  # the hint in full: it is one line, and a cut hint is no hint
             results.append(Result(t, FAILED, _one_line(err[1], limit=2000)))
         elif err[0] == "KeyboardInterrupt":

@@ -67,7 +67,8 @@ def check_diff_v2(fn: Callable) -> None:
                 "lambda is ignored: the second head of each pair is scaled by lambda before it is subtracted":
                     lib(lam_=torch.ones_like(lam)),
                 "the sign is flipped: the second head of each pair is subtracted": lib(lam_=-lam),
-                "subtracted in the wrong order: head 2i minus lambda times head 2i+1": -(out[:, 1::2] - lam * out[:, 0::2]),
+                "subtracted in the wrong order: head 2i minus lambda times head 2i+1":
+                    out[:, 1::2] - lam * out[:, 0::2],
                 "paired the heads blocked (i with i + H): the pairs are adjacent query heads, 2i and 2i+1":
                     lib(q_=blocked),
                 "a V1 sub-norm is applied: DIFF V2 has no per-head normalisation (it destabilised late "
