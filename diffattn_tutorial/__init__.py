@@ -1,15 +1,17 @@
-"""diffattn_tutorial: differential attention (Differential Transformer, arXiv 2410.05258, and DIFF V2), exact and fast.
+"""diffattn_tutorial: differential attention (Differential Transformer, arXiv 2410.05258, and DIFF V2), built to be exact.
 
 Modules:
     functional  diff_attention, softmax_attention, diff_attention_v2, lambda_init_fn, reparam_lambda,
                 dual_lambda, rms_norm, causal_mask, BACKENDS
     rope        rope_cos_sin, apply_rope (interleaved GPT-J and half-split NeoX layouts)
     modules     MultiheadAttention, MultiheadDiffAttn, DiffAttnV2, KVCache, RMSNorm
-    interop     from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2
+    interop     from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2,
+                from_diffllama / to_diffllama (Hugging Face)
     triton_diff the fused differential flash-attention kernel (forward and backward), backend="triton"
     flops       attention FLOP and byte accounting (baseline, V1, V2, each SDPA formulation)
     metrics     attention shares (answer vs noise) and activation-outlier ratios
     model, data, experiments   a tiny LM with switchable attention, a retrieval task, the paper's measurements
+    recorded    results files recorded by the project's scripts (seed and budget studies), with their provenance
     toys, plotting             the opening notebooks' toy problems, and heatmaps/curves
     bench       side-by-side timing and peak memory of the backends (diffattn-tutorial bench)
     checks      the exercise checks; scorecard runs an exercise notebook (diffattn-tutorial check)

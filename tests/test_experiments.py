@@ -188,7 +188,7 @@ def test_disagreements_names_metrics_beyond_tolerance():
 
 
 def test_recorded_results_say_how_they_were_made():
-    assert {"seed_study", "budget_study", "lr_study"} <= set(recorded.available())
+    assert {"seed_study", "budget_study"} <= set(recorded.available())
     for name in recorded.available():
         rec = recorded.load(name)
         assert {"command", "device", "torch", "date", "settings", "rows"} <= set(rec), name
