@@ -1,6 +1,6 @@
 """Everything the GPU half needs from a GPU, in steps that each fit a 10-minute command.
 
-    python benchmarks/gpu_session.py                      # every step in order, then collect (about 15 min on an H100)
+    python benchmarks/gpu_session.py                      # every step in order, then collect (about 18 min on an H100)
     python benchmarks/gpu_session.py --list               # the steps, what each runs, its time limit
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
     python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into benchmarks/
@@ -8,14 +8,15 @@
 The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
 
 1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
-   (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: 16-bit (and float32) forward and
-   gradients against float64 for masks, Nq != Nk, GQA, every lambda form, at d = 64 and 128; B * H > 65535;
-   a mask past 2**31 elements; the CPU suite's shapes, compiled;
-2. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
-3. ``bench64`` and 4. ``bench128``: ``benchmarks/bench_triton.py`` at N = 8192, one head dim each, causal and
+   (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: the CPU suite's cases compiled (every
+   plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements;
+2. ``tests16``: bf16 and fp16 (and float32) forward and gradients against float64 by norm-relative error, for
+   masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
+3. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
+4. ``bench64`` and 5. ``bench128``: ``benchmarks/bench_triton.py`` at N = 8192, one head dim each, causal and
    not, fwd and fwd+bwd: the kernel against every SDPA formulation under the flash, cuDNN and efficient
    backends, each selected explicitly; time and peak memory;
-5. ``sdpa``: ``benchmarks/bench_sdpa.py`` at N = 8192 (notebook 08's table: every formulation, DIFF V2 and
+6. ``sdpa``: ``benchmarks/bench_sdpa.py`` at N = 8192 (notebook 08's table: every formulation, DIFF V2 and
    the baseline under PyTorch's own dispatch).
 
 Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
@@ -47,9 +48,11 @@ BENCH = ROOT / "benchmarks"
 SCHEMA = "diffattn-tutorial/gpu_session/1"
 
 STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
-    "tests": ("GPU tests, pinned configurations, poisoned buffers", 5,
-              ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
-               "not autotuned_configs_at_8192"]),
+    "tests": ("GPU tests: the CPU suite's cases compiled, grid and int32 limits; pinned, poisoned", 4,
+              ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
+               "not autotuned_configs_at_8192 and not low_precision"]),
+    "tests16": ("GPU tests: bf16 / fp16 / fp32 forward and gradients vs float64, d = 64 and 128", 3,
+                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k", "low_precision"]),
     "autotune": ("the autotuner's picks at N = 8192, checked", 2,
                  ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                   "autotuned_configs_at_8192"]),

@@ -305,6 +305,31 @@ def _work(cases: Iterable[tuple[Case, bool]], archs: Sequence[str], every_config
                     yield launch, config, arch, case, i == 0
 
 
+LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 128 (notebook 09), not checked
+    (Case(128, grad=False, plan="fused"), "_diff_attn_fwd", [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)]),
+    (Case(128, plan="fused"), "_diff_attn_bwd_dkdv", [(32, 128, 8, 2), (16, 64, 4, 2)]),
+    (Case(128, plan="fused"), "_diff_attn_bwd_dq", [(128, 32, 8, 2), (64, 32, 4, 2)]),
+]
+
+
+def lesson_facts(jobs: int = 1) -> list[Facts]:
+    """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128."""
+    from diffattn_tutorial.triton_diff import _cfg
+
+    work = []
+    for case, kernel, configs in LESSONS:
+        launch = next(x for x in launches_for(case) if x.name == kernel)
+        work += [(launch, _cfg(*c), "sm_90a", case, False) for c in configs]
+    if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs) as pool:
+            rows = list(pool.map(_compile_job, work))
+    else:
+        rows = [_compile_job(w) for w in work]
+    return [Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in rows]
+
+
 def _compile_job(job) -> dict:
     launch, config, arch, case, pinned = job
     return compile_one(launch, config, arch, case, pinned).row()
@@ -401,6 +426,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--every-config", action="store_true", help="all autotune configurations, not the pinned one")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    ap.add_argument("--lessons", action="store_true", help="also compile the fused plan at d = 128 (notebook 09's "
+                                                           "counter-examples; implied by --all)")
     ap.add_argument("--write", type=Path, nargs="?", const=FACTS_FILE, default=None,
                     help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[1])})")
     ap.add_argument("--json", default=None, help="write the facts as JSON to this path ('-': stdout)")
@@ -431,12 +458,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"wgmma {','.join(f.wgmma_shapes) or '-'} dup {f.dup:g} {f.compile_s:.1f}s: {probs}", flush=True)
 
     facts = _run_here(cases, archs, every, jobs, progress)
+    lessons = lesson_facts(jobs) if (args.all or args.lessons) and not args.spec else []
+    for f in lessons:
+        progress(f)
     bad = [f for f in facts if f.problems()]
     result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
                                               "source_hash": source_hash(), "archs": list(archs),
                                               "every_config": every, "wall_s": round(time.perf_counter() - t0, 1)},
               "cases": [c.label + (" (every config)" if (e if every is None else every) else "") for c, e in cases],
-              "facts": [f.row() for f in facts]}
+              "facts": [f.row() for f in facts],
+              "lessons": [{**f.row(), "problems": f.problems()} for f in lessons]}
     if args.json:
         text = json.dumps(result, indent=1)
         if args.json == "-":

@@ -6,14 +6,14 @@ maps of differential head ``i`` at heads ``2i`` and ``2i+1``, k ``(B, 2Hkv, Nk, 
 differential head ``i`` reads KV group ``i // (H // Hkv)`` for both maps.
 
 Forward (:func:`_diff_attn_fwd`), one program per (query tile, batch x differential head), in one of two
-forms (a :class:`Plan`, chosen per head dim by :func:`plan_for`):
+forms (part of a :class:`Plan`, chosen per head dim by :func:`plan_for`):
 
-* **fused** (``MAP=0``, head dims up to 64): the query tiles of **both** maps stay on chip; each ``k1``,
-  ``k2``, ``v`` tile is loaded **once** and feeds two online-softmax streams, each with its running max ``m``,
-  running sum ``l`` and a float32 accumulator of width ``2d``; the lambda combine ``o1 - lam * o2`` happens in
-  registers at the end;
-* **split maps** (``MAP=2`` then ``MAP=1``, head dim 128): two launches of the same kernel, one map per
-  program. Two accumulators of ``BLOCK_M x 2d`` float32 do not fit one program's registers at ``d = 128``
+* **fused** (``MAP=0``, head dims up to 64 on Hopper): the query tiles of **both** maps stay on chip; each
+  ``k1``, ``k2``, ``v`` tile is loaded **once** and feeds two online-softmax streams, each with its running max
+  ``m``, running sum ``l`` and a float32 accumulator of width ``2d``; the lambda combine ``o1 - lam * o2``
+  happens in registers at the end;
+* **split maps** (``MAP=2`` then ``MAP=1``, head dim 128, and every head dim on Ampere): two launches of the
+  same kernel, one map per program. Two accumulators of ``BLOCK_M x 2d`` float32 do not fit one program's registers at ``d = 128``
   (notebook 09 counts them), so the map-2 launch writes ``o2`` (float32) and the map-1 launch reads it back
   in its epilogue for the combine. No matrix product is done twice.
 
@@ -26,11 +26,16 @@ Backward, from those statistics (nothing of size ``N x N`` is kept between passe
   ``rowsum(dO2 * O2)`` is ``-lam * dd`` and ``dlam = -dd`` per row (summed over broadcast dims on the host);
 * a dK/dV kernel, one program per (key tile, batch x KV group), loops over the heads of its group and
   over the query tiles, **recomputes** ``P1``, ``P2`` from ``q``, ``k`` and the saved log-sum-exps, and
-  accumulates ``dV += (P1 - lam P2)^T dO``, ``dK1 += dS1^T q1``, ``dK2 += dS2^T q2`` (no atomics); at
-  ``d = 128`` dV and dK are two launches of it (``DV_OUT``, ``DK_MAPS``), for the same register reason;
+  accumulates ``dV += (P1 - lam P2)^T dO``, ``dK1 += dS1^T q1``, ``dK2 += dS2^T q2`` (no atomics); from
+  ``d = 64`` dV and dK are separate launches of it (``DV_OUT``, ``DK_MAPS``), at ``d = 128`` each map's dK
+  too, for the same register reason;
 * a dQ kernel, one program per (query tile, batch x head), recomputes the same tiles and accumulates
   ``dQ1 += dS1 k1``, ``dQ2 += dS2 k2`` (one map per launch at ``d = 128``, ``DQ_MAPS``). With
   ``dP = dO v^T``: ``dS1 = P1 (dP - delta1)`` and ``dS2 = -lam P2 (dP - dd)``.
+
+The plans (:data:`PLANS`): ``fused`` (d <= 32), ``split_kv`` (d = 64), ``split`` (d = 128, and every head dim on
+Ampere). Every launch's configurations are listed per head dim in small tables (``_CONFIGS_16BIT`` for Hopper,
+``_CONFIGS_AMPERE``, ``_CONFIGS_FP32``), each entry checked to compile cleanly (see below).
 
 Supported: scalar and per-token/per-head ``lam``; ``causal`` (bottom-right aligned, fully masked key
 tiles skipped); an ``attn_mask`` (bool or additive float, broadcastable to ``(B, H, Nq, Nk)``, read tile
@@ -665,52 +670,71 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 _C = _cfg
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
-        16: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 2)],
-        32: [_C(128, 64, 8, 2), _C(128, 32, 8, 3), _C(64, 64, 4, 3), _C(64, 32, 4, 3), _C(128, 32, 8, 4)],
-        64: [_C(128, 32, 8, 3), _C(128, 32, 8, 4), _C(64, 32, 4, 3), _C(128, 64, 8, 2)],
+        16: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(64, 64, 4, 3), _C(128, 32, 8, 3)],
+        32: [_C(128, 32, 8, 3), _C(64, 64, 4, 3), _C(128, 32, 8, 4), _C(64, 32, 4, 3)],
+        64: [_C(128, 32, 8, 3), _C(128, 32, 8, 4), _C(64, 32, 4, 3)],
     },
     ("_diff_attn_fwd", "map"): {
-        128: [_C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(128, 32, 8, 2)],
+        128: [_C(128, 64, 8, 2), _C(128, 32, 8, 3), _C(128, 32, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dkdv"): {
-        16: [_C(32, 128, 8, 2), _C(32, 64, 4, 2), _C(16, 128, 8, 2), _C(64, 64, 4, 3), _C(32, 128, 8, 3)],
+        16: [_C(32, 128, 8, 2), _C(32, 64, 4, 2), _C(16, 128, 8, 2), _C(32, 128, 8, 3)],
         32: [_C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(32, 128, 8, 3), _C(16, 64, 4, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dv"): {
         64: [_C(32, 128, 8, 2), _C(32, 64, 4, 2), _C(32, 128, 8, 3), _C(16, 128, 8, 2)],
-        128: [_C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(32, 64, 4, 2), _C(64, 128, 8, 2)],
+        128: [_C(16, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dk"): {
-        64: [_C(16, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 4, 2), _C(16, 128, 8, 3)],
+        64: [_C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(16, 128, 8, 3), _C(16, 64, 4, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dk1"): {
-        128: [_C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 3), _C(64, 64, 4, 2), _C(32, 64, 4, 2)],
+        128: [_C(32, 128, 8, 3)],
     },
     ("_diff_attn_bwd_dq", "dq2"): {
         16: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 3)],
         32: [_C(128, 64, 8, 2), _C(64, 64, 4, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 3)],
-        64: [_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 4, 2), _C(64, 32, 4, 3)],
+        64: [_C(128, 32, 8, 2), _C(64, 32, 4, 3)],
     },
     ("_diff_attn_bwd_dq", "dq1"): {
-        128: [_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 4, 2), _C(64, 32, 4, 3)],
+        128: [_C(128, 32, 8, 2), _C(64, 32, 4, 3)],
     },
 }
-# float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only
+# float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only, any plan
 _FP32_FWD, _FP32_KV, _FP32_Q = [_C(32, 16, 4, 2)], [_C(16, 16, 4, 2)], [_C(32, 16, 4, 2)]
 _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
-    ("_diff_attn_fwd", "fused"): {d: _FP32_FWD for d in (16, 32, 64)},
-    ("_diff_attn_fwd", "map"): {128: _FP32_FWD},
-    ("_diff_attn_bwd_dkdv", "dkdv"): {d: _FP32_KV for d in (16, 32)},
-    ("_diff_attn_bwd_dkdv", "dv"): {d: _FP32_KV for d in (64, 128)},
-    ("_diff_attn_bwd_dkdv", "dk"): {64: _FP32_KV},
-    ("_diff_attn_bwd_dkdv", "dk1"): {128: _FP32_KV},
-    ("_diff_attn_bwd_dq", "dq2"): {d: _FP32_Q for d in (16, 32, 64)},
-    ("_diff_attn_bwd_dq", "dq1"): {128: [_C(16, 16, 4, 2)]},
+    **{("_diff_attn_fwd", form): {d: _FP32_FWD for d in (16, 32, 64, 128)} for form in ("fused", "map")},
+    **{("_diff_attn_bwd_dkdv", form): {d: _FP32_KV for d in (16, 32, 64, 128)} for form in ("dkdv", "dv", "dk", "dk1")},
+    **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq2", "dq1")},
 }
-
-
-_CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = _CONFIGS_16BIT
-AMPERE_PLANS: dict[int, str] = {}
+# Ampere (sm_80: mma.sync, both operands in registers): one map per program at every head dim, smaller tiles
+_CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "map"): {
+        16: [_C(64, 64, 4, 2), _C(128, 64, 8, 2), _C(64, 32, 4, 2)],
+        32: [_C(128, 64, 8, 2), _C(64, 32, 4, 2)],
+        64: [_C(64, 64, 4, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2)],
+        128: [_C(64, 64, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dv"): {
+        16: [_C(32, 64, 4, 2), _C(16, 64, 4, 2), _C(32, 128, 8, 2)],
+        32: [_C(32, 64, 4, 2), _C(16, 64, 4, 2), _C(32, 128, 8, 2)],
+        64: [_C(32, 64, 4, 2), _C(16, 128, 8, 2)],
+        128: [_C(32, 64, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk1"): {
+        16: [_C(32, 64, 4, 2), _C(32, 128, 8, 2)],
+        32: [_C(32, 64, 4, 2), _C(32, 128, 8, 2)],
+        64: [_C(16, 64, 4, 2)],
+        128: [_C(32, 32, 4, 2)],
+    },
+    ("_diff_attn_bwd_dq", "dq1"): {
+        16: [_C(64, 32, 4, 2)],
+        32: [_C(64, 64, 4, 2), _C(64, 32, 4, 2), _C(128, 32, 8, 2)],
+        64: [_C(128, 32, 8, 2)],
+        128: [_C(32, 32, 4, 2)],
+    },
+}
+AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "split"}
 
 
 def _form(name: str, consts: dict) -> str:
