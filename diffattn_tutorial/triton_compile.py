@@ -340,20 +340,25 @@ def _run_here(cases: Sequence[tuple[Case, bool]], archs: Sequence[str], every_co
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
     work = list(_work(cases, archs, every_config))
     rows = []
+    done: dict[int, dict] = {}
     if jobs > 1 and len(work) > 1:
         from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
 
-        with ProcessPoolExecutor(jobs) as pool:
-            for row in pool.map(_compile_job, [(w[0], w[1], w[2], w[3], w[4]) for w in work]):
-                rows.append(row)
-                if progress:
-                    progress(Facts(**{**row, "wgmma_shapes": tuple(row["wgmma_shapes"])}))
-    else:
-        for w in work:
-            rows.append(_compile_job(w))
+        try:
+            with ProcessPoolExecutor(jobs) as pool:
+                for i, row in enumerate(pool.map(_compile_job, work)):
+                    done[i] = row
+                    if progress:
+                        progress(Facts(**{**row, "wgmma_shapes": tuple(row["wgmma_shapes"])}))
+        except BrokenProcessPool:  # a worker was killed (out of memory on a shared machine): finish here
+            pass
+    for i, w in enumerate(work):
+        if i not in done:
+            done[i] = _compile_job(w)
             if progress:
-                progress(Facts(**{**rows[-1], "wgmma_shapes": tuple(rows[-1]["wgmma_shapes"])}))
-    return [Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in rows]
+                progress(Facts(**{**done[i], "wgmma_shapes": tuple(done[i]["wgmma_shapes"])}))
+    return [Facts(**{**done[i], "wgmma_shapes": tuple(done[i]["wgmma_shapes"])}) for i in range(len(work))]
 
 
 def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Sequence[str] = ("sm_90a",), *,
