@@ -2,6 +2,9 @@
 
 * **Notebooks run under strict nbval when nbval is installed** (the ``dev`` extra). Without nbval, ``pytest``
   still runs every unit test; the notebooks are simply not collected. ``--nbval-lax`` keeps its meaning.
+* **Two workers when pytest-xdist is installed** (the ``dev`` extra) and the machine has two or more cores:
+  ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order. ``-n 0`` runs
+  everything in this process; ``-n N`` chooses N workers.
 * **A fresh training cache per test session.** Notebooks 07 and 10 and their tests train toy models through
   ``retrieval_study(cache=True)``. The suite points ``DIFFATTN_CACHE`` at an empty folder of its own (unless you
   set it), so every run trains from scratch once and shares the result between the notebooks and tests of that
@@ -15,7 +18,22 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 _OWN_CACHE: list[str] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    opt = config.option
+    if "PYTEST_XDIST_WORKER" in os.environ or hasattr(config, "workerinput"):
+        return  # a worker: never start workers of its own
+    if not config.pluginmanager.hasplugin("xdist") or getattr(opt, "numprocesses", None) is not None:
+        return
+    if (os.cpu_count() or 1) >= 2 and not opt.collectonly and not getattr(opt, "usepdb", False):
+        opt.numprocesses = 2
+        if opt.dist == "no":
+            opt.dist = "loadscope"
 
 
 def pytest_configure(config) -> None:
