@@ -2,8 +2,9 @@
 the limit, every 16-bit dot on ``wgmma``, no dot computed twice (``diffattn_tutorial.triton_compile``).
 
 * ``test_pinned_launches_compile_clean_for_hopper`` compiles a representative subset here, every time: the
-  pinned configuration of every launch of the plain bf16 training case at d = 64 and d = 128 (about 40 s on
-  a 2-core machine, in a subprocess: Triton's compiler cannot run where ``TRITON_INTERPRET=1`` was set);
+  pinned configuration of every launch of the plain bf16 training case at d = 64 and d = 128 (13 compiles in
+  two processes, 11-34 s on a 2-core machine; in a subprocess: Triton's compiler cannot run where
+  ``TRITON_INTERPRET=1`` was set);
 * ``test_recorded_facts_cover_every_config_and_are_current`` checks ``benchmarks/compile_facts.json``, the
   full run (every autotune configuration, bf16 and fp16, every head dim, the variants whose code differs,
   sm_90a and sm_80: ``python -m diffattn_tutorial.triton_compile --all --jobs 8 --write``), against the
