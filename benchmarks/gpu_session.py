@@ -7,6 +7,9 @@
 
 The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
 
+0. ``compile`` (only when named with ``--step compile``; it needs no GPU): ``python -m
+   diffattn_tutorial.triton_compile --all`` with the Triton installed there (the GPU machine's may be older than
+   the one that wrote ``benchmarks/compile_facts.json``, and registers can differ between versions);
 1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
    (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: the CPU suite's cases compiled (every
    plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements;
@@ -48,6 +51,9 @@ BENCH = ROOT / "benchmarks"
 SCHEMA = "diffattn-tutorial/gpu_session/1"
 
 STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
+    "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 3,
+                ["-m", "diffattn_tutorial.triton_compile", "--all", "--jobs", "16", "--json",
+                 "{out}/compile_facts_gpu_machine.json"]),
     "tests": ("GPU tests: the CPU suite's cases compiled, grid and int32 limits; pinned, poisoned", 4,
               ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                "not autotuned_configs_at_8192 and not low_precision"]),
@@ -63,6 +69,10 @@ STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arg
     "sdpa": ("bench_sdpa, N = 8192", 2,
              ["benchmarks/bench_sdpa.py", "--lengths", "8192", "--out", "{out}/results_sdpa_part.json"]),
 }
+
+
+DEFAULT_STEPS = [name for name in STEPS if name != "compile"]
+"""What a plain run does: every step that needs the GPU (``compile`` runs only when named: it needs none)."""
 
 
 def environment() -> dict:
@@ -96,7 +106,8 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
     """Run one step as a subprocess with a time limit; write ``session_<name>.json`` and ``.log``."""
     what, minutes, argv = STEPS[name]
     argv = [a.replace("{out}", str(out_dir)) for a in argv]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if name == "autotune":
         env["DIFFATTN_CHOSEN_CONFIGS"] = str(out_dir / "chosen_configs_tests.json")
     log_path = out_dir / f"session_{name}.log"
@@ -116,6 +127,18 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
     (out_dir / f"session_{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"[{name}] {status} in {seconds:.0f} s ({what})", flush=True)
     return record
+
+
+def _problems(facts: dict) -> list[str]:
+    from diffattn_tutorial.triton_compile import Facts
+
+    out = []
+    for r in facts["facts"]:
+        f = Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])})
+        if f.problems():
+            out.append(f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: "
+                       f"{'; '.join(f.problems())}")
+    return out
 
 
 def _load_script(name: str):
@@ -158,6 +181,11 @@ def collect(dirs: Sequence[Path], dest: Path = BENCH) -> dict:
         written.append(path)
         session["goals"] = bench.goals(merged)
         session["summary"] = bench.summary(merged)
+    for d in dirs:
+        for p in Path(d).glob("compile_facts_gpu_machine.json"):
+            facts = json.loads(p.read_text())
+            session["compile_facts_gpu_machine"] = {"recorded": facts["recorded"],
+                                                    "problems": _problems(facts)}
     for part in sdpa_parts:
         path = dest / f"results_sdpa_{slug(part['recorded']['device'])}.json"
         path.write_text(json.dumps(part, indent=1) + "\n")
@@ -207,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="gpu_session_"))
     out.mkdir(parents=True, exist_ok=True)
-    names = args.step or list(STEPS)
+    names = args.step or DEFAULT_STEPS
     t0 = time.perf_counter()
     records = [run_step(n, out, args.step_timeout) for n in names]
     print(f"{len(records)} steps in {time.perf_counter() - t0:.0f} s; files in {out}")

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -205,6 +206,24 @@ def analyse_ttgir(ttgir: str) -> tuple[int, float, bool]:
     return dots, dup, p_via_smem
 
 
+def _ptxas_report(ptx: str, capability: int) -> str:
+    """``ptxas -v`` on ``ptx`` with the assembler shipped in the Triton wheel (the newer one for sm_90+)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    names = ["ptxas-blackwell", "ptxas"] if capability >= 90 else ["ptxas"]
+    exe = next((bin_dir / n for n in names if (bin_dir / n).exists()), None)
+    if exe is None:
+        return ""
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([str(exe), "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True, check=False)
+    return proc.stdout + proc.stderr
+
+
 def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     """Compile ``launch`` with ``config`` for ``arch`` (a key of :data:`ARCHS`) and read the facts."""
     import triton
@@ -227,22 +246,30 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, opts = binder(*launch.args, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
-    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
+    if len(inspect.signature(fn._pack_args).parameters) >= 5:  # Triton 3.9; older ones take no options
+        options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
+    else:
+        options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec)
     src = ASTSource(fn, signature, constexprs, attrs)
     log = io.StringIO()
     t0 = time.perf_counter()
     try:
-        with knobs.nvidia.scope(), knobs.cache.scope(), tempfile.TemporaryDirectory() as tmp:
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            stack.enter_context(knobs.nvidia.scope())
+            stack.enter_context(knobs.cache.scope())
             knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed by Triton's own ptxas call
             knobs.cache.dir = tmp  # a fresh cache: always compile, so the report is always printed
-            with contextlib.redirect_stdout(log):
-                kernel = triton.compile(src, target=target, options=options.__dict__)
+            stack.enter_context(contextlib.redirect_stdout(log))
+            kernel = triton.compile(src, target=target, options=options.__dict__)
     except Exception as e:  # noqa: BLE001 - a compile error is a fact to report
         facts.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         facts.compile_s = time.perf_counter() - t0
         return facts
     facts.compile_s = time.perf_counter() - t0
     report = log.getvalue()
+    if not _PTXAS.search(report):  # a Triton that does not print the report: run its ptxas on the PTX
+        report = _ptxas_report(kernel.asm["ptx"], capability)
     m = _PTXAS.search(report)
     if m:
         facts.stack, facts.spill_stores, facts.spill_loads = map(int, m.groups())
