@@ -8,6 +8,7 @@ Modules:
     interop     from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2,
                 from_diffllama / to_diffllama (Hugging Face)
     triton_diff the fused differential flash-attention kernel (forward and backward), backend="triton"
+    triton_compile  ahead-of-time compile checks of every kernel config for sm_90a / sm_80, no GPU needed
     flops       attention FLOP and byte accounting (baseline, V1, V2, each SDPA formulation)
     metrics     attention shares (answer vs noise) and activation-outlier ratios
     model, data, experiments   a tiny LM with switchable attention, a retrieval task, the paper's measurements
