@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_case import ATOL, RTOL, assert_reproduces_golden_case
 
 from diffattn_tutorial import interop
 from diffattn_tutorial.functional import BACKENDS, diff_attention
 
 GOLDEN = Path(__file__).parent / "golden"
-RTOL, ATOL = 1e-4, 1e-5
 
 LOADERS = {  # (source, variant) -> (from_*, to_*)
     ("unilm", "v1"): (interop.from_unilm, interop.to_unilm),
@@ -42,27 +42,7 @@ def test_module_matches_reference(name, backend):
         backend = "sdpa"
     layer = from_ref(case["state_dict"], **case["config"], backend=backend)
     # export before training is exact
-    before = to_ref(layer)
-    assert before.keys() == case["state_dict"].keys()
-    for key, ref in case["state_dict"].items():
-        torch.testing.assert_close(before[key], ref, rtol=0, atol=0, msg=key)
-
-    x = case["x"].clone().requires_grad_(True)
-    rope = case["rope"]
-    out = layer(x, rope=tuple(rope) if rope is not None else None, causal=case["causal"],
-                attn_mask=case["attn_mask"])
-    torch.testing.assert_close(out, case["out"], rtol=RTOL, atol=ATOL)
-    (out * case["g"]).sum().backward()
-    torch.testing.assert_close(x.grad, case["x_grad"], rtol=RTOL, atol=ATOL)
-
-    with torch.no_grad():
-        for p in layer.parameters():
-            assert p.grad is not None, "every parameter must receive a gradient"
-            p -= case["lr"] * p.grad
-    after = to_ref(layer)
-    assert after.keys() == case["state_dict_after_sgd"].keys()
-    for key, ref in case["state_dict_after_sgd"].items():
-        torch.testing.assert_close(after[key], ref, rtol=RTOL, atol=ATOL, msg=key)
+    assert_reproduces_golden_case(layer, case, to_ref)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["auto"])

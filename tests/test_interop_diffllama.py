@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_case import ATOL, RTOL, assert_reproduces_golden_case
 
 from diffattn_tutorial import MultiheadDiffAttn, rope_cos_sin
 from diffattn_tutorial.interop import from_diffllama, from_unilm, to_diffllama, to_timm, to_unilm
 
 GOLDEN = Path(__file__).parent / "golden" / "diffllama"
 CASES = sorted(p.name for p in GOLDEN.glob("*.pt"))
-RTOL, ATOL = 1e-4, 1e-5
 
 
 def load(name):
@@ -38,23 +38,7 @@ def test_the_golden_cases_cover_gqa_bias_padding_and_head_dim():
 def test_matches_transformers_diffllama(name, backend):
     case = load(name)
     layer = from_diffllama(case["state_dict"], **case["config"], backend=backend)
-    before = to_diffllama(layer)
-    assert list(before) == list(case["state_dict"])  # DiffLlama's names, in its order
-    for key, ref in case["state_dict"].items():
-        torch.testing.assert_close(before[key], ref, rtol=0, atol=0, msg=key)
-
-    x = case["x"].clone().requires_grad_(True)
-    out = layer(x, rope=tuple(case["rope"]), causal=case["causal"], attn_mask=case["attn_mask"])
-    torch.testing.assert_close(out, case["out"], rtol=RTOL, atol=ATOL)
-    (out * case["g"]).sum().backward()
-    torch.testing.assert_close(x.grad, case["x_grad"], rtol=RTOL, atol=ATOL)
-    with torch.no_grad():
-        for p in layer.parameters():
-            assert p.grad is not None, "every parameter must receive a gradient"
-            p -= case["lr"] * p.grad
-    after = to_diffllama(layer)
-    for key, ref in case["state_dict_after_sgd"].items():
-        torch.testing.assert_close(after[key], ref, rtol=RTOL, atol=ATOL, msg=key)
+    assert_reproduces_golden_case(layer, case, to_diffllama)
 
 
 def test_layer_is_the_papers_layer_with_halves_pairing():
