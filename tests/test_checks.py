@@ -550,3 +550,17 @@ def test_forward_variants_cover_the_module():
         x = randn(B, N, C, seed=1)
         with torch.no_grad():
             assert close(nb06._variant(layer, x), layer(x, causal=True))
+
+
+def test_package_exports_exactly_every_submodule_check():
+    """``checks/__init__.py`` imports each submodule's checks by name: a new or renamed check must be listed there."""
+    import importlib
+    import pkgutil
+
+    exported = {n for n in checks.__all__ if n.startswith("check_")}
+    declared = set()
+    for info in pkgutil.iter_modules(checks.__path__):
+        if info.name.startswith("nb"):
+            declared |= set(importlib.import_module(f"{checks.__name__}.{info.name}").__all__)
+    assert exported == declared, f"only in __init__: {exported - declared}; missing there: {declared - exported}"
+    assert all(callable(getattr(checks, n)) for n in exported)
