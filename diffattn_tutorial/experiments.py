@@ -1,18 +1,20 @@
 """Train a :class:`~diffattn_tutorial.model.TinyLM` on the multi-needle task and measure what the paper measures.
 
-:func:`retrieval_study` is the one entry point the notebooks use: it trains one model (fixed seed, fixed
-thread count, deterministic on a CPU) and returns
+One study is three named steps, each usable on its own:
 
-* ``accuracy`` (and ``accuracy_by_setting``): retrieval accuracy per ``needles/queried`` setting (Table 2);
-* ``attn_to_answer`` / ``attn_to_noise``: the share of the query's attention, in the layer that retrieves,
-  on the answer needle and on the rest of the haystack (Table 3);
-* ``logit_top1``, ``logit_median`` and ``logit_top1_over_median``: the largest and the median attention
-  logit ``|q.k| / sqrt(d)`` and their ratio (Table 5).
+* :class:`StudyConfig` says what to train (attention kind, seed, budget, model shape, threads);
+* :func:`run_study` loads it from the cache or trains it (:func:`train`), then :func:`measure` finds
+  :class:`StudyMetrics`: retrieval ``accuracy`` per ``needles/queried`` setting (Table 2), the share of the
+  query's attention on the answer needle and on the rest of the haystack (Table 3), and the largest and median
+  attention logit ``|q.k| / sqrt(d)`` and their ratio (Table 5);
+* the :class:`StudyResult` holds the config, the metrics, the losses and the trained model;
+  :meth:`StudyResult.summary` is the row a results file records.
 
-With ``cache=True`` a study's weights and losses are saved in the user's cache folder (:func:`cache_dir`)
-under a key made of its arguments, the torch version and the source of the code that trains and measures, so a
-second notebook asking for the same run (notebook 10 reusing notebook 07's) loads it instead of training again.
-The result says when it came from the cache (``cached``).
+:func:`retrieval_study` is the short form the notebooks use: ``retrieval_study("diff", seed=0, cache=True)``.
+With ``cache=True`` a run's weights and losses are saved in the user's cache folder (:func:`cache_dir`) under a
+key made of its config, the torch version and the source of the code that trains and measures, so a second
+notebook asking for the same run (notebook 10 reusing notebook 07's) loads it instead of training again
+(``result.cached`` says so).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,9 @@ Tensor = torch.Tensor
 
 SETTINGS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 2), (6, 2))
 """``(needles, queried)`` settings of the paper's Table 2."""
+
+EVAL_SEED = 12345
+"""Seed of the evaluation data: the same sequences for every training seed and attention kind."""
 
 
 @contextlib.contextmanager
@@ -136,13 +142,44 @@ DEPTH_BINS: tuple[str, ...] = ("0-20%", "20-40%", "40-60%", "60-80%", "80-100%")
 """Where the answer sits in the haystack, in five bins (the paper's Table 3 uses depths 0, 25, ..., 100%)."""
 
 
-def _measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]], n_eval: int,
-             device: torch.device) -> tuple[dict, NeedleBatch]:
-    """Every metric of the trained ``model`` on the fixed evaluation data."""
-    eval_gen = torch.Generator().manual_seed(12345)
+@dataclass(frozen=True)
+class StudyMetrics:
+    """What :func:`measure` finds in a trained model (see the module doc for the paper's tables).
+
+    ``attn_*`` are shares of the query's attention in ``attn_layer``, the layer whose query attends most to the
+    answer (mean over heads, queries and examples of the hardest setting); ``..._by_head`` per head,
+    ``attn_by_layer`` and ``attn_by_depth`` as ``(answer, noise)`` pairs. ``logit_*`` are over ``|q.k| / sqrt(d)``
+    of every layer's causal attention logits. ``lambdas``: each DIFF layer's lambda (None for other kinds).
+    """
+
+    accuracy: float
+    accuracy_by_setting: dict[str, float]
+    attn_layer: int
+    attn_to_answer: float
+    attn_to_noise: float
+    attn_to_answer_by_head: list[float]
+    attn_to_noise_by_head: list[float]
+    attn_by_layer: list[tuple[float, float]]
+    attn_by_depth: dict[str, tuple[float, float]]
+    logit_top1: float
+    logit_median: float
+    logit_top1_over_median: float
+    hidden_top1_over_median: float
+    lambdas: Optional[list[float]]
+
+
+@torch.no_grad()
+def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]] = SETTINGS, n_eval: int = 256,
+            device: Union[str, torch.device] = "cpu") -> tuple[StudyMetrics, NeedleBatch]:
+    """Every metric of a trained ``model`` on the fixed evaluation data (the same for every seed and kind).
+
+    Returns the metrics and the evaluation batch of the last (hardest) setting, on which the attention and
+    logit metrics are measured.
+    """
+    eval_gen = torch.Generator().manual_seed(EVAL_SEED)
     acc, batch = {}, None
     for n, r in settings:
-        batch = _to(task.sample(n_eval, n, r, generator=eval_gen), device)
+        batch = _to(task.sample(n_eval, n, r, generator=eval_gen), torch.device(device))
         acc[f"{n}/{r}"] = accuracy(model, batch)
     probes = model.probe(batch.tokens)
     by_layer = [attention_scores(probes, batch, layer=i) for i in range(len(probes))]
@@ -155,19 +192,15 @@ def _measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]
         by_depth[name] = (shares["answer"][sel].mean().item(), shares["noise"][sel].mean().item())
     logits = _finite_logits(probes).abs()
     lambdas = [b.attn.lambda_full().item() for b in model.blocks] if model.cfg.attention == "diff" else None
-    metrics = {
-        "accuracy": sum(acc.values()) / len(acc), "accuracy_by_setting": acc,
-        "attn_layer": layer,
-        "attn_to_answer": shares["answer"].mean().item(), "attn_to_noise": shares["noise"].mean().item(),
-        "attn_to_answer_by_head": shares["answer"].mean((0, 2)).tolist(),
-        "attn_to_noise_by_head": shares["noise"].mean((0, 2)).tolist(),
-        "attn_by_layer": [(s["answer"].mean().item(), s["noise"].mean().item()) for s in by_layer],
-        "attn_by_depth": by_depth,
-        "logit_top1": logits.max().item(), "logit_median": logits.median().item(),
-        "logit_top1_over_median": logit_outliers(probes),
-        "hidden_top1_over_median": top1_over_median(probes[-1].hidden).item(),
-        "lambdas": lambdas,
-    }
+    metrics = StudyMetrics(
+        accuracy=sum(acc.values()) / len(acc), accuracy_by_setting=acc, attn_layer=layer,
+        attn_to_answer=shares["answer"].mean().item(), attn_to_noise=shares["noise"].mean().item(),
+        attn_to_answer_by_head=shares["answer"].mean((0, 2)).tolist(),
+        attn_to_noise_by_head=shares["noise"].mean((0, 2)).tolist(),
+        attn_by_layer=[(s["answer"].mean().item(), s["noise"].mean().item()) for s in by_layer],
+        attn_by_depth=by_depth, logit_top1=logits.max().item(), logit_median=logits.median().item(),
+        logit_top1_over_median=logit_outliers(probes),
+        hidden_top1_over_median=top1_over_median(probes[-1].hidden).item(), lambdas=lambdas)
     return metrics, batch
 
 
@@ -227,14 +260,11 @@ def _cache_lock(path: Optional[Path]) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_size: int = 32, lr: float = 3e-3,
-                    task: Optional[NeedleTask] = None, settings: Sequence[tuple[int, int]] = SETTINGS,
-                    n_eval: int = 256, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                    progress: bool = True, num_threads: Optional[int] = 1,
-                    cache: Union[bool, str, os.PathLike] = False, device: Optional[torch.device] = None) -> dict:
-    """Train one model on the multi-needle task and measure it (see the module doc).
+@dataclass(frozen=True)
+class StudyConfig:
+    """One training run of :func:`retrieval_study`: what to train, on what, for how long, where.
 
-    Args:
+    Attributes:
         attention: ``"baseline"``, ``"diff"`` or ``"diff_v2"``.
         seed: seeds the initial weights and the training data. The evaluation data are the same for every
             seed and attention kind, so models are compared on identical sequences.
@@ -244,84 +274,152 @@ def retrieval_study(attention: str, *, seed: int = 0, steps: int = 500, batch_si
             the last (hardest) one.
         n_eval: evaluation sequences per setting.
         d_model, n_layers, n_heads: model shape (``n_heads`` = the baseline's heads; see ``LMConfig``).
-        progress: show a tqdm bar. num_threads: torch threads while training (``None``: leave as is). One
-            thread is the default: a fixed count makes CPU training repeatable on one machine, and a single
-            thread keeps its speed when another program holds a core, where two threads wait on each other.
-        cache: ``True`` (the folder :func:`cache_dir` names; ``DIFFATTN_CACHE=0`` switches it off) or a folder:
-            reuse the results and weights of an identical earlier call (same arguments, torch version and
-            library source), else train and save.
-        device: where to train (default CPU).
-
-    Returns:
-        dict with ``attention``, ``seed``, ``steps``, ``params``; ``accuracy`` (mean over settings) and
-        ``accuracy_by_setting`` (``{"6/2": ...}``); ``attn_layer`` (the layer whose query attends most to
-        the answer), ``attn_to_answer``/``attn_to_noise`` there (mean over heads, queries and examples), also
-        ``..._by_head``, ``attn_by_layer`` and ``attn_by_depth`` (``(answer, noise)`` pairs);
-        ``logit_top1``, ``logit_median`` (of ``|q.k| / sqrt(d)``) and ``logit_top1_over_median`` over every
-        layer's causal attention logits; ``hidden_top1_over_median`` (last residual stream); ``lambdas``
-        (DIFF: each layer's lambda, else None); ``losses`` (per step); ``seconds`` (training wall time);
-        ``cached``; ``model`` (trained, eval mode), ``task`` and ``eval_batch`` (the hardest setting's).
+        num_threads: torch threads while training (``None``: leave as is). One thread is the default: a fixed
+            count makes CPU training repeatable on one machine, and a single thread keeps its speed when another
+            program holds a core, where two threads wait on each other.
+        device: where to train (``"cpu"``).
     """
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-    task = task or NeedleTask()
-    device = torch.device(device or "cpu")
-    max_len = max(task.seq_len(r) for _, r in settings)
-    cfg = LMConfig(vocab_size=task.vocab_size, attention=attention, d_model=d_model, n_layers=n_layers,
-                   n_heads=n_heads, max_len=max_len)
-    key = {"attention": attention, "seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
-           "task": repr(task), "settings": repr(tuple(settings)), "n_eval": n_eval, "cfg": repr(cfg),
-           "num_threads": num_threads, "device": device.type}
-    path = _cache_file(cache, key) if cache else None
-    with deterministic(num_threads), _cache_lock(path):
-        torch.manual_seed(seed)
-        model = TinyLM(cfg).to(device)
-        if path is not None and path.exists():
-            saved = torch.load(path, weights_only=True)
-            model.load_state_dict(saved["state_dict"])
-            model.eval()
-            losses, seconds, cached = saved["losses"], saved["seconds"], True
-            if progress:
-                print(f"{attention}: loaded from the cache, trained earlier on this machine "
-                      f"({steps} steps, seed {seed}; DIFFATTN_CACHE=0 retrains)")
-        else:
-            t0 = time.perf_counter()
-            losses = train(model, task, steps=steps, batch_size=batch_size, lr=lr, settings=settings,
-                           seed=seed, progress=progress, desc=attention)
-            seconds, cached = time.perf_counter() - t0, False
-            if path is not None:
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                torch.save({"state_dict": model.state_dict(), "losses": losses, "seconds": seconds}, tmp)
-                os.replace(tmp, path)
-        metrics, batch = _measure(model, task, settings, n_eval, device)
-    return {"attention": attention, "seed": seed, "steps": steps, "params": model.num_parameters(), **metrics,
-            "losses": losses, "seconds": seconds, "cached": cached, "model": model, "task": task,
-            "eval_batch": batch}
+
+    attention: str
+    seed: int = 0
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 3e-3
+    task: NeedleTask = field(default_factory=NeedleTask)
+    settings: tuple[tuple[int, int], ...] = SETTINGS
+    n_eval: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    num_threads: Optional[int] = 1
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        object.__setattr__(self, "settings", tuple(tuple(s) for s in self.settings))
+        object.__setattr__(self, "device", torch.device(self.device).type)
+
+    def lm_config(self) -> LMConfig:
+        """The model this run trains (its context fits the longest setting)."""
+        return LMConfig(vocab_size=self.task.vocab_size, attention=self.attention, d_model=self.d_model,
+                        n_layers=self.n_layers, n_heads=self.n_heads,
+                        max_len=max(self.task.seq_len(r) for _, r in self.settings))
+
+    def cache_key(self) -> dict:
+        """Everything that changes the trained weights or the measurements, as text (part of the cache key)."""
+        key = {f.name: getattr(self, f.name) for f in fields(self)}
+        key.update(task=repr(self.task), settings=repr(self.settings), cfg=repr(self.lm_config()))
+        return key
+
+
+@dataclass
+class StudyResult:
+    """A trained model and its measurements: what :func:`retrieval_study` returns.
+
+    Attributes:
+        config: the run. params: the model's parameter count. metrics: :class:`StudyMetrics`.
+        losses: the training loss of every step. seconds: training wall time (when it was trained).
+        cached: loaded from the cache instead of trained now. model: the trained model, eval mode.
+        eval_batch: the hardest setting's evaluation batch (the same for every seed and kind).
+    """
+
+    config: StudyConfig
+    params: int
+    metrics: StudyMetrics
+    losses: list[float]
+    seconds: float
+    cached: bool
+    model: TinyLM
+    eval_batch: NeedleBatch
+
+    @property
+    def final_loss(self) -> float:
+        """Mean loss of the last 50 steps (or of every step, for shorter runs)."""
+        tail = self.losses[-50:]
+        return sum(tail) / len(tail)
+
+    def summary(self) -> dict:
+        """Plain JSON-ready numbers, the row a results file records: ``attention``, ``seed``, ``steps``,
+        :data:`SUMMARY_KEYS`, ``final_loss`` and training ``seconds``."""
+        row = {"attention": self.config.attention, "seed": self.config.seed, "steps": self.config.steps}
+        row.update({k: getattr(self.metrics, k) for k in SUMMARY_KEYS})
+        row.update(final_loss=self.final_loss, seconds=round(self.seconds, 1))
+        return row
+
+
+def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) -> tuple[TinyLM, list[float], float, bool]:
+    """The trained model of ``config``: from the cache file ``path`` when it exists, else trained (and saved)."""
+    torch.manual_seed(config.seed)
+    model = TinyLM(config.lm_config()).to(config.device)
+    if path is not None and path.exists():
+        saved = torch.load(path, weights_only=True)
+        model.load_state_dict(saved["state_dict"])
+        model.eval()
+        if progress:
+            print(f"{config.attention}: loaded from the cache, trained earlier on this machine "
+                  f"({config.steps} steps, seed {config.seed}; DIFFATTN_CACHE=0 retrains)")
+        return model, saved["losses"], saved["seconds"], True
+    t0 = time.perf_counter()
+    losses = train(model, config.task, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                   settings=config.settings, seed=config.seed, progress=progress, desc=config.attention)
+    seconds = time.perf_counter() - t0
+    if path is not None:
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"state_dict": model.state_dict(), "losses": losses, "seconds": seconds}, tmp)
+        os.replace(tmp, path)
+    return model, losses, seconds, False
+
+
+def run_study(config: StudyConfig, *, cache: Union[bool, str, os.PathLike] = False,
+              progress: bool = True) -> StudyResult:
+    """Train (or load) the model of ``config`` and measure it.
+
+    Args:
+        cache: ``True`` (the folder :func:`cache_dir` names; ``DIFFATTN_CACHE=0`` switches it off) or a folder:
+            reuse the weights and losses of an identical earlier run (same config, torch version and library
+            source), else train and save.
+        progress: show a tqdm bar while training.
+    """
+    path = _cache_file(cache, config.cache_key()) if cache else None
+    with deterministic(config.num_threads), _cache_lock(path):
+        model, losses, seconds, cached = _load_or_train(config, path, progress)
+        metrics, batch = measure(model, config.task, config.settings, config.n_eval, config.device)
+    return StudyResult(config=config, params=model.num_parameters(), metrics=metrics, losses=losses,
+                       seconds=seconds, cached=cached, model=model, eval_batch=batch)
+
+
+def retrieval_study(attention: str, *, cache: Union[bool, str, os.PathLike] = False, progress: bool = True,
+                    **config) -> StudyResult:
+    """Train one model on the multi-needle task and measure it: ``run_study(StudyConfig(attention, **config))``.
+
+    ``config``: any :class:`StudyConfig` field (``seed``, ``steps``, ``lr``, ``num_threads``, ...); ``cache`` and
+    ``progress`` as in :func:`run_study`. ``retrieval_study("diff", seed=1, cache=True).metrics.accuracy``.
+    """
+    return run_study(StudyConfig(attention, **config), cache=cache, progress=progress)
 
 
 SUMMARY_KEYS: tuple[str, ...] = (
     "accuracy", "accuracy_by_setting", "attn_layer", "attn_to_answer", "attn_to_noise", "logit_top1",
     "logit_median", "logit_top1_over_median", "hidden_top1_over_median", "lambdas")
-"""The numbers of a :func:`retrieval_study` result that a results file records (plus ``final_loss``)."""
+"""The :class:`StudyMetrics` a results file records for each run (with ``final_loss``)."""
 
 
-def summarise(result: dict) -> dict:
-    """A study result as plain JSON-ready numbers: :data:`SUMMARY_KEYS`, ``final_loss`` (mean of the last 50
-    steps), ``attention``, ``seed``, ``steps`` and training ``seconds``."""
-    out = {k: result[k] for k in ("attention", "seed", "steps")}
-    out.update({k: result[k] for k in SUMMARY_KEYS})
-    out["final_loss"] = sum(result["losses"][-50:]) / len(result["losses"][-50:])
-    out["seconds"] = round(result["seconds"], 1)
-    return out
+def _numbers(result: Union[StudyResult, Mapping]) -> Mapping:
+    """A study result's numbers as a mapping: a :class:`StudyResult`'s summary, or a recorded row as it is."""
+    return result.summary() if isinstance(result, StudyResult) else result
 
 
-def compare_claims(baseline: dict, diff: dict) -> dict[str, tuple[float, float, bool]]:
-    """The paper's claims, checked on two :func:`retrieval_study` results: ``{claim: (baseline, diff, holds)}``.
+def compare_claims(baseline: Union[StudyResult, Mapping], diff: Union[StudyResult, Mapping]
+                   ) -> dict[str, tuple[float, float, bool]]:
+    """The paper's claims, checked on two studies (:class:`StudyResult` or recorded rows):
+    ``{claim: (baseline, diff, holds)}``.
 
     Table 2: DIFF's accuracy is at least the baseline's in every needle setting (the value shown is the
     smallest margin ``diff - baseline``, baseline column 0). Table 3: more attention to the answer, less to the
     noise. Table 5: a smaller largest attention logit.
     """
+    baseline, diff = _numbers(baseline), _numbers(diff)
     margin = min(diff["accuracy_by_setting"][k] - baseline["accuracy_by_setting"][k]
                  for k in baseline["accuracy_by_setting"])
     return {
@@ -335,7 +433,7 @@ def compare_claims(baseline: dict, diff: dict) -> dict[str, tuple[float, float, 
     }
 
 
-def claim_lines(baseline: dict, diff: dict) -> list[str]:
+def claim_lines(baseline: Union[StudyResult, Mapping], diff: Union[StudyResult, Mapping]) -> list[str]:
     """One line per :func:`compare_claims` claim, ``"holds: ..."`` or ``"FAILS: ..."``, without the measured
     numbers: the text a notebook keeps in its outputs, identical on every machine where the claims hold."""
     return [f"{'holds' if holds else 'FAILS'}: {claim}" for claim, (*_, holds) in compare_claims(baseline, diff).items()]
@@ -349,10 +447,10 @@ thread count or BLAS build sums in another order, and 500 steps amplify that; th
 for it and far narrower than the gaps between attention kinds the notebooks assert."""
 
 
-def disagreements(summary: dict, recorded_row: dict) -> list[str]:
-    """The :data:`RECORD_TOLERANCE` metrics where a re-run (``summarise(...)``) and a recorded row differ by
-    more than the tolerance, as readable lines; empty when they agree."""
-    out = []
+def disagreements(rerun: Union[StudyResult, Mapping], recorded_row: Mapping) -> list[str]:
+    """The :data:`RECORD_TOLERANCE` metrics where a re-run and a recorded row differ by more than the
+    tolerance, as readable lines; empty when they agree."""
+    summary, out = _numbers(rerun), []
     for key, (kind, tol) in RECORD_TOLERANCE.items():
         new, old = summary[key], recorded_row[key]
         gap = abs(new - old) if kind == "abs" else abs(new - old) / abs(old)
@@ -361,6 +459,7 @@ def disagreements(summary: dict, recorded_row: dict) -> list[str]:
     return out
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "compare_claims", "SETTINGS", "DEPTH_BINS", "deterministic", "retrieval_loss", "train", "accuracy", "attention_scores",
-           "logit_outliers", "retrieval_study", "SUMMARY_KEYS", "summarise", "claim_lines", "RECORD_TOLERANCE",
+__all__ = ["CACHE_ENV", "cache_dir", "SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "train",
+           "accuracy", "attention_scores", "logit_outliers", "measure", "StudyMetrics", "StudyConfig", "StudyResult",
+           "run_study", "retrieval_study", "SUMMARY_KEYS", "compare_claims", "claim_lines", "RECORD_TOLERANCE",
            "disagreements"]

@@ -19,7 +19,8 @@ from diffattn_tutorial.experiments import (
     disagreements,
     logit_outliers,
     retrieval_study,
-    summarise,
+    StudyConfig,
+    StudyResult,
 )
 from diffattn_tutorial.model import ATTENTIONS, AttentionProbe, build_model
 
@@ -75,49 +76,63 @@ def test_deterministic_restores_threads():
 def test_retrieval_study_tiny_budget(kind):
     r = retrieval_study(kind, seed=3, **TINY)
     for key in ("accuracy", "attn_to_answer", "attn_to_noise", "logit_top1_over_median"):
-        assert isinstance(r[key], float)
-    assert 0 <= r["accuracy"] <= 1 and set(r["accuracy_by_setting"]) == {"1/1", "4/2"}
-    assert len(r["losses"]) == 6 and r["params"] == r["model"].num_parameters()
-    assert r["logit_top1_over_median"] >= 1
-    assert r["logit_top1_over_median"] == pytest.approx(r["logit_top1"] / r["logit_median"])
-    assert r["attn_to_answer"] == pytest.approx(r["attn_by_layer"][r["attn_layer"]][0])
-    assert r["attn_layer"] == max(range(2), key=lambda i: r["attn_by_layer"][i][0])
-    assert len(r["attn_by_depth"]) == 5 and (r["lambdas"] is None) == (kind != "diff")
+        assert isinstance(getattr(r.metrics, key), float)
+    assert 0 <= r.metrics.accuracy <= 1 and set(r.metrics.accuracy_by_setting) == {"1/1", "4/2"}
+    assert len(r.losses) == 6 and r.params == r.model.num_parameters()
+    assert r.metrics.logit_top1_over_median >= 1
+    assert r.metrics.logit_top1_over_median == pytest.approx(r.metrics.logit_top1 / r.metrics.logit_median)
+    assert r.metrics.attn_to_answer == pytest.approx(r.metrics.attn_by_layer[r.metrics.attn_layer][0])
+    assert r.metrics.attn_layer == max(range(2), key=lambda i: r.metrics.attn_by_layer[i][0])
+    assert len(r.metrics.attn_by_depth) == 5 and (r.metrics.lambdas is None) == (kind != "diff")
     if kind == "baseline":  # softmax shares are probabilities
-        assert 0 <= r["attn_to_answer"] <= 1 and 0 <= r["attn_to_noise"] <= 1
-        assert r["attn_to_answer"] + r["attn_to_noise"] <= 1 + 1e-6
+        assert 0 <= r.metrics.attn_to_answer <= 1 and 0 <= r.metrics.attn_to_noise <= 1
+        assert r.metrics.attn_to_answer + r.metrics.attn_to_noise <= 1 + 1e-6
 
 
 def test_retrieval_study_is_deterministic_and_seeded():
     a = retrieval_study("diff", seed=0, **TINY)
     b = retrieval_study("diff", seed=0, **TINY)
     c = retrieval_study("diff", seed=1, **TINY)
-    assert a["losses"] == b["losses"] and a["attn_to_answer"] == b["attn_to_answer"]
-    assert a["losses"] != c["losses"]
-    torch.testing.assert_close(a["eval_batch"].tokens, c["eval_batch"].tokens)  # same evaluation data
+    assert a.losses == b.losses and a.metrics.attn_to_answer == b.metrics.attn_to_answer
+    assert a.losses != c.losses
+    torch.testing.assert_close(a.eval_batch.tokens, c.eval_batch.tokens)  # same evaluation data
 
 
 def test_cache_reuses_an_identical_run(tmp_path):
     a = retrieval_study("diff_v2", seed=0, cache=tmp_path, **TINY)
     b = retrieval_study("diff_v2", seed=0, cache=tmp_path, **TINY)
     c = retrieval_study("diff_v2", seed=0, cache=tmp_path, **{**TINY, "steps": 5})
-    assert (a["cached"], b["cached"], c["cached"]) == (False, True, False)
+    assert (a.cached, b.cached, c.cached) == (False, True, False)
     assert len(list(tmp_path.glob("*.pt"))) == 2
-    for key, value in a.items():
-        if key not in ("model", "task", "eval_batch", "cached"):
-            assert b[key] == value, key
-    for p, q in zip(a["model"].parameters(), b["model"].parameters()):
+    assert b.config == a.config and b.metrics == a.metrics and b.losses == a.losses and b.seconds == a.seconds
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
 
 
 def test_retrieval_study_rejects_unknown_attention():
     with pytest.raises(ValueError, match="attention must be one of"):
         retrieval_study("linear", **TINY)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'step'"):
+        retrieval_study("diff", step=3)  # a misspelt setting is an error, never silently ignored
+
+
+def test_study_config_names_the_run_and_its_summary_is_the_recorded_row():
+    config = StudyConfig("diff", seed=2, settings=[[1, 1], [4, 2]])
+    assert config.settings == ((1, 1), (4, 2)) and config.device == "cpu"  # normalised, hashable
+    assert config.lm_config().max_len == max(config.task.seq_len(r) for _, r in config.settings)
+    key = config.cache_key()
+    assert key != StudyConfig("diff", seed=3).cache_key() and key != StudyConfig("diff", lr=1e-3).cache_key()
+    r = retrieval_study("diff_v2", seed=1, **TINY)
+    row = r.summary()
+    assert {"attention", "seed", "steps", "final_loss", "seconds", *SUMMARY_KEYS} == set(row)
+    assert (row["attention"], row["seed"], row["steps"]) == ("diff_v2", 1, TINY["steps"])
+    assert row["final_loss"] == pytest.approx(sum(r.losses) / len(r.losses))  # fewer than 50 steps: all of them
+    assert row["accuracy"] == r.metrics.accuracy and disagreements(r, row) == []
 
 
 def test_trained_model_generates_with_its_cache():
     r = retrieval_study("baseline", seed=0, **TINY)
-    m, b = r["model"], r["eval_batch"]
+    m, b = r.model, r.eval_batch
     prompt = b.tokens[:, :b.query_pos[0, 0] + 1]
     assert torch.equal(m.generate(prompt, 3), m.generate(prompt, 3, use_cache=False))
 
@@ -147,16 +162,16 @@ def test_cache_true_uses_the_cache_dir_and_0_switches_it_off(monkeypatch, tmp_pa
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path))
     a = retrieval_study("baseline", seed=0, cache=True, **TINY)
     b = retrieval_study("baseline", seed=0, cache=True, **TINY)
-    assert (a["cached"], b["cached"]) == (False, True) and len(list(tmp_path.glob("*.pt"))) == 1
+    assert (a.cached, b.cached) == (False, True) and len(list(tmp_path.glob("*.pt"))) == 1
     monkeypatch.setenv("DIFFATTN_CACHE", "0")
     c = retrieval_study("baseline", seed=0, cache=True, **TINY)
-    assert not c["cached"] and c["losses"] == a["losses"] and len(list(tmp_path.glob("*.pt"))) == 1
+    assert not c.cached and c.losses == a.losses and len(list(tmp_path.glob("*.pt"))) == 1
 
 
 def test_cache_key_includes_the_thread_count(tmp_path):
     retrieval_study("baseline", seed=0, cache=tmp_path, **TINY)
     r = retrieval_study("baseline", seed=0, cache=tmp_path, num_threads=2, **TINY)
-    assert not r["cached"] and len(list(tmp_path.glob("*.pt"))) == 2
+    assert not r.cached and len(list(tmp_path.glob("*.pt"))) == 2
 
 
 def test_a_second_caller_waits_for_the_first_and_loads(tmp_path):
@@ -171,7 +186,7 @@ def test_a_second_caller_waits_for_the_first_and_loads(tmp_path):
         waiter.join(0.5)
         assert waiter.is_alive(), "the second caller did not wait for the lock"
     waiter.join(60)
-    assert out["r"]["cached"]
+    assert out["r"].cached
 
 
 # --- recorded results and what a re-run must reproduce ----------------------------------------------------
@@ -200,7 +215,7 @@ def test_recorded_results_say_how_they_were_made():
         recorded.load("no_such_study")
 
 
-def _seed0(kind: str, num_threads: int = 1) -> dict:
+def _seed0(kind: str, num_threads: int = 1) -> StudyResult:
     """Notebook 07's own run of seed 0 (shared with the notebooks through the session's cache)."""
     return retrieval_study(kind, seed=0, cache=True, progress=False, num_threads=num_threads)
 
@@ -208,7 +223,7 @@ def _seed0(kind: str, num_threads: int = 1) -> dict:
 @pytest.mark.parametrize("kind", ATTENTIONS)
 def test_seed0_reproduces_the_recorded_row(kind):
     row = next(r for r in recorded.load("seed_study")["rows"] if r["attention"] == kind and r["seed"] == 0)
-    assert disagreements(summarise(_seed0(kind)), row) == []
+    assert disagreements(_seed0(kind), row) == []
 
 
 def test_kept_claim_lines_are_the_same_at_two_thread_counts():

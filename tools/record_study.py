@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from diffattn_tutorial.experiments import retrieval_study, summarise
+from diffattn_tutorial.experiments import retrieval_study
 from diffattn_tutorial.model import ATTENTIONS
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "diffattn_tutorial" / "recorded"
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for steps, lr, seed, kind in tqdm(grid, desc=args.name, unit="model"):
         r = retrieval_study(kind, seed=seed, steps=steps, lr=lr, progress=False)
-        rows.append({**summarise(r), "lr": lr})
+        rows.append({**r.summary(), "lr": lr})
     record = {
         "script": "tools/record_study.py", "command": " ".join(["python", "tools/record_study.py", *sys.argv[1:]])
         if argv is None else " ".join(["python", "tools/record_study.py", *argv]),
