@@ -1,42 +1,48 @@
-"""Conformance with the reference implementations (unilm, timm), via their own outputs in tests/golden/.
+"""Conformance with the reference implementations (unilm, timm), via their own outputs (``diffattn_tutorial.golden``).
 
 Each module case pins the forward output, the input gradient, and every parameter after one plain SGD
 step on ``(out * g).sum()`` (so every parameter's gradient, lambdas included, is checked).
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 from golden_case import ATOL, RTOL, assert_reproduces_golden_case
 
-from diffattn_tutorial import interop
+from diffattn_tutorial import golden, interop
 from diffattn_tutorial.functional import BACKENDS, diff_attention
-
-GOLDEN = Path(__file__).parent / "golden"
 
 LOADERS = {  # (source, variant) -> (from_*, to_*)
     ("unilm", "v1"): (interop.from_unilm, interop.to_unilm),
     ("timm", "v1"): (interop.from_timm, interop.to_timm),
     ("unilm", "v2"): (interop.from_unilm_v2, interop.to_unilm_v2),
 }
-MODULE_CASES = sorted(p.name for p in GOLDEN.glob("*.pt") if not p.name.startswith("functional"))
+REFERENCE_CASES = [n for n in golden.names() if "/" not in n]  # unilm and timm; DiffLlama's are in diffllama/
+MODULE_CASES = [n for n in REFERENCE_CASES if not n.startswith("functional")]
 CPU_BACKENDS = [b for b in BACKENDS if b != "triton"]
 
 
-def load(name):
-    return torch.load(GOLDEN / name, weights_only=True)
-
-
 def test_every_golden_file_is_covered():
-    names = sorted(p.name for p in GOLDEN.glob("*.pt"))
-    assert len(names) == 5 and len(MODULE_CASES) == 4
+    assert len(REFERENCE_CASES) == 5 and len(MODULE_CASES) == 4
+    assert {(golden.load(n)["source"], golden.load(n)["variant"]) for n in MODULE_CASES} == set(LOADERS)
+
+
+def test_golden_cases_are_read_from_the_package_and_bad_names_name_the_fix():
+    assert golden.names("diffllama") == [n for n in golden.names() if n.startswith("diffllama/")] != []
+    first, second = golden.load("unilm_v1_mha"), golden.load("unilm_v1_mha")
+    first["x"].zero_()  # each load is a fresh copy
+    assert second["x"].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"name must be one of diffattn_tutorial.golden.names\(\).*'unilm_v1_mha'"):
+        golden.load("unilm_v1_mha.pt")
+    with pytest.raises(TypeError, match="name must be a str"):
+        golden.load(0)
+    with pytest.raises(ValueError, match=r"folder must be one of \['diffllama'\]"):
+        golden.names("difflama")
 
 
 @pytest.mark.parametrize("name", MODULE_CASES)
 @pytest.mark.parametrize("backend", ["naive", "sdpa_wide", "sdpa_split", "sdpa_stacked", "auto"])
 def test_module_matches_reference(name, backend):
-    case = load(name)
+    case = golden.load(name)
     from_ref, to_ref = LOADERS[(case["source"], case["variant"])]
     if case["variant"] == "v2" and backend not in ("naive", "auto"):
         backend = "sdpa"
@@ -47,7 +53,7 @@ def test_module_matches_reference(name, backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["auto"])
 def test_functional_matches_spec(backend):
-    case = load("functional_mha_scalar.pt")
+    case = golden.load("functional_mha_scalar")
     out = diff_attention(case["q"], case["k"], case["v"], case["lam"], causal=case["causal"], backend=backend)
     torch.testing.assert_close(out, case["out"], rtol=RTOL, atol=ATOL)
     out64 = diff_attention(case["q"].double(), case["k"].double(), case["v"].double(), case["lam"].double(),

@@ -1,25 +1,23 @@
 """Hugging Face DiffLlama interop, against transformers' own ``DiffLlamaAttention`` outputs.
 
-The golden files in ``tests/golden/diffllama/`` were written by ``tools/make_diffllama_golden.py`` (transformers
-is needed only to regenerate them). Each pins the forward output, the input gradient and every parameter after
-one plain SGD step, as ``test_conformance.py`` does for unilm and timm.
+The golden cases ``diffattn_tutorial.golden.names("diffllama")`` were written by ``tools/make_diffllama_golden.py``
+(transformers is needed only to regenerate them). Each pins the forward output, the input gradient and every
+parameter after one plain SGD step, as ``test_conformance.py`` does for unilm and timm.
 """
-
-from pathlib import Path
 
 import pytest
 import torch
 from golden_case import ATOL, RTOL, assert_reproduces_golden_case
 
-from diffattn_tutorial import MultiheadDiffAttn, rope_cos_sin
+from diffattn_tutorial import MultiheadDiffAttn, golden, rope_cos_sin
 from diffattn_tutorial.interop import from_diffllama, from_unilm, to_diffllama, to_timm, to_unilm
 
-GOLDEN = Path(__file__).parent / "golden" / "diffllama"
-CASES = sorted(p.name for p in GOLDEN.glob("*.pt"))
+CASES = [name.removeprefix("diffllama/") for name in golden.names("diffllama")]
 
 
-def load(name):
-    return torch.load(GOLDEN / name, weights_only=True)
+def load(name: str) -> dict:
+    """The DiffLlama golden case ``name`` (e.g. ``"mha_causal"``)."""
+    return golden.load(f"diffllama/{name}")
 
 
 def test_the_golden_cases_cover_gqa_bias_padding_and_head_dim():
@@ -42,7 +40,7 @@ def test_matches_transformers_diffllama(name, backend):
 
 
 def test_layer_is_the_papers_layer_with_halves_pairing():
-    case = load("gqa_bias_padding.pt")
+    case = load("gqa_bias_padding")
     cfg = case["config"]
     layer = from_diffllama(case["state_dict"], **cfg)
     H, Hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -56,7 +54,7 @@ def test_layer_is_the_papers_layer_with_halves_pairing():
 
 
 def test_rope_tables_equal_the_librarys_half_of_diffllamas():
-    case = load("mha_causal.pt")
+    case = load("mha_causal")
     n, d = case["x"].shape[1], case["config"]["head_dim"]
     for ours, ref in zip(rope_cos_sin(n, d), case["rope"]):
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
@@ -75,7 +73,7 @@ def test_round_trip_from_a_library_layer_with_interleaved_rope():
 
 
 def test_errors_name_the_fix():
-    case = load("mha_causal.pt")
+    case = load("mha_causal")
     cfg = case["config"]
     sd = {f"model.layers.0.self_attn.{k}": v for k, v in case["state_dict"].items()}
     with pytest.raises(ValueError, match="model.layers.0.self_attn."):
@@ -95,7 +93,7 @@ def test_errors_name_the_fix():
     with pytest.raises(TypeError):
         to_diffllama(torch.nn.Linear(2, 2))
     # a DiffLlama layer with head_dim != hidden / (2 * heads) cannot go to unilm or timm
-    wide = from_diffllama(load("gqa_bias_padding.pt")["state_dict"], **load("gqa_bias_padding.pt")["config"])
+    wide = from_diffllama(load("gqa_bias_padding")["state_dict"], **load("gqa_bias_padding")["config"])
     with pytest.raises(ValueError, match="head_dim"):
         to_unilm(wide)
     with pytest.raises(ValueError, match="head_dim"):
@@ -118,7 +116,7 @@ def test_head_dim_option_keeps_the_default_layer():
 
 
 def test_diffllamas_own_additive_mask_can_be_passed_as_it_is():
-    case = load("gqa_bias_padding.pt")
+    case = load("gqa_bias_padding")
     b, n = case["x"].shape[:2]
     allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & case["attn_mask"]
     hf_mask = torch.zeros(b, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)

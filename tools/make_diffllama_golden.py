@@ -4,13 +4,15 @@
     python tools/make_diffllama_golden.py
 
 Runs transformers' ``DiffLlamaAttention`` (eager attention, float32, CPU) on small random configs and writes
-``tests/golden/diffllama/<case>.pt``. Each file holds what the other golden files hold (see
-``tests/test_conformance.py``): ``config`` (``DiffLlamaConfig`` keys plus ``layer_idx``), ``x``, ``rope`` (this
-library's ``(cos, sin)`` tables, ``(N, head_dim/2)``, cut from DiffLlama's ``position_embeddings``), ``causal``,
-``attn_mask`` (bool ``(B, 1, 1, N)``, True = may attend, or None), ``state_dict`` (DiffLlama's names), ``out``,
-``g``, ``x_grad``, ``lr``, ``state_dict_after_sgd`` (after one plain SGD step on ``(out * g).sum()``), and the
-versions that produced it. DiffLlama's eager path gets the additive mask transformers builds: 0 where a key may
-be attended, ``finfo.min`` elsewhere, causal and padding merged; with no mask it attends everywhere.
+``diffattn_tutorial/golden/diffllama/<case>.pt``, which ships in the package and reads back as
+``diffattn_tutorial.golden.load("diffllama/<case>")``. Each file holds what the other golden cases hold (see
+``diffattn_tutorial/golden/__init__.py``): ``config`` (``DiffLlamaConfig`` keys plus ``layer_idx``), ``x``,
+``rope`` (this library's ``(cos, sin)`` tables, ``(N, head_dim/2)``, cut from DiffLlama's ``position_embeddings``),
+``causal``, ``attn_mask`` (bool ``(B, 1, 1, N)``, True = may attend, or None), ``state_dict`` (DiffLlama's
+names), ``out``, ``g``, ``x_grad``, ``lr``, ``state_dict_after_sgd`` (after one plain SGD step on
+``(out * g).sum()``), and the versions that produced it. DiffLlama's eager path gets the additive mask
+transformers builds: 0 where a key may be attended, ``finfo.min`` elsewhere, causal and padding merged; with no
+mask it attends everywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from pathlib import Path
 
 import torch
 
-OUT_DIR = Path(__file__).resolve().parents[1] / "tests" / "golden" / "diffllama"
+from diffattn_tutorial import golden
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = "diffllama"
+OUT_DIR = ROOT / "diffattn_tutorial" / "golden" / FOLDER
 
 CASES = {
     # name: (DiffLlamaConfig keys, layer_idx, batch, tokens, causal, right-padding lengths or None, seed)
@@ -88,10 +94,13 @@ def main() -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for name, spec in CASES.items():
         case = make_case(*spec)
-        path = OUT_DIR / f"{name}.pt"
+        path = OUT_DIR / f"{name}{golden.SUFFIX}"
         torch.save(case, path)
-        print(f"{path.relative_to(OUT_DIR.parents[2])}: {path.stat().st_size / 1024:.1f} KiB, "
+        print(f"{path.relative_to(ROOT)}: {path.stat().st_size / 1024:.1f} KiB, "
               f"transformers {case['versions']['transformers']}")
+    if Path(golden.__file__).resolve().parent == OUT_DIR.parent:  # the editable install reads what was written
+        assert golden.names(FOLDER) == sorted(f"{FOLDER}/{name}" for name in CASES)
+        print(f"diffattn_tutorial.golden.names({FOLDER!r}) lists every case")
 
 
 if __name__ == "__main__":
