@@ -42,6 +42,21 @@ def blocked_as_interleaved(t: Tensor) -> Tensor:
     return t[:, perm]
 
 
+def tiled_kv(k: Tensor, v: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """A GQA mistake: the KV groups **tiled** (``repeat``), so differential head ``i`` reads group ``i % Hkv``
+    instead of ``i // (H // Hkv)``. k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> ``(B, 2H, N, d)``,
+    ``(B, H, N, 2d)``; each key pair ``(2g, 2g + 1)`` stays together."""
+    rep = num_heads // v.shape[1]
+    return k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
+
+
+def kv_heads_one_by_one(k: Tensor, v: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """A GQA mistake (unilm's naive file, vasqu's four calls): each of the 2Hkv key heads repeated in place
+    on its own, so the two maps of a differential head can read the same key map. Shapes as :func:`tiled_kv`."""
+    rep = num_heads // v.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 def as_numbers(values: list, *, what: str) -> Tensor:
     """The learner's scalar results as one float64 tensor (Python numbers, 0-dim tensors or numpy scalars)."""
     out = []

@@ -15,6 +15,7 @@ from einops import rearrange
 
 from diffattn_tutorial import flops
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._helpers import blocked_as_interleaved, tiled_kv
 from diffattn_tutorial.functional import diff_attention
 
 __all__ = ["check_sdpa_split", "check_sdpa_split_flops"]
@@ -42,18 +43,6 @@ def _lam(kind: str, b: int, h: int, nq: int, seed: int) -> Tensor:
     sign = torch.ones(shape, dtype=torch.float64).flatten()
     sign[1::2] = -1.0  # lambda may be negative: every other head or token
     return lam * sign.view(shape)
-
-
-def _blocked(t: Tensor) -> Tensor:
-    """Re-order heads so that the library's interleaved pairs (2i, 2i+1) read blocked pairs (i, i + n)."""
-    return rearrange(t, "b (two n) s d -> b (n two) s d", two=2)
-
-
-def _tiled(k: Tensor, v: Tensor, h: int) -> tuple[Tensor, Tensor]:
-    """KV groups tiled (``repeat``): differential head i reads group ``i % Hkv`` instead of ``i // rep``."""
-    rep = h // v.shape[1]
-    k = rearrange(k, "b (g two) s d -> b g two s d", two=2).repeat(1, rep, 1, 1, 1)
-    return rearrange(k, "b g two s d -> b (g two) s d"), v.repeat(1, rep, 1, 1)
 
 
 def _wrong_answers(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -> dict[str, Tensor]:
@@ -88,11 +77,11 @@ def _wrong_answers(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -
            "not its even and odd columns.")] = lib(v=interleaved_v)
     blocked_hint = ("the two maps of head i are the adjacent heads 2i and 2i+1 (interleaved), not the first and "
                     "second half of the heads.")
-    wrong[blocked_hint] = lib(q=_blocked(q), k=_blocked(k))
-    wrong[blocked_hint + " (Here q is split in halves.)"] = lib(q=_blocked(q))
-    wrong[blocked_hint + " (Here k is split in halves.)"] = lib(k=_blocked(k))
+    wrong[blocked_hint] = lib(q=blocked_as_interleaved(q), k=blocked_as_interleaved(k))
+    wrong[blocked_hint + " (Here q is split in halves.)"] = lib(q=blocked_as_interleaved(q))
+    wrong[blocked_hint + " (Here k is split in halves.)"] = lib(k=blocked_as_interleaved(k))
     if hkv != h:
-        kt, vt = _tiled(k, v, h)
+        kt, vt = tiled_kv(k, v, h)
         wrong[(f"with GQA ({h} heads, {hkv} KV groups) differential head i reads KV group i // {h // hkv} "
                "(consecutive heads share a group); you tiled the groups (the whole list repeated), so head i read "
                "group i % Hkv. SDPA's own GQA support pairs heads the right way.")] = lib(k=kt, v=vt)

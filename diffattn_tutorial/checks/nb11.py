@@ -16,6 +16,7 @@ import torch
 from einops import rearrange
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
+from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, tiled_kv
 from diffattn_tutorial.functional import causal_mask, diff_attention
 from diffattn_tutorial.interop import _diffllama_order, _permute_maps
 from diffattn_tutorial.rope import interleaved_to_half_split
@@ -157,17 +158,12 @@ def check_block_causal_mask(fn: Callable) -> None:
 
 def _naive_rule(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> Tensor:
     """vasqu's (and unilm's naive file's) GQA: the 2Hkv interleaved key heads repeated in place."""
-    rep = q.shape[1] // k.shape[1]
-    return diff_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), lam, causal=True,
-                          backend="naive")
+    return diff_attention(q, *kv_heads_one_by_one(k, v, q.shape[1] // 2), lam, causal=True, backend="naive")
 
 
 def _tiled_groups(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> Tensor:
     """Groups tiled: differential head i reads group i % Hkv instead of i // (H / Hkv)."""
-    rep = q.shape[1] // k.shape[1]
-    k = rearrange(rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat(1, rep, 1, 1, 1),
-                  "b g two n d -> b (g two) n d")
-    return diff_attention(q, k, v.repeat(1, rep, 1, 1), lam, causal=True, backend="naive")
+    return diff_attention(q, *tiled_kv(k, v, q.shape[1] // 2), lam, causal=True, backend="naive")
 
 
 # (B, H, Hkv, N, d, lam)
