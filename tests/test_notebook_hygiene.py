@@ -125,6 +125,21 @@ def test_every_markdown_file_named_in_the_repo_exists():
     assert not missing, "names a .md file the repository does not have: " + "; ".join(sorted(missing))
 
 
+REPO_PATH = re.compile(r"(?<![\w/.])((?:notebooks|exercises|solutions|tests|tools|benchmarks|diffattn_tutorial|\.ci)/"
+                       r"[\w./-]*[\w-]\.(?:py|ipynb|json|md|pt|cfg|toml))\b")
+
+
+def test_every_repository_path_named_in_the_repo_exists():
+    """A path such as `benchmarks/bench_sdpa.py` in code, a docstring or a notebook must exist (templates that
+    name a pattern, `NN_*.ipynb` or `NAME.json`, are not paths)."""
+    missing = set()
+    for path in _files({".py", ".md", ".ipynb", ".toml", ".yml", ".cfg"}):
+        text = _notebook_text(path) if path.suffix == ".ipynb" else path.read_text()
+        missing |= {f"{path.relative_to(ROOT)}: {p}" for p in REPO_PATH.findall(text)
+                    if not re.search(r"NN|NAME|[*{<]", p) and not (ROOT / p).exists()}
+    assert not missing, "names a file the repository does not have: " + "; ".join(sorted(missing))
+
+
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
