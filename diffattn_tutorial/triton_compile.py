@@ -18,8 +18,8 @@ pick, and records per compile (:class:`Facts`):
 
 :meth:`Facts.problems` turns them into failures: a compile error, any spill, shared memory over the limit,
 or on sm_90a a 16-bit dot that is not ``wgmma`` or a duplicated dot. ``tests/test_triton_compile.py`` runs a
-representative subset; ``python -m diffattn_tutorial.triton_compile --all`` runs every case and writes
-``benchmarks/compile_facts.json``.
+representative subset; ``python -m diffattn_tutorial.triton_compile --all --write`` runs every case and writes
+``diffattn_tutorial/recorded/compile_facts.json`` (read it with :func:`recorded_facts`, from any folder).
 
 Triton's compiler cannot run in a process where ``TRITON_INTERPRET=1`` was set before triton was imported
 (the kernels are interpreter functions there), so :func:`compile_check` then runs itself in a subprocess.
@@ -49,7 +49,9 @@ HEAD_DIMS = (16, 32, 64, 128)
 """Every padded head dim the kernels support (d = 1..128 is padded to the next of these)."""
 DTYPES = ("bfloat16", "float16")
 SCHEMA = "diffattn-tutorial/compile_facts/1"
-FACTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_facts.json"
+FACTS_NAME = "compile_facts"
+"""The full run's file in :mod:`diffattn_tutorial.recorded` (``recorded.load(FACTS_NAME)``)."""
+FACTS_FILE = Path(__file__).resolve().parent / "recorded" / f"{FACTS_NAME}.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +129,23 @@ class Facts:
         d = dataclasses.asdict(self)
         d["wgmma_shapes"] = list(self.wgmma_shapes)
         return d
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Facts":
+        """The inverse of :meth:`row` (a lesson's row also carries its ``problems``, which are recomputed)."""
+        fields = {k: v for k, v in row.items() if k != "problems"}
+        return cls(**{**fields, "wgmma_shapes": tuple(fields["wgmma_shapes"])})
+
+
+def recorded_facts() -> tuple[dict, list[Facts], list[Facts]]:
+    """The recorded full run: ``(header, facts, lessons)``, the header with the Triton version, date, source hash,
+    targets and cases; ``facts`` every compile of every launch the library makes; ``lessons`` the fused plan at
+    d = 128 that the library does not use (notebook 09's counter-examples)."""
+    from diffattn_tutorial import recorded
+
+    data = recorded.load(FACTS_NAME)
+    header = {**data["recorded"], "schema": data["schema"], "cases": data["cases"]}
+    return header, [Facts.from_row(r) for r in data["facts"]], [Facts.from_row(r) for r in data["lessons"]]
 
 
 def _interpreted() -> bool:
@@ -354,7 +373,7 @@ def lesson_facts(jobs: int = 1) -> list[Facts]:
             rows = list(pool.map(_compile_job, work))
     else:
         rows = [_compile_job(w) for w in work]
-    return [Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in rows]
+    return [Facts.from_row(r) for r in rows]
 
 
 def _compile_job(job) -> dict:
@@ -377,15 +396,15 @@ def _run_here(cases: Sequence[tuple[Case, bool]], archs: Sequence[str], every_co
                 for i, row in enumerate(pool.map(_compile_job, work)):
                     done[i] = row
                     if progress:
-                        progress(Facts(**{**row, "wgmma_shapes": tuple(row["wgmma_shapes"])}))
+                        progress(Facts.from_row(row))
         except BrokenProcessPool:  # a worker was killed (out of memory on a shared machine): finish here
             pass
     for i, w in enumerate(work):
         if i not in done:
             done[i] = _compile_job(w)
             if progress:
-                progress(Facts(**{**done[i], "wgmma_shapes": tuple(done[i]["wgmma_shapes"])}))
-    return [Facts(**{**done[i], "wgmma_shapes": tuple(done[i]["wgmma_shapes"])}) for i in range(len(work))]
+                progress(Facts.from_row(done[i]))
+    return [Facts.from_row(done[i]) for i in range(len(work))]
 
 
 def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Sequence[str] = ("sm_90a",), *,
@@ -405,7 +424,7 @@ def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Se
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"the compile-check subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = json.loads(proc.stdout)["facts"]
-    return [Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in rows]
+    return [Facts.from_row(r) for r in rows]
 
 
 def source_hash() -> str:
@@ -461,7 +480,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--lessons", action="store_true", help="also compile the fused plan at d = 128 (notebook 09's "
                                                            "counter-examples; implied by --all)")
     ap.add_argument("--write", type=Path, nargs="?", const=FACTS_FILE, default=None,
-                    help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[1])})")
+                    help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[2])})")
     ap.add_argument("--json", default=None, help="write the facts as JSON to this path ('-': stdout)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -21,9 +21,9 @@ Both store the log-sum-exp of each map (base 2, ``m + log2 l``) and, when a grad
 
 Backward, from those statistics (nothing of size ``N x N`` is kept between passes):
 
-* a preprocess kernel computes, per query row, ``delta1 = dO . o1`` and ``dd = dO . o2`` (with
+* a preprocess kernel computes, per query row, ``delta1 = dO . o1`` and ``delta2 = dO . o2`` (with
   ``o1 = out + lam * o2``). Map 1 sees the upstream gradient ``dO``, map 2 sees ``-lam * dO``, so map 2's
-  ``rowsum(dO2 * O2)`` is ``-lam * dd`` and ``dlam = -dd`` per row (summed over broadcast dims on the host);
+  ``rowsum(dO2 * O2)`` is ``-lam * delta2`` and ``dlam = -delta2`` per row (summed over broadcast dims on the host);
 * a dK/dV kernel, one program per (key tile, batch x KV group), loops over the heads of its group and
   over the query tiles, **recomputes** ``P1``, ``P2`` from ``q``, ``k`` and the saved log-sum-exps, and
   accumulates ``dV += (P1 - lam P2)^T dO``, ``dK1 += dS1^T q1``, ``dK2 += dS2^T q2`` (no atomics); from
@@ -31,7 +31,7 @@ Backward, from those statistics (nothing of size ``N x N`` is kept between passe
   too, for the same register reason;
 * a dQ kernel, one program per (query tile, batch x head), recomputes the same tiles and accumulates
   ``dQ1 += dS1 k1``, ``dQ2 += dS2 k2`` (one map per launch at ``d = 128``, ``DQ_MAPS``). With
-  ``dP = dO v^T``: ``dS1 = P1 (dP - delta1)`` and ``dS2 = -lam P2 (dP - dd)``.
+  ``dP = dO v^T``: ``dS1 = P1 (dP - delta1)`` and ``dS2 = -lam P2 (dP - delta2)``.
 
 The plans (:data:`PLANS`): ``fused`` (d <= 32), ``split_kv`` (d = 64), ``split`` (d = 128, and every head dim on
 Ampere). Every launch's configurations are listed per head dim in small tables (``_CONFIGS_16BIT`` for Hopper,
@@ -147,13 +147,89 @@ def _apply_mask(s, mvals, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr):
 @triton.jit
 def _visible(s, rows, cols, Nq, Nk, EDGE: tl.constexpr, CAUSAL: tl.constexpr):
     """``-inf`` where key ``cols`` is past ``Nk`` or, causal (bottom-right aligned: query ``i`` sees keys
-    ``j <= i + Nk - Nq``), after the query's diagonal. Only tiles that cross an edge (``EDGE``) pay for it."""
+    ``j <= i + Nk - Nq``), after the query's diagonal. ``rows``, ``cols``: the query and key index of each entry
+    of ``s``, broadcastable to its shape (``rows[:, None]``, ``cols[None, :]``; the other way round for the dK/dV
+    kernel's transposed tiles). Only tiles that cross an edge (``EDGE``) pay for it."""
     if EDGE:
-        ok = cols[None, :] < Nk
+        ok = cols < Nk
         if CAUSAL:
-            ok = ok & (cols[None, :] <= rows[:, None] + (Nk - Nq))
+            ok = ok & (cols <= rows + (Nk - Nq))
         s = tl.where(ok, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _load_mask_tile(MASK, q_off, k_off, q_ok, k_ok, stride_mm, stride_mn, MASK_KIND: tl.constexpr):
+    """The user's mask tile, or 0 without one (``MASK_KIND == 0``). ``MASK`` points at the tile's first entry;
+    ``q_off``, ``k_off`` are the query and key offsets inside the tile and ``q_ok``, ``k_ok`` which of them exist,
+    broadcastable to the tile's shape. One load serves both maps of a head."""
+    mvals = 0
+    if MASK_KIND != 0:
+        mvals = tl.load(MASK + q_off * stride_mm + k_off * stride_mn, mask=q_ok & k_ok, other=0)
+    return mvals
+
+
+@triton.jit
+def _scores(a, b, mvals, rows, cols, Nq, Nk, qk_scale, EDGE: tl.constexpr, CAUSAL: tl.constexpr,
+            MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One masked score tile in base-2 units: ``a @ b * qk_scale`` (``qk_scale = scale * LOG2E``), the user's
+    mask tile ``mvals`` applied and, on edge tiles (``EDGE``), keys past ``Nk`` and after the causal diagonal
+    hidden. ``a = q`` ``(BLOCK_M, d)`` and ``b = k^T`` ``(d, BLOCK_N)`` give ``(BLOCK_M, BLOCK_N)``; the dK/dV
+    kernel passes ``k`` and ``q^T`` for the transposed tile. ``rows``, ``cols`` as in :func:`_visible`."""
+    s = _dot(a, b, None, DOT_PRECISION, UPCAST) * qk_scale
+    return _visible(_apply_mask(s, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+
+
+@triton.jit
+def _score_grad(p, dp, delta, lam, MAP2: tl.constexpr):
+    """Softmax's backward for one map's tile: ``dS = P (dP - delta)``, ``delta = rowsum(dO . O)`` of that map.
+    Map 2 receives the upstream gradient times ``-lam`` (``MAP2``): ``dS2 = -lam P2 (dP - delta2)``. ``delta``
+    and ``lam`` are per query row, broadcastable to ``p`` (a column, or a row in the transposed dK/dV tiles)."""
+    if MAP2:
+        p = -lam * p
+    return p * (dp - delta)
+
+
+@triton.jit
+def _key_tile_bounds(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(full_hi, hi)`` for the query tile at row ``start_m``: key tiles ``[0, full_hi)`` need no masking,
+    ``[full_hi, hi)`` cross ``Nk`` or the causal diagonal, keys from ``hi`` on are never visited (causal: all
+    above the diagonal). Plain arithmetic (``min``, ``max`` are Triton's inside a kernel), so
+    :func:`tile_schedule` runs this same function on Python ints."""
+    nk_full = (Nk // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = min(Nk, max(start_m + BLOCK_M + (Nk - Nq), 0))  # one past the last key the tile's last row sees
+        full_hi = min(nk_full, (max(start_m + 1 + (Nk - Nq), 0) // BLOCK_N) * BLOCK_N)  # the first row sees these
+    else:
+        hi = Nk
+        full_hi = nk_full
+    return full_hi, hi
+
+
+@triton.jit
+def _query_tile_bounds(start_n, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(lo, mid)`` for the key tile at ``start_n``, causal: query rows ``i < start_n - (Nk - Nq)`` see none of
+    its keys (tiles before ``lo`` are skipped), tiles ``[lo, mid)`` cross the diagonal, rows from ``mid`` on see
+    the whole key tile. Not causal: ``(0, 0)`` (every query tile, none masked)."""
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        lo = (tl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - (Nk - Nq), lo), Nq)  # first row that sees the whole tile
+        mid = lo + tl.cdiv(mid - lo, BLOCK_M) * BLOCK_M
+    return lo, mid
+
+
+@triton.jit
+def _key_tile_offsets(stride_kn, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Offsets inside a key tile, for the kernels that walk key tiles: ``offs_n`` (key rows), ``offs_dv`` (value
+    columns, width ``2 BLOCK_D``), ``kt_off`` (the k tile loaded transposed, ``d x BLOCK_N``), and which head
+    dims of k (``d_ok``) and of v (``dv_ok``) are real rather than padding."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, 2 * BLOCK_D)
+    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]
+    return offs_n, offs_dv, kt_off, offs_d < HEAD_DIM, offs_dv < 2 * HEAD_DIM
 
 
 @triton.jit
@@ -175,6 +251,18 @@ def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr, UPCAST: t
 
 
 @triton.jit
+def _fwd_map_step(acc, m, l, q, K, kt_off, kt_mask, v, mvals, rows, cols, Nq, Nk, qk_scale,
+                  EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map's stream: load its k tile (``K`` points at the tile), score it against ``q``,
+    one online-softmax step with the shared ``v`` tile. Returns the new ``(acc, m, l)``."""
+    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
+    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN,
+                DOT_PRECISION, UPCAST)
+    return _online_softmax_step(acc, m, l, s, v, DOT_PRECISION, UPCAST)
+
+
+@triton.jit
 def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map(s), the query tiles
                  K1, K2, V, MASK,  # base pointers: this (batch, KV group) / the mask rows of this query tile
                  start_m, lo, hi, Nq, Nk, qk_scale, stride_kn, stride_vn, stride_mm, stride_mn,
@@ -184,13 +272,8 @@ def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map
     """Key/value tiles ``[lo, hi)``. ``TWO_MAPS``: both online-softmax streams from one load of each tile
     (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, 2 * BLOCK_D)
     rows = start_m + offs_m
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < 2 * HEAD_DIM
-    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]  # k tiles are loaded transposed: d x BLOCK_N
+    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM)
     v_off = offs_n[:, None] * stride_vn + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         n64 = tl.cast(start_n, tl.int64)  # tile bases in int64, offsets inside a tile in int32
@@ -203,19 +286,14 @@ def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map
             kt_mask = d_ok[:, None]
             v_mask = dv_ok[None, :]
         v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
-        mvals = 0
-        if MASK_KIND != 0:  # the same mask tile for both maps of a head
-            mvals = tl.load(MASK + n64 * stride_mn + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                            mask=(rows[:, None] < Nq) & (cols[None, :] < Nk), other=0)
-        k1t = tl.load(K1 + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
-        s1 = _dot(q1, k1t, None, DOT_PRECISION, UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 units
-        s1 = _visible(_apply_mask(s1, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
-        acc1, m1, l1 = _online_softmax_step(acc1, m1, l1, s1, v, DOT_PRECISION, UPCAST)
-        if TWO_MAPS:  # map 2: the same update with its own state, the same v tile
-            k2t = tl.load(K2 + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
-            s2 = _dot(q2, k2t, None, DOT_PRECISION, UPCAST) * qk_scale
-            s2 = _visible(_apply_mask(s2, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
-            acc2, m2, l2 = _online_softmax_step(acc2, m2, l2, s2, v, DOT_PRECISION, UPCAST)
+        mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
+                                cols[None, :] < Nk, stride_mm, stride_mn, MASK_KIND)
+        acc1, m1, l1 = _fwd_map_step(acc1, m1, l1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows, cols,
+                                     Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+        if TWO_MAPS:  # map 2: the same update with its own state, the same v and mask tiles
+            acc2, m2, l2 = _fwd_map_step(acc2, m2, l2, q2, K2 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows,
+                                         cols, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION,
+                                         UPCAST)
     return acc1, m1, l1, acc2, m2, l2
 
 
@@ -276,15 +354,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
         q2, m2, l2, acc2 = q1, m1, l1, acc1
 
     # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
-    nk_full = (Nk // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        last_visible = start_m + BLOCK_M + (Nk - Nq)  # one past the last key the tile's last row sees
-        hi = tl.minimum(Nk, tl.maximum(last_visible, 0))
-        first_row_end = tl.maximum(start_m + 1 + (Nk - Nq), 0)  # keys seen by the tile's first row
-        full_hi = tl.minimum(nk_full, (first_row_end // BLOCK_N) * BLOCK_N)
-    else:
-        hi = Nk
-        full_hi = nk_full
+    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
     acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
         acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, 0, full_hi, Nq, Nk, qk_scale,
         stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
@@ -338,7 +408,7 @@ def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
                               stride_lb, stride_lh, stride_lm,
                               H, Nq,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per query row: ``delta1 = dO . o1`` (``o1 = out + lam o2``) and ``dd = dO . o2``, in float32."""
+    """Per query row: ``delta1 = dO . o1`` (``o1 = out + lam o2``) and ``delta2 = dO . o2``, in float32."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_m = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -358,11 +428,24 @@ def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
                  + offs_dv[None, :], mask=mask, other=0.0).to(tl.float32)
     lam = tl.load(LAM + b * stride_lb + h * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
                   other=0.0).to(tl.float32)
-    dd = tl.sum(do * o2, 1)
-    delta1 = tl.sum(do * out, 1) + lam * dd
+    delta2 = tl.sum(do * o2, 1)
+    delta1 = tl.sum(do * out, 1) + lam * delta2
     DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
     tl.store(DELTA, delta1, mask=row_ok)
-    tl.store(DELTA + Nq, dd, mask=row_ok)
+    tl.store(DELTA + Nq, delta2, mask=row_ok)
+
+
+@triton.jit
+def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, rows, row_ok, cols, Nq, Nk, qk_scale,
+             DIAG: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One map's probabilities for one query tile against the key tile ``k``, recomputed and transposed,
+    ``(BLOCK_N, BLOCK_M)``: ``P^T = 2^(k q^T qk_scale - lse)`` from the saved base-2 log-sum-exp (``LSE`` of this
+    map; rows past ``Nq`` load ``+inf``, so their P is 0). Returns ``(p^T, q^T)``: the dK product reuses q^T."""
+    qt = tl.load(Q + qt_off, mask=qt_mask, other=0.0)
+    st = _scores(k, qt, mvals, rows[None, :], cols[:, None], Nq, Nk, qk_scale, DIAG, CAUSAL, MASK_KIND, MASK_MIN,
+                 DOT_PRECISION, UPCAST)
+    return tl.math.exp2(st - tl.load(LSE + rows, mask=row_ok, other=float("inf"))[None, :]), qt
 
 
 @triton.jit
@@ -390,38 +473,29 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
         m64 = tl.cast(start_m, tl.int64)
         rows = start_m + offs_mb
         row_ok = rows < Nq
+        qt_mask = row_ok[None, :] & d_ok[:, None]
         do = tl.load(DOh + m64 * stride_gm + do_off, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
         lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
-        mvals = 0
-        if MASK_KIND != 0:
-            mvals = tl.load(MASKh + m64 * stride_mm + offs_mb[None, :] * stride_mm + offs_nl[:, None] * stride_mn,
-                            mask=row_ok[None, :] & (offs_n[:, None] < Nk), other=0)
-        if DIAG:
-            visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
+        mvals = _load_mask_tile(MASKh + m64 * stride_mm, offs_mb[None, :], offs_nl[:, None], row_ok[None, :],
+                                offs_n[:, None] < Nk, stride_mm, stride_mn, MASK_KIND)
         # recompute the maps, transposed: (BLOCK_N, BLOCK_M); map 2's upstream gradient is -lam dO
         if NEED1:
-            q1t = tl.load(Q1 + m64 * stride_qm + qt_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-            s1t = _apply_mask(_dot(k1, q1t, None, DOT_PRECISION, UPCAST) * qk_scale, mvals, MASK_KIND, MASK_MIN)
-            p1t = tl.math.exp2(s1t - tl.load(LSEh + rows, mask=row_ok, other=float("inf"))[None, :])
-            if DIAG:
-                p1t = tl.where(visible, p1t, 0.0)
+            p1t, q1t = _probs_t(k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, mvals, rows, row_ok, offs_n, Nq, Nk,
+                                qk_scale, DIAG, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
         if NEED2:
-            q2t = tl.load(Q1 + stride_qh + m64 * stride_qm + qt_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-            s2t = _apply_mask(_dot(k2, q2t, None, DOT_PRECISION, UPCAST) * qk_scale, mvals, MASK_KIND, MASK_MIN)
-            p2t = tl.math.exp2(s2t - tl.load(LSEh + Nq + rows, mask=row_ok, other=float("inf"))[None, :])
-            if DIAG:
-                p2t = tl.where(visible, p2t, 0.0)
+            p2t, q2t = _probs_t(k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, mvals, rows, row_ok,
+                                offs_n, Nq, Nk, qk_scale, DIAG, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
         if DV_OUT:  # dV += (P1 - lam P2)^T dO: the differential map, transposed
             dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         if DK_MAPS != 0:  # dP = dO v^T, shared by both maps
             dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
             if NEED1 and DK_MAPS != 2:
                 delta1 = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
-                ds1t = p1t * (dpt - delta1[None, :])
+                ds1t = _score_grad(p1t, dpt, delta1[None, :], lam[None, :], False)
                 dk1 = _dot(ds1t.to(q1t.dtype), tl.trans(q1t), dk1, DOT_PRECISION, UPCAST)
             if NEED2 and DK_MAPS != 1:
-                dd = tl.load(DELTAh + Nq + rows, mask=row_ok, other=0.0)
-                ds2t = -lam[None, :] * p2t * (dpt - dd[None, :])
+                delta2 = tl.load(DELTAh + Nq + rows, mask=row_ok, other=0.0)
+                ds2t = _score_grad(p2t, dpt, delta2[None, :], lam[None, :], True)
                 dk2 = _dot(ds2t.to(q2t.dtype), tl.trans(q2t), dk2, DOT_PRECISION, UPCAST)
     return dk1, dk2, dv
 
@@ -467,13 +541,7 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # query rows i < start_n - (Nk - Nq) see none of these keys; rows below the band see all of them
-    lo = 0
-    mid = 0
-    if CAUSAL:
-        lo = (tl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - (Nk - Nq), lo), Nq)  # first row that sees the whole tile
-        mid = lo + tl.cdiv(mid - lo, BLOCK_M) * BLOCK_M
+    lo, mid = _query_tile_bounds(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
     for r in range(GROUP):
         h64 = g64 * GROUP + r
         bh = b64 * H + h64
@@ -506,43 +574,45 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, dd, lam,  # this query tile's state
+def _dq_map_step(dq, q, K, kt_off, kt_mask, mvals, rows, cols, lse, delta, lam, dp, Nq, Nk, qk_scale,
+                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                 MAP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map: load its k tile (``K`` points at the tile), recompute ``P = 2^(s - lse)`` from
+    the scores, ``dQ += dS k`` with ``dS`` from :func:`_score_grad` (``MAP2``: map 2's ``-lam``)."""
+    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
+    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN,
+                DOT_PRECISION, UPCAST)
+    ds = _score_grad(tl.math.exp2(s - lse[:, None]), dp, delta[:, None], lam[:, None], MAP2)
+    return _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
+
+
+@triton.jit
+def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam,  # this query tile's state
                 K1, V, MASK, start_m, lo, hi, Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
                 DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Key tiles ``[lo, hi)`` for one query tile: ``dQ_m += dS_m k_m`` for the maps in ``DQ_MAPS``."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, 2 * BLOCK_D)
     rows = start_m + offs_m
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < 2 * HEAD_DIM
-    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]
+    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM)
     vt_off = offs_n[None, :] * stride_vn + offs_dv[:, None]
     for start_n in range(lo, hi, BLOCK_N):
         n64 = tl.cast(start_n, tl.int64)
         cols = start_n + offs_n
         col_ok = cols < Nk
+        kt_mask = d_ok[:, None] & col_ok[None, :]
         vt = tl.load(V + n64 * stride_vn + vt_off, mask=dv_ok[:, None] & col_ok[None, :], other=0.0)  # (2d, BLOCK_N)
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)  # dP = dO v^T, shared by both maps
-        mvals = 0
-        if MASK_KIND != 0:
-            mvals = tl.load(MASK + n64 * stride_mn + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                            mask=(rows[:, None] < Nq) & col_ok[None, :], other=0)
+        mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
+                                col_ok[None, :], stride_mm, stride_mn, MASK_KIND)
         if DQ_MAPS != 2:
-            k1t = tl.load(K1 + n64 * stride_kn + kt_off, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-            s1 = _dot(q1, k1t, None, DOT_PRECISION, UPCAST) * qk_scale
-            s1 = _visible(_apply_mask(s1, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
-            ds1 = tl.math.exp2(s1 - lse1[:, None]) * (dp - delta1[:, None])
-            dq1 = _dot(ds1.to(k1t.dtype), tl.trans(k1t), dq1, DOT_PRECISION, UPCAST)
+            dq1 = _dq_map_step(dq1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse1, delta1, lam,
+                               dp, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, False, DOT_PRECISION, UPCAST)
         if DQ_MAPS != 1:
-            k2t = tl.load(K1 + stride_kh + n64 * stride_kn + kt_off, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-            s2 = _dot(q2, k2t, None, DOT_PRECISION, UPCAST) * qk_scale
-            s2 = _visible(_apply_mask(s2, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
-            ds2 = -lam[:, None] * tl.math.exp2(s2 - lse2[:, None]) * (dp - dd[:, None])
-            dq2 = _dot(ds2.to(k2t.dtype), tl.trans(k2t), dq2, DOT_PRECISION, UPCAST)
+            dq2 = _dq_map_step(dq2, q2, K1 + stride_kh + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse2,
+                               delta2, lam, dp, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, True,
+                               DOT_PRECISION, UPCAST)
     return dq1, dq2
 
 
@@ -588,7 +658,7 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the maps this program does not compute get placeholders (the loop never reads them)
     q1, lse1, delta1 = do, lam, lam
-    q2, lse2, dd = do, lam, lam
+    q2, lse2, delta2 = do, lam, lam
     if DQ_MAPS != 2:
         q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
         lse1 = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
@@ -596,23 +666,17 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
     if DQ_MAPS != 1:
         q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
         lse2 = tl.load(LSE + Nq + rows, mask=row_ok, other=float("inf"))
-        dd = tl.load(DELTA + Nq + rows, mask=row_ok, other=0.0)
+        delta2 = tl.load(DELTA + Nq + rows, mask=row_ok, other=0.0)
     K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
     V = V + b64 * stride_vb + g64 * stride_vh
     MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
 
-    nk_full = (Nk // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(Nk, tl.maximum(start_m + BLOCK_M + (Nk - Nq), 0))
-        full_hi = tl.minimum(nk_full, (tl.maximum(start_m + 1 + (Nk - Nq), 0) // BLOCK_N) * BLOCK_N)
-    else:
-        hi = Nk
-        full_hi = nk_full
-    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, dd, lam, K1, V, MASK, start_m, 0, full_hi,
+    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, 0, full_hi,
                            Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
                            DOT_PRECISION, UPCAST)
-    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, dd, lam, K1, V, MASK, start_m, full_hi, hi,
+    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, full_hi, hi,
                            Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
                            DOT_PRECISION, UPCAST)
@@ -894,16 +958,12 @@ def _check_offsets(**tensors: Tensor) -> None:
 def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) -> Tensor:
     """Which (query tile, key tile) pairs the forward kernel visits, as an int8 ``(cdiv(nq, block_m),
     cdiv(nk, block_n))`` tensor: 0 skipped, 1 visited with masking (the tile crosses ``nk`` or the causal
-    diagonal), 2 visited without masking. The same bounds as the two loops of :func:`_diff_attn_fwd`."""
+    diagonal), 2 visited without masking: the bounds of the two loops of :func:`_diff_attn_fwd`, computed by
+    the same function, :func:`_key_tile_bounds`."""
     n_m, n_n = triton.cdiv(nq, block_m), triton.cdiv(nk, block_n)
     schedule = torch.zeros(n_m, n_n, dtype=torch.int8)
-    nk_full = (nk // block_n) * block_n
     for t in range(n_m):
-        start_m = t * block_m
-        hi, full_hi = nk, nk_full
-        if causal:
-            hi = min(nk, max(start_m + block_m + (nk - nq), 0))
-            full_hi = min(nk_full, (max(start_m + 1 + (nk - nq), 0) // block_n) * block_n)
+        full_hi, hi = _key_tile_bounds.fn(t * block_m, nq, nk, block_m, block_n, bool(causal))  # the kernels' own
         for start_n in range(0, hi, block_n):
             schedule[t, start_n // block_n] = 2 if start_n < full_hi else 1
     return schedule

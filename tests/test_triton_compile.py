@@ -5,13 +5,12 @@ the limit, every 16-bit dot on ``wgmma``, no dot computed twice (``diffattn_tuto
   pinned configuration of every launch of the plain bf16 training case at d = 64 and d = 128 (13 compiles in
   two processes, 11-34 s on a 2-core machine; in a subprocess: Triton's compiler cannot run where
   ``TRITON_INTERPRET=1`` was set);
-* ``test_recorded_facts_cover_every_config_and_are_current`` checks ``benchmarks/compile_facts.json``, the
-  full run (every autotune configuration, bf16 and fp16, every head dim, the variants whose code differs,
-  sm_90a and sm_80: ``python -m diffattn_tutorial.triton_compile --all --jobs 8 --write``), against the
-  kernels' current source, so a kernel change without a new full run fails here.
+* ``test_recorded_facts_cover_every_config_and_are_current`` checks the full run,
+  ``diffattn_tutorial/recorded/compile_facts.json`` (every autotune configuration, bf16 and fp16, every head
+  dim, the variants whose code differs, sm_90a and sm_80: ``python -m diffattn_tutorial.triton_compile --all
+  --jobs 8 --write``), against the kernels' current source, so a kernel change without a new full run fails here.
 """
 
-import json
 import os
 import time
 
@@ -81,16 +80,15 @@ def test_pinned_launches_compile_clean_for_hopper():
 
 def test_recorded_facts_cover_every_config_and_are_current():
     assert tc.FACTS_FILE.exists(), "run: python -m diffattn_tutorial.triton_compile --all --jobs 8 --write"
-    data = json.loads(tc.FACTS_FILE.read_text())
-    rec = data["recorded"]
-    assert data["schema"] == tc.SCHEMA
+    rec, facts, lessons = tc.recorded_facts()
+    assert rec["schema"] == tc.SCHEMA
     assert rec["source_hash"] == tc.source_hash(), (
-        "the kernels or their autotune tables changed since benchmarks/compile_facts.json was written; run "
-        "python -m diffattn_tutorial.triton_compile --all --jobs 8 --write")
-    facts = [tc.Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])}) for r in data["facts"]]
+        "the kernels or their autotune tables changed since diffattn_tutorial/recorded/compile_facts.json was "
+        "written; run python -m diffattn_tutorial.triton_compile --all --jobs 8 --write")
     bad = [f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: {f.problems()}"
            for f in facts if f.problems()]
     assert not bad, bad
+    assert lessons and all(f.head_dim == 128 for f in lessons)
     seen = {(f.arch, f.dtype, f.kernel, f.form, f.head_dim, f.config) for f in facts}
     for arch in tc.ARCHS:  # every configuration the autotuner may pick, as the host code launches them
         for dtype in tc.DTYPES:
