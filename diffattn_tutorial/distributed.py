@@ -1,0 +1,242 @@
+"""The ``torch.distributed`` pieces of :mod:`diffattn_tutorial.train`, each small enough to read in one go.
+
+* :func:`init` / :func:`shutdown`: join the process group ``torchrun`` describes in the environment (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on GPUs, gloo on CPUs. Without those
+  variables (plain ``python``) there is no process group and :class:`DistContext` says rank 0 of 1.
+* :func:`micro_batch_rows`: which rows of a step's global batch one rank reads at one accumulation micro-step.
+  Global batch ``G = per_rank x world x accum``; every ``(micro_step, rank)`` gets a disjoint block, and together
+  they cover the global batch once, so one process and many processes train on the same data.
+* :func:`wrap`: data parallelism the two standard ways. ``"ddp"`` keeps a full copy of the model on every rank
+  and averages gradients with ``all_reduce``; ``"fsdp2"`` (``torch.distributed.fsdp.fully_shard``) keeps
+  :func:`fsdp_local_shard` of every parameter, gradient and optimizer state on each rank and gathers a block's
+  full weights only while it runs.
+* :func:`gradient_sync`: skip the gradient exchange on the micro-steps before the last one (accumulation).
+* :func:`torchrun_command` / :func:`launch`: run a module under ``torchrun`` on a free port, with a timeout, as
+  the tests and notebook 12 do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+Tensor = torch.Tensor
+
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2")
+"""Data-parallel strategies :func:`wrap` knows."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits: ``rank`` of ``world_size``, its ``device``, and the collective ``backend``
+    (``"nccl"``, ``"gloo"``, or ``None`` without a process group)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: Optional[str] = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that prints, logs and shows the progress bar."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    return default if text is None else int(text)
+
+
+def init(device: str = "auto") -> DistContext:
+    """Join the process group described by ``torchrun``'s environment, or stay single-process without one.
+
+    ``device``: ``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda"``. On CUDA each process takes
+    GPU ``LOCAL_RANK`` and the backend is NCCL; on CPU it is gloo.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible; use device='cpu' (or 'auto')")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world, rank, local = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if "WORLD_SIZE" not in os.environ:
+        return DistContext(device=dev)
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=dev if use_cuda else None)
+    return DistContext(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend)
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Leave the process group (a no-op without one)."""
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def micro_batch_rows(micro_step: int, rank: int, per_rank: int, world_size: int) -> range:
+    """Rows of the global batch that ``rank`` reads at accumulation ``micro_step``.
+
+    The global batch has ``per_rank x world_size x accum`` rows; micro-step ``m`` covers the block
+    ``[m * per_rank * world_size, (m + 1) * per_rank * world_size)`` and rank ``r`` its ``r``-th slice of
+    ``per_rank`` rows. Every row is read exactly once per step, by one rank.
+
+    >>> [list(micro_batch_rows(m, r, 2, 2)) for m in range(2) for r in range(2)]
+    [[0, 1], [2, 3], [4, 5], [6, 7]]
+    """
+    start = (micro_step * world_size + rank) * per_rank
+    return range(start, start + per_rank)
+
+
+def fsdp_local_shard(param: Tensor, rank: int, world_size: int) -> Tensor:
+    """The rows of ``param`` (shape ``(n, ...)``) that FSDP2 keeps on ``rank``: ``torch.chunk`` along dim 0.
+
+    Every rank's shard is padded to ``ceil(n / world_size)`` rows in memory; the last ranks hold fewer real rows,
+    possibly none (a ``(0, ...)`` tensor), when ``n`` does not divide evenly.
+    """
+    chunks = torch.chunk(param, world_size, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return param.new_empty((0, *param.shape[1:]))
+
+
+def wrap(model: nn.Module, ctx: DistContext, strategy: str, *,
+         param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """``model`` prepared for data-parallel training with ``strategy`` (``"ddp"`` or ``"fsdp2"``).
+
+    Without a process group the model is returned as it is. For ``"fsdp2"`` each block of ``model.blocks`` is
+    its own FSDP unit (its full weights exist only while it runs), then the root module; ``param_dtype`` (GPU
+    mixed precision, e.g. ``torch.bfloat16``) is the dtype of the gathered weights, with gradients reduced in
+    float32. The returned module's ``state_dict`` keys are handled by
+    ``torch.distributed.checkpoint.state_dict.get_state_dict``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not ctx.distributed:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Run a forward/backward with (``enabled``) or without the cross-rank gradient exchange.
+
+    Accumulation micro-steps before the last skip it: DDP through ``no_sync()``, FSDP2 through
+    ``set_requires_gradient_sync(False)``; the last micro-step exchanges the summed gradients once.
+    """
+    if enabled:
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(True)
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        yield
+    else:
+        yield
+
+
+def mean_over_ranks(value: Tensor, ctx: DistContext) -> float:
+    """The mean of a scalar tensor over all ranks (itself without a process group)."""
+    value = value.detach().float().reshape(())
+    if ctx.distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value = value / ctx.world_size
+    return value.item()
+
+
+def gather_ints(value: int, ctx: DistContext) -> list[int]:
+    """``value`` from every rank, in rank order (``[value]`` without a process group)."""
+    if not ctx.distributed:
+        return [value]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return [int(v) for v in out]
+
+
+def local_numel(model: nn.Module) -> int:
+    """Numbers of parameters this rank stores: the whole model under DDP, its shards under FSDP2."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel()
+    return total
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for ``--master_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(module: str, args: Sequence[str], *, nproc: int = 2, port: Optional[int] = None) -> list[str]:
+    """``python -m torch.distributed.run --nproc_per_node=NPROC ... -m MODULE ARGS`` on one machine."""
+    port = free_port() if port is None else port
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={port}", "-m", module, *args]
+
+
+def launch(module: str, args: Sequence[str], *, nproc: int = 2, timeout: float = 300,
+           threads: int = 1) -> subprocess.CompletedProcess:
+    """Run ``module`` under ``torchrun`` with ``nproc`` processes and wait at most ``timeout`` seconds.
+
+    Each process gets ``OMP_NUM_THREADS=threads``, and the folder holding this package is put on
+    ``PYTHONPATH`` so the children import the same ``diffattn_tutorial``. Returns the finished process, its
+    stdout and stderr together in ``.stdout``. Raises ``RuntimeError`` with the output's tail when the run fails,
+    and ``subprocess.TimeoutExpired`` when it hangs (after killing ``torchrun`` and all its workers).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(torchrun_command(module, args, nproc=nproc), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started, none left hanging
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-25:])
+        raise RuntimeError(f"torchrun {module} exited with {proc.returncode}:\n{tail}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+    return proc
+
+
+__all__ = ["STRATEGIES", "DistContext", "init", "shutdown", "micro_batch_rows", "fsdp_local_shard", "wrap",
+           "gradient_sync", "mean_over_ranks", "gather_ints", "local_numel", "free_port", "torchrun_command",
+           "launch"]

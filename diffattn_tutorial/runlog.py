@@ -1,0 +1,101 @@
+"""The metrics log of a training run (JSON lines) and the helper that plots it.
+
+:mod:`diffattn_tutorial.train` writes ``metrics.jsonl`` in its output folder, one JSON object per line, from
+rank 0 only:
+
+* ``{"event": "start", "step": s, "world_size": ..., "strategy": ..., "device": ..., "config": {...}, ...}``
+  each time a process group starts (or resumes) the run at step ``s``;
+* ``{"event": "step", "step": n, "loss": ..., "lr": ..., "grad_norm": ..., "tokens": ..., "seconds": ...}``
+  after optimizer step ``n`` (1-based), ``loss`` the mean over the whole global batch;
+* ``{"event": "end", "step": n, "seconds": ...}`` when it stops.
+
+A resumed run first drops the lines after its checkpoint's step, so the log always reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+PathLike = Union[str, os.PathLike]
+
+
+class MetricsLog:
+    """Appends JSON records to ``path`` (one per line, flushed at once); disabled when ``enabled`` is False
+    (every rank but 0)."""
+
+    def __init__(self, path: PathLike, enabled: bool = True) -> None:
+        self.path, self.enabled = Path(path), enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop every record with ``step > step`` (what a run did after the checkpoint it resumes from)."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = [r for r in read_records(self.path) if r.get("step", 0) <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def write(self, record: Mapping) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(dict(record)) + "\n")
+
+
+def read_records(path: PathLike) -> list[dict]:
+    """Every record of a metrics log, in order."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_steps(path: PathLike) -> list[dict]:
+    """The ``"step"`` records of a metrics log (one per optimizer step), in step order."""
+    return [r for r in read_records(path) if r.get("event") == "step"]
+
+
+def loss_curve(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, losses)`` of a metrics log as two arrays."""
+    rows = read_steps(path)
+    return np.array([r["step"] for r in rows]), np.array([r["loss"] for r in rows], dtype=float)
+
+
+def moving_mean(values: Sequence[float], window: int) -> np.ndarray:
+    """Mean of each run of ``window`` consecutive values (``len(values) - window + 1`` of them; all of
+    ``values`` when ``window <= 1``)."""
+    values = np.asarray(values, dtype=float)
+    if window <= 1 or window > len(values):
+        return values
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def plot_loss_curves(logs: Mapping[str, PathLike], *, smooth: int = 1, ax=None, title: Optional[str] = None,
+                     log_scale: bool = True):
+    """Loss against step for each ``{label: metrics.jsonl}``, smoothed by a moving mean of ``smooth`` steps.
+
+    Returns ``(fig, ax)``; end the notebook cell with ``plt.show()``.
+    """
+    import matplotlib.pyplot as plt
+
+    from diffattn_tutorial.plotting import DPI
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.5, 3.0), dpi=DPI)
+    else:
+        fig = ax.figure
+    for label, path in logs.items():
+        steps, losses = loss_curve(path)
+        curve = moving_mean(losses, smooth)
+        ax.plot(steps[len(steps) - len(curve):], curve, label=label)
+    ylabel = "loss" if smooth <= 1 else f"loss (moving mean of {smooth})"
+    ax.set(xlabel="optimizer step", ylabel=ylabel, title=title or "")
+    if log_scale:
+        ax.set_yscale("log")
+    ax.legend()
+    return fig, ax
+
+
+__all__ = ["MetricsLog", "read_records", "read_steps", "loss_curve", "moving_mean", "plot_loss_curves"]
