@@ -5,6 +5,8 @@
 * **Two workers when pytest-xdist is installed** (the ``dev`` extra) and the machine has two or more cores:
   ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order. ``-n 0`` runs
   everything in this process; ``-n N`` chooses N workers.
+* **A fast set**: ``pytest tests -m "not slow"`` leaves out the tests marked ``slow`` (training, notebooks run
+  from a built wheel, kernel compiles, the mutation test) and the notebooks.
 * **A fresh training cache per test session.** Notebooks 07 and 10 and their tests train toy models through
   ``retrieval_study(cache=True)``. The suite points ``DIFFATTN_CACHE`` at an empty folder of its own (unless you
   set it), so every run trains from scratch once and shares the result between the notebooks and tests of that
@@ -37,6 +39,8 @@ def pytest_cmdline_main(config) -> None:
 
 
 def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: trains models, executes notebooks, compiles kernels or mutates "
+                                       "solutions (deselect with -m 'not slow' for the fast set)")
     opt = config.option
     if config.pluginmanager.hasplugin("nbval") and not (opt.nbval or opt.nbval_lax):
         opt.nbval = True

@@ -220,12 +220,14 @@ def _seed0(kind: str, num_threads: int = 1) -> StudyResult:
     return retrieval_study(kind, seed=0, cache=True, progress=False, num_threads=num_threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ATTENTIONS)
 def test_seed0_reproduces_the_recorded_row(kind):
     row = next(r for r in recorded.load("seed_study")["rows"] if r["attention"] == kind and r["seed"] == 0)
     assert disagreements(_seed0(kind), row) == []
 
 
+@pytest.mark.slow
 def test_kept_claim_lines_are_the_same_at_two_thread_counts():
     """The lines notebook 07 keeps in its outputs (claim_lines) must not change with the thread count."""
     one = claim_lines(_seed0("baseline"), _seed0("diff"))

@@ -82,6 +82,9 @@ EQUIVALENT = {
 }
 
 
+pytestmark = pytest.mark.slow  # mutates every solution answer and runs its check (about a minute)
+
+
 @pytest.fixture(scope="module")
 def reports():
     t0 = time.perf_counter()
