@@ -211,7 +211,9 @@ def differences(expected: nbformat.NotebookNode, committed: nbformat.NotebookNod
         keys = [k for k in ("cell_type", "source", "metadata", "outputs", "execution_count")
                 if want.get(k) != have.get(k)]
         if keys:
-            out.append(f"{_where(label, i, have.source)}: {', '.join(keys)} differ")
+            verb = "differs" if len(keys) == 1 else "differ"
+            out.append(f"{_where(label, i, have.source)}: its {' and '.join(keys)} {verb} from what the solution "
+                       f"generates")
     if not out and notebook_text(expected) != notebook_text(committed):
         out.append(f"{label}: the notebook metadata or format differ")
     return out
