@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=bench)
     p = sub.add_parser("check", help="run your exercise notebook and print a scorecard")
     p.add_argument("notebook", help="path to your copy of exercises/NN_*.ipynb")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell (at least 1)")
     p.set_defaults(func=check)
     return ap
 

@@ -10,6 +10,10 @@ after the other, going on after errors. Then each task is
   other error, or its TASK cell raised;
 * **not attempted**: its CHECK cell raised ``NotAttempted`` or ``NotImplementedError`` (the stub is still there).
 
+A cell running past the timeout is interrupted (it shows ``KeyboardInterrupt``) and the next cells run. A cell
+that ignores the interrupt (it catches ``KeyboardInterrupt``) gets ``min(timeout, 5)`` seconds more; then the
+kernel is stopped, that cell's task fails as timed out and every later task fails as not run.
+
 Exit code: 0 when every task passed, 1 otherwise, 2 when the file cannot be read or is not an exercise
 notebook of the course (no ``# TASK`` / ``# CHECK`` cells). The helpers below are also what the test harness
 for the exercises uses.
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -31,6 +37,11 @@ CHECK_RE = re.compile(r"^#\s*CHECK\s+(\d+)\b")
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "FAILED", "not attempted"
 NOT_ATTEMPTED_ERRORS = ("NotAttempted", "NotImplementedError")
 STUB_ADVICE = "replace `raise NotImplementedError` with your answer"
+INTERRUPT_GRACE_S = 5
+"""Seconds a cell may still run after the interrupt sent at its timeout (at most the timeout itself)."""
+KERNEL_STOPPED, KERNEL_DIED, NOT_RUN = "KernelStopped", "KernelDied", "NotRun"
+"""Error names :func:`execute` records itself: the cell whose kernel it stopped, the cell that was running when
+the kernel died on its own, and the cells after either (never run)."""
 
 
 @dataclass
@@ -114,25 +125,111 @@ def _kernel_manager_class():
     return CurrentEnvKernelManager
 
 
+def check_timeout(timeout: int) -> int:
+    """``timeout`` (seconds per cell) if it is a whole number >= 1, else a ``TypeError``/``ValueError`` naming
+    the fix. (nbclient reads 0 and negative values as "no limit", which would let an endless loop run forever.)"""
+    if isinstance(timeout, bool) or not isinstance(timeout, int):
+        raise TypeError(f"timeout must be a whole number of seconds per cell, e.g. 600; got {timeout!r}")
+    if timeout < 1:
+        raise ValueError(f"timeout must be at least 1 second per cell (e.g. 600); got {timeout}")
+    return timeout
+
+
+class _Watchdog:
+    """Stops the kernel when a cell outlives its timeout plus the grace after nbclient's interrupt (a cell that
+    catches ``KeyboardInterrupt`` would otherwise be interrupted again and again, for ever).
+
+    nbclient calls :meth:`on_cell_execute` before each code cell and :meth:`on_cell_executed` after it."""
+
+    def __init__(self, client, timeout: int) -> None:
+        self.client = client
+        self.limit_s = timeout + min(INTERRUPT_GRACE_S, timeout)
+        self.running: Optional[int] = None  # index of the cell running now
+        self.stopped: Optional[int] = None  # index of the cell whose kernel this watchdog stopped
+        self._timer: Optional[threading.Timer] = None
+
+    def on_cell_execute(self, cell, cell_index: int) -> None:
+        self.running = cell_index
+        self._timer = threading.Timer(self.limit_s, self._stop_kernel, args=(cell_index,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def on_cell_executed(self, cell, cell_index: int, execute_reply) -> None:
+        self.cancel()
+        self.running = None
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _stop_kernel(self, cell_index: int) -> None:
+        """SIGKILL to the kernel's process group (as jupyter_client's own ``kill``), else to the kernel."""
+        self.stopped = cell_index
+        provisioner = getattr(self.client.km, "provisioner", None)
+        process = getattr(provisioner, "process", None)
+        if process is None:
+            return
+        kill = getattr(signal, "SIGKILL", signal.SIGTERM)
+        try:
+            if getattr(provisioner, "pgid", None) and hasattr(os, "killpg"):
+                os.killpg(provisioner.pgid, kill)
+            else:
+                process.kill()
+        except OSError:  # already gone
+            pass
+
+
+def _error_output(ename: str, evalue: str):
+    from nbformat.v4 import new_output
+
+    return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
+def _record_stopped_kernel(nb, running: int, stopped_by_watchdog: bool, timeout: int) -> None:
+    """The kernel is gone while cell ``running`` ran: record why in that cell, and mark every later code cell
+    as not run, so nothing after it can pass."""
+    if stopped_by_watchdog:
+        reason = (KERNEL_STOPPED, f"cell {running + 1} ran past the {timeout} s timeout and ignored the interrupt "
+                                  f"(does it catch KeyboardInterrupt?), so the kernel was stopped")
+    else:
+        reason = (KERNEL_DIED, f"the kernel died while cell {running + 1} ran (a crash, or out of memory)")
+    nb.cells[running].outputs.append(_error_output(*reason))
+    for cell in nb.cells[running + 1:]:
+        if cell.get("cell_type") == "code" and cell.get("source", "").strip():
+            cell.outputs = [_error_output(NOT_RUN, f"not run: the kernel stopped at cell {running + 1}")]
+
+
 def execute(nb, cwd: Union[str, Path], timeout: int = 600):
     """Execute ``nb`` in place, cell by cell, going on after errors; a cell running past ``timeout`` seconds
-    is interrupted (it then shows a ``KeyboardInterrupt``). Returns ``nb``.
+    is interrupted (it then shows a ``KeyboardInterrupt``). A cell that is still running
+    ``min(timeout, INTERRUPT_GRACE_S)`` seconds after the interrupt has its kernel stopped: it gets a
+    ``KernelStopped`` error and every later code cell a ``NotRun`` error (``KernelDied`` when the kernel died on
+    its own). Returns ``nb``.
 
     The kernel is this Python's, started in ``cwd``; its own log lines (not the cells' output) are dropped.
     """
     from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
 
+    check_timeout(timeout)
     for cell in nb.cells:  # outputs saved by the learner must not be mistaken for this run's
         if cell.get("cell_type") == "code":
             cell.outputs, cell.execution_count = [], None
     env_backup = dict(os.environ)
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # no GUI windows
+    client = NotebookClient(nb, kernel_name="python3", kernel_manager_class=_kernel_manager_class(),
+                            timeout=timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
+                            resources={"metadata": {"path": str(cwd)}})
+    watchdog = _Watchdog(client, timeout)
+    client.on_cell_execute, client.on_cell_executed = watchdog.on_cell_execute, watchdog.on_cell_executed
     try:
-        client = NotebookClient(nb, kernel_name="python3", kernel_manager_class=_kernel_manager_class(),
-                                timeout=timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
-                                resources={"metadata": {"path": str(cwd)}})
         client.execute(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except DeadKernelError:
+        if watchdog.running is None:
+            raise
+        _record_stopped_kernel(nb, watchdog.running, watchdog.stopped == watchdog.running, timeout)
     finally:
+        watchdog.cancel()
         os.environ.clear()
         os.environ.update(env_backup)
     return nb
@@ -141,6 +238,18 @@ def execute(nb, cwd: Union[str, Path], timeout: int = 600):
 def _one_line(text: str, limit: int = 400) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kernel_gone_detail(error: tuple[str, str], where: str, timeout: int) -> str:
+    """The scorecard's words for a cell whose kernel :func:`execute` stopped, that ran when the kernel died, or
+    that never ran because of either."""
+    ename, evalue = error
+    if ename == KERNEL_STOPPED:
+        return (f"{where} timed out after {timeout} s and ignored the interrupt (does it catch "
+                f"KeyboardInterrupt?), so the kernel was stopped")
+    if ename == KERNEL_DIED:
+        return f"the kernel died while {where} ran (a crash, or out of memory)"
+    return _one_line(evalue)
 
 
 def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
@@ -155,6 +264,8 @@ def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
         err = cell_error(nb.cells[t.check_cell])
         if task_err is not None and task_err[0] == "KeyboardInterrupt":
             results.append(Result(t, FAILED, f"the TASK cell timed out after {timeout} s"))
+        elif task_err is not None and task_err[0] in (KERNEL_STOPPED, KERNEL_DIED, NOT_RUN):
+            results.append(Result(t, FAILED, _kernel_gone_detail(task_err, "the TASK cell", timeout)))
         elif task_err is not None:
             results.append(Result(t, FAILED, _one_line(f"the TASK cell raised {task_err[0]}: {task_err[1]}")))
         elif err is None:
@@ -165,6 +276,8 @@ def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
             results.append(Result(t, FAILED, _one_line(err[1], limit=2000)))
         elif err[0] == "KeyboardInterrupt":
             results.append(Result(t, FAILED, f"the check timed out after {timeout} s (an endless loop?)"))
+        elif err[0] in (KERNEL_STOPPED, KERNEL_DIED, NOT_RUN):
+            results.append(Result(t, FAILED, _kernel_gone_detail(err, "the check", timeout)))
         else:
             results.append(Result(t, FAILED, _one_line(f"{err[0]}: {err[1]}")))
     return results
@@ -188,6 +301,7 @@ def check_notebook(path: Union[str, Path], timeout: int = 600) -> int:
     """Run the exercise notebook at ``path`` and print its scorecard; return the exit code (0, 1 or 2)."""
     import nbformat
 
+    check_timeout(timeout)
     path = Path(path)
     try:
         nb = nbformat.read(path, as_version=4)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -12,7 +14,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from diffattn_tutorial.cli import main
-from diffattn_tutorial.scorecard import FAILED, NOT_ATTEMPTED, PASSED, execute, find_tasks, format_results, score
+from diffattn_tutorial.scorecard import (FAILED, KERNEL_DIED, NOT_ATTEMPTED, NOT_RUN, PASSED, check_notebook, execute,
+                                         find_tasks, format_results, score)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "01_differential_amplifier.ipynb"  # the lightest exercise: three tasks, floats and small tensors
@@ -131,6 +134,56 @@ def test_runs_in_its_own_folder_times_out_and_goes_on(tmp_path, capsys, monkeypa
     assert lines[0].endswith(PASSED)
     assert FAILED in lines[1] and "timed out after 5 s" in lines[1]
     assert NOT_ATTEMPTED in lines[2]
+
+
+def test_a_cell_that_swallows_the_interrupt_is_stopped_and_later_tasks_fail(tmp_path):
+    """A check that catches KeyboardInterrupt would be interrupted for ever: after the timeout and a grace of
+    min(timeout, 5) s the kernel is stopped, that task fails as timed out, later tasks fail as not run, exit 1.
+    Run as the learner runs it (a child process), so a hang fails the test instead of stalling the suite."""
+    nb = new_notebook(cells=[
+        new_code_cell("# TASK 1: ok\nx = 1"),
+        new_code_cell("# CHECK 1\nassert x == 1"),
+        new_code_cell("# TASK 2: stubborn\nimport time\ndef stubborn():\n    while True:\n        try:\n"
+                      "            time.sleep(0.05)\n        except KeyboardInterrupt:\n            pass"),
+        new_code_cell("# CHECK 2\nstubborn()"),
+        new_code_cell("# TASK 3: later\ny = 2"),
+        new_code_cell("# CHECK 3\nassert y == 2"),
+    ])
+    nbformat.write(nb, tmp_path / "stubborn.ipynb")
+    done = subprocess.run([sys.executable, "-m", "diffattn_tutorial.cli", "check", "stubborn.ipynb", "--timeout", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = task_lines(done.stdout)
+    assert lines[0].endswith(PASSED)
+    assert f"{FAILED}: the check timed out after 2 s and ignored the interrupt" in lines[1]
+    assert f"{FAILED}: not run: the kernel stopped at cell 4" in lines[2]
+    assert "1/3 tasks passed" in done.stdout
+
+
+def test_a_kernel_that_dies_fails_its_task_and_the_rest_are_not_run(tmp_path):
+    nb = new_notebook(cells=[
+        new_code_cell("# TASK 1: crash\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)"),
+        new_code_cell("# CHECK 1\npass"),
+        new_code_cell("print('never')"),
+    ])
+    execute(nb, tmp_path, timeout=60)
+    assert nb.cells[0].outputs[-1]["ename"] == KERNEL_DIED
+    assert [o["ename"] for c in nb.cells[1:] for o in c.outputs] == [NOT_RUN, NOT_RUN]
+    (res,) = score(nb, find_tasks(nb), timeout=60)
+    assert res.status == FAILED and res.detail == "the kernel died while the TASK cell ran (a crash, or out of memory)"
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_timeout_below_one_second_is_a_usage_error(tmp_path, capsys, timeout):
+    """0 and negative values mean "no limit" to nbclient: refused before any kernel starts."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", str(tmp_path / "any.ipynb"), "--timeout", timeout])
+    assert exit_info.value.code == 2
+    assert f"argument --timeout: {timeout} must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"timeout must be at least 1 second per cell .*; got {timeout}"):
+        check_notebook(tmp_path / "any.ipynb", timeout=int(timeout))
+    with pytest.raises(TypeError, match="timeout must be a whole number of seconds"):
+        execute(new_notebook(), tmp_path, timeout=2.5)
 
 
 # --------------------------------------------------------------------------------------------
