@@ -1,6 +1,7 @@
 """Time and peak memory of every SDPA formulation of differential attention, on a GPU, into a JSON file.
 
-    python benchmarks/bench_sdpa.py                       # full run on CUDA: bf16, N 1K..16K, d 64 and 128
+    python benchmarks/bench_sdpa.py                       # full run on CUDA: bf16, N 1K..16K, d 64 and 128, into
+                                                          # diffattn_tutorial/recorded/bench_sdpa_<device>.json
     python benchmarks/bench_sdpa.py --lengths 1024 2048 --head-dims 64 --causal no --modes fwd
     python benchmarks/bench_sdpa.py --device cpu --dtype float32 --lengths 64 --heads 2 --batch 1 --out /tmp/r.json
 
@@ -14,10 +15,11 @@ What runs (``H`` differential heads of q/k dim ``d``; every layer has model widt
 * ``baseline``: softmax attention of the same width, ``2H`` heads of dim ``d`` (``softmax_attention``).
 
 Each runs forward (``fwd``, inference mode) and forward + backward (``fwd_bwd``, lambda trainable), causal
-and not, for every length and head dim. Per row: median milliseconds (``triton.testing.do_bench`` on CUDA:
-device events, no host sync between calls), achieved TFLOP/s (FLOPs
-from ``diffattn_tutorial.flops``: the work each formulation really does), peak extra memory above the inputs
-(CUDA only), and the largest difference from a reference V1 formulation on the same inputs. Out-of-memory is
+and not, for every length and head dim. Per row: median milliseconds (``diffattn_tutorial.gpu_bench.
+median_seconds``: ``triton.testing.do_bench`` on CUDA, device events, no host sync between calls), achieved
+TFLOP/s (FLOPs from ``diffattn_tutorial.flops``: the work each formulation really does), peak extra memory above
+the inputs, output excluded (CUDA only, ``diffattn_tutorial.bench.cuda_peak_extra``), and the largest
+difference from a reference V1 formulation on the same inputs. Out-of-memory is
 recorded as ``"status": "oom"``. The file also records which SDPA kernels (flash, memory-efficient, cuDNN,
 math) accept each formulation's calls on this device, probed with ``torch.nn.attention.sdpa_kernel``.
 """
@@ -25,10 +27,6 @@ math) accept each formulation's calls on this device, probed with ``torch.nn.att
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import platform
-import re
 import sys
 import traceback
 import warnings
@@ -37,16 +35,21 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-import diffattn_tutorial
-from diffattn_tutorial import flops
-from diffattn_tutorial.bench import cuda_peak_extra, device_name, median_time, slug
-from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention
+if __package__ in (None, ""):  # run as a script from a checkout: import the package from the repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCHEMA = "diffattn-tutorial/bench_sdpa/1"
+from diffattn_tutorial import flops  # noqa: E402
+from diffattn_tutorial.bench import cuda_peak_extra, make_inputs  # noqa: E402
+from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention  # noqa: E402
+from diffattn_tutorial.gpu_bench import (SDPA_SCHEMA, median_seconds, recorded_path, refusal,  # noqa: E402
+                                         results_header, sdpa_backend, write_json)
+
 V1_FORMULATIONS = ("naive", "sdpa_wide", "sdpa_split", "sdpa_stacked")
 DEFAULT_FORMULATIONS = (*V1_FORMULATIONS, "diff_v2", "baseline")
 ALL_FORMULATIONS = (*V1_FORMULATIONS, "triton", "diff_v2", "baseline")
-SDPA_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+SDPA_KERNELS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn",
+                "MATH": "math"}
+"""The SDPA kernels probed, as ``torch.nn.attention.SDPBackend`` members -> ``gpu_bench.sdpa_backend`` names."""
 ROW_KEYS = ("formulation", "mode", "causal", "n", "d", "status", "ms", "tflops", "flops", "peak_extra_mib",
             "max_abs_err")
 
@@ -71,7 +74,7 @@ def make_case(formulation: str, b: int, h: int, n: int, d: int, *, dtype: torch.
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     if formulation in (*V1_FORMULATIONS, "triton"):
-        return rnd(b, 2 * h, n, d), rnd(b, 2 * h, n, d), rnd(b, h, n, 2 * d), torch.tensor(0.6, device=device)
+        return make_inputs(b, h, n, d, dtype=dtype, device=device, seed=seed)
     if formulation == "diff_v2":  # 2H output heads: 4H query heads, 2H KV heads, per-token sigmoid lambda
         lam = torch.sigmoid(torch.randn(b, 2 * h, n, 1, generator=g)).to(device=device, dtype=dtype)
         return rnd(b, 4 * h, n, d), rnd(b, 2 * h, n, d), rnd(b, 2 * h, n, d), lam
@@ -113,67 +116,26 @@ def kernel_support(formulation: str, d: int, *, dtype: torch.dtype, device: torc
     Probed by running the formulation with ``torch.nn.attention.sdpa_kernel([kernel])``: a kernel that
     refuses raises ``RuntimeError`` and PyTorch's warnings say why. ``naive`` calls no SDPA kernel.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if formulation in ("naive", "triton"):
         return {name: "not used (no SDPA call)" for name in SDPA_KERNELS}
     inputs = make_case(formulation, 1, 2, n, d, dtype=dtype, device=device)
     fn = forward_fn(formulation, causal)
     result = {}
-    for name in SDPA_KERNELS:
+    for name, backend in SDPA_KERNELS.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                with sdpa_kernel([getattr(SDPBackend, name)]), torch.no_grad():
+                with sdpa_backend(backend), torch.no_grad():
                     fn(*inputs)
                 result[name] = "ok"
             except RuntimeError as e:
-                reasons = [_reason(str(w.message)) for w in caught]
-                reasons = [r for r in reasons if r and "not used because" not in r]
-                result[name] = "refused: " + ("; ".join(dict.fromkeys(reasons)) or _reason(str(e)))
+                result[name] = refusal(e, caught)
     return result
-
-
-def _reason(message: str) -> str:
-    """PyTorch's warning text without the '(Triggered internally at ...)' tail."""
-    return re.sub(r"\s*\(Triggered internally at .*", "", message, flags=re.S).strip()
 
 
 # ----------------------------------------------------------------------------------------------------------
 # measuring
 # ----------------------------------------------------------------------------------------------------------
-
-
-def time_call(call: Callable[[], object], device: torch.device, *, warmup: int, reps: int) -> float:
-    """Median seconds of ``call``. CUDA: ``triton.testing.do_bench`` (device events, no host sync between
-    calls, L2 cache flushed before each; its own warm-up), or, without triton, device events around a loop of
-    ``reps`` calls with one sync at the end. CPU: the median of ``reps`` timed calls after ``warmup``."""
-    if device.type == "cuda":
-        try:
-            import triton.testing
-        except ImportError:
-            for _ in range(max(warmup, 3)):
-                call()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                call()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / reps / 1e3
-        return float(triton.testing.do_bench(call, warmup=25, rep=max(100, 10 * reps), return_mode="median")) / 1e3
-    return median_time(call, warmup=warmup, reps=reps, device=device)
-
-
-def _peak_extra_fwd_bwd(run: Callable[[], Tensor], device: torch.device) -> Optional[int]:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int, d: int, dtype: torch.dtype,
@@ -193,7 +155,7 @@ def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int
                 call = lambda: fn(*inputs)  # noqa: E731
                 if device.type == "cuda":
                     row["peak_extra_mib"] = cuda_peak_extra(call) / 2**20
-                sec = time_call(call, device, warmup=warmup, reps=reps)
+                sec = median_seconds(call, device, warmup=warmup, reps=reps)
         else:
             leaves = [t.detach().requires_grad_(True) for t in inputs]
             out = fn(*leaves)
@@ -208,9 +170,8 @@ def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int
 
             call()
             if device.type == "cuda":
-                peak = _peak_extra_fwd_bwd(call, device)
-                row["peak_extra_mib"] = None if peak is None else peak / 2**20
-            sec = time_call(call, device, warmup=warmup, reps=reps)
+                row["peak_extra_mib"] = cuda_peak_extra(call) / 2**20
+            sec = median_seconds(call, device, warmup=warmup, reps=reps)
             out = out.detach()
         row["ms"] = sec * 1e3
         row["tflops"] = row["flops"] / sec / 1e12
@@ -250,17 +211,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                         progress(f"d={d} causal={causal} {mode} N={n} {f}: {ms} {row['status']}")
                     del reference
     return {
-        "schema": SCHEMA,
-        "recorded": {
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": device_name(device),
-            "device_type": device.type,
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "diffattn_tutorial": diffattn_tutorial.__version__,
-            "command": " ".join(["python", "benchmarks/bench_sdpa.py", *sys.argv[1:]]) if args.record_argv else "",
-        },
+        "schema": SDPA_SCHEMA,
+        "recorded": results_header(device, "benchmarks/bench_sdpa.py", sys.argv[1:] if args.record_argv else None),
         "config": {
             "batch": args.batch, "heads": args.heads, "dtype": args.dtype, "lengths": list(args.lengths),
             "head_dims": list(args.head_dims), "causal": causal_values, "modes": list(args.modes),
@@ -271,50 +223,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                 "baseline": "q, k, v (B, 2H, N, d): softmax attention of the same width 2Hd",
             },
             "flops": "diffattn_tutorial.flops; causal counts half; fwd_bwd = 3.5 x fwd",
-            "peak_extra_mib": "CUDA bytes allocated above the inputs while the call runs (fwd: output excluded)",
+            "peak_extra_mib": "bench.cuda_peak_extra: CUDA bytes allocated above the inputs while the call runs, "
+                              "output excluded",
         },
         "kernel_support": support,
         "rows": rows,
     }
-
-
-def find_results(folder: Path, device_type: Optional[str] = "cuda") -> list[tuple[Path, dict]]:
-    """Every ``results_sdpa_*.json`` in ``folder`` written by this script (on ``device_type``; None: any)."""
-    found = []
-    for path in sorted(Path(folder).glob("results_sdpa_*.json")):
-        try:
-            results = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if results.get("schema") == SCHEMA and device_type in (None, results["recorded"]["device_type"]):
-            found.append((path, results))
-    return found
-
-
-def summary_table(results: dict, *, d: Optional[int] = None, causal: Optional[bool] = None,
-                  mode: Optional[str] = None) -> str:
-    """A Markdown table of median milliseconds, one row per (d, causal, mode, N), one column per formulation,
-    and the best V1 SDPA formulation's time over the baseline's ("oom" where it ran out of memory)."""
-    forms = results["config"]["formulations"]
-    cells: dict[tuple, dict[str, dict]] = {}
-    for r in results["rows"]:
-        keep = (d is None or r["d"] == d) and (causal is None or r["causal"] == causal)
-        if keep and (mode is None or r["mode"] == mode):
-            cells.setdefault((r["d"], r["causal"], r["mode"], r["n"]), {})[r["formulation"]] = r
-    head = "| d | causal | pass | N | " + " | ".join(forms) + " | best V1 SDPA / baseline |"
-    lines = [head, "|" + "---:|" * 4 + "---:|" * len(forms) + "---:|"]
-    for (dd, cc, mm, n), row in cells.items():
-        def show(f: str) -> str:
-            r = row.get(f)
-            if r is None:
-                return ""
-            return f"{r['ms']:.2f}" if r["status"] == "ok" else r["status"].split(":")[0]
-        sdpa = [row[f]["ms"] for f in ("sdpa_wide", "sdpa_split", "sdpa_stacked") if f in row and row[f]["ms"]]
-        base = row.get("baseline", {}).get("ms")
-        ratio = f"{min(sdpa) / base:.2f}x" if sdpa and base else ""
-        lines.append(f"| {dd} | {'yes' if cc else 'no'} | {mm} | {n} | " + " | ".join(show(f) for f in forms)
-                     + f" | {ratio} |")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None,
-                    help="results file (default benchmarks/results_sdpa_<device>.json)")
+                    help="results file (default on CUDA: diffattn_tutorial/recorded/bench_sdpa_<device>.json; "
+                         "needed on a CPU, whose runs are not recorded)")
     ap.add_argument("--no-record-argv", dest="record_argv", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("-q", "--quiet", action="store_true")
     return ap
@@ -347,15 +262,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"unknown formulations {bad}; choose from {ALL_FORMULATIONS}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU (use --device cpu for a smoke run)")
+    if args.out is None and not args.device.startswith("cuda"):
+        raise SystemExit("a CPU run needs --out PATH (diffattn_tutorial/recorded/ holds GPU results only)")
     progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         results = run(args, progress)
     except Exception:
         traceback.print_exc()
         return 1
-    out = args.out or Path(__file__).resolve().parent / f"results_sdpa_{slug(results['recorded']['device'])}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    out = write_json(args.out or recorded_path("bench_sdpa", results["recorded"]["device"]), results)
     print(f"wrote {len(results['rows'])} rows to {out}")
     return 0
 

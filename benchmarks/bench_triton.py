@@ -3,8 +3,11 @@
     python benchmarks/bench_triton.py                 # CUDA headline: bf16, N = 8192, d 64 and 128, causal and not,
                                                       # fwd and fwd+bwd (about 4 min per head dim on an H100)
     python benchmarks/bench_triton.py --head-dims 64 --out /tmp/r64.json    # one head dim (one GPU-session step)
+                                                      # default --out on CUDA: diffattn_tutorial/recorded/
+                                                      # bench_triton_<device>.json (notebook 09 shows it)
     python benchmarks/bench_triton.py --lengths 1024 2048 4096 8192 16384   # a sweep (much longer)
-    TRITON_INTERPRET=1 python benchmarks/bench_triton.py --device cpu --lengths 32 --head-dims 16 --tokens 32 --model-width 64
+    TRITON_INTERPRET=1 python benchmarks/bench_triton.py --device cpu --lengths 32 --head-dims 16 --tokens 32 \
+        --model-width 64 --out /tmp/r.json
                                                       # a CPU smoke run of the plumbing (interpreter; meaningless times)
 
 Shapes follow the FlashAttention benchmarks: a fixed number of tokens per batch (``--tokens``, default 16384,
@@ -21,25 +24,20 @@ Per (head dim, causal, mode, N), one row per implementation and SDPA backend, al
   per configuration is marked ``best_sdpa``, and ``triton``'s ``speedup_vs_best_sdpa`` is taken against it;
 * ``naive``: explicit maps, up to ``--naive-max-n`` (default 4096: it needs ``O(N^2)`` memory).
 
-Time: ``triton.testing.do_bench`` (median; CUDA events, no host sync between calls). ``fwd`` runs under
-``torch.inference_mode()``; ``fwd_bwd`` runs forward and backward with lambda trainable. ``peak_extra_mib``:
-``torch.cuda.max_memory_allocated`` above what was allocated before the call (the forward's output excluded;
-gradients included for ``fwd_bwd``). TFLOP/s use one FLOP count for every implementation, the DIFF V1
-layer's ``12 B H N^2 d`` forward, half for causal, 3.5x for forward + backward
-(``diffattn_tutorial.flops.diff_v1_attention_flops``): it compares layer throughput (``sdpa_split`` really does
-16/12 of that work). ``max_abs_err`` compares with the first SDPA row that ran.
+Time: ``diffattn_tutorial.gpu_bench.median_seconds`` (on CUDA ``triton.testing.do_bench``: median, CUDA
+events, no host sync between calls). ``fwd`` runs under ``torch.inference_mode()``; ``fwd_bwd`` runs forward
+and backward with lambda trainable. ``peak_extra_mib``: ``diffattn_tutorial.bench.cuda_peak_extra``, bytes
+allocated above what was allocated before the call, the output excluded (gradients included for ``fwd_bwd``).
+TFLOP/s use one FLOP count for every implementation, the DIFF V1 layer's ``12 B H N^2 d`` forward, half for
+causal, 3.5x for forward + backward (``diffattn_tutorial.flops.diff_v1_attention_flops``): it compares layer
+throughput (``sdpa_split`` really does 16/12 of that work). ``max_abs_err`` compares with the first SDPA row
+that ran.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as _dt
-import json
-import platform
-import statistics
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -47,82 +45,25 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-import diffattn_tutorial
-from diffattn_tutorial import flops
-from diffattn_tutorial.bench import device_name, slug
-from diffattn_tutorial.functional import SDPA_FORMULATIONS, diff_attention
+if __package__ in (None, ""):  # run as a script from a checkout: import the package from the repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCHEMA = "diffattn-tutorial/bench_triton/2"
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                 "math": "MATH", "default": None}
-"""``--backends`` names -> ``torch.nn.attention.SDPBackend`` members (``default``: PyTorch's own dispatch)."""
+from diffattn_tutorial import flops  # noqa: E402
+from diffattn_tutorial.bench import cuda_peak_extra, make_inputs  # noqa: E402
+from diffattn_tutorial.functional import SDPA_FORMULATIONS, diff_attention  # noqa: E402
+from diffattn_tutorial.gpu_bench import (SDPA_BACKENDS, TRITON_SCHEMA, is_refusal, median_seconds,  # noqa: E402
+                                         recorded_path, refusal, results_header, sdpa_backend, shape_for,
+                                         triton_summary, write_json)
+
 ROW_KEYS = ("impl", "backend", "mode", "causal", "n", "d", "batch", "heads", "status", "ms", "tflops",
             "peak_extra_mib", "best_sdpa", "speedup_vs_best_sdpa", "max_abs_err")
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-GOALS = {"fwd_speedup_vs_best_sdpa": 1.2, "fwd_tflops": 350.0, "fwd_bwd_speedup_vs_best_sdpa": 1.0}
-"""Issue 13's goals (H100, bf16, N = 8192, non-causal, d = 64 and 128)."""
 
 Tensor = torch.Tensor
 
 
-def shape_for(n: int, d: int, tokens: int, model_width: int) -> tuple[int, int]:
-    """``(B, H)``: ``B = tokens // n`` sequences (at least 1), ``H = model_width // (2 d)`` differential heads."""
-    if model_width % (2 * d):
-        raise ValueError(f"model width {model_width} is not a multiple of 2d = {2 * d}")
-    return max(1, tokens // n), model_width // (2 * d)
-
-
-def make_inputs(b: int, h: int, n: int, d: int, *, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(b, 2 * h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    v = torch.randn(b, h, n, 2 * d, generator=g).to(device=device, dtype=dtype)
-    return q, k, v, torch.tensor(0.6, device=device, dtype=dtype)
-
-
-def bench_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA, a plain median elsewhere."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=max(100, 10 * reps), return_mode="median"))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def backend_context(backend: str):
-    """``sdpa_kernel([that backend])``, or nothing for ``default`` (and for the non-SDPA implementations)."""
-    member = SDPA_BACKENDS.get(backend)
-    if member is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, member)])
-
-
-def _refusal(e: Exception, caught: list) -> str:
-    """PyTorch's reason a backend refused: the warnings it raised (they name the failed check), else the error."""
-    reasons = [str(w.message).splitlines()[0] for w in caught if "kernel" in str(w.message).lower()]
-    text = reasons[0] if reasons else str(e).splitlines()[0]
-    return f"refused: {text[:240]}"
-
-
-def peak_extra_mib(call: Callable[[], Tensor], device: torch.device, exclude_output: bool) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = call()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    if exclude_output:
-        extra -= out.numel() * out.element_size()
-    return extra / 2**20
+def _peak_mib(call: Callable[[], Tensor], device: torch.device) -> Optional[float]:
+    return cuda_peak_extra(call) / 2**20 if device.type == "cuda" else None
 
 
 def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, device: torch.device, reps: int):
@@ -130,14 +71,15 @@ def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, 
     q, k, v, lam = inputs
     caught: list = []
     try:
-        with warnings.catch_warnings(record=True) as caught, backend_context(backend):
+        selected = sdpa_backend(backend if impl in SDPA_FORMULATIONS else "default")  # triton, naive: no SDPA
+        with warnings.catch_warnings(record=True) as caught, selected:
             warnings.simplefilter("always")
             if mode == "fwd":
                 with torch.inference_mode():
                     call = lambda: diff_attention(q, k, v, lam, causal=causal, backend=impl)  # noqa: E731
                     out = call()  # the first triton call autotunes
-                    ms = bench_ms(call, device, reps)
-                    peak = peak_extra_mib(call, device, exclude_output=True)
+                    ms = median_seconds(call, device, reps=reps) * 1e3
+                    peak = _peak_mib(call, device)
             else:
                 leaves = [t.detach().requires_grad_(True) for t in inputs]
                 grad = torch.randn(q.shape[0], q.shape[1] // 2, q.shape[2], 2 * q.shape[3], device=device,
@@ -151,17 +93,14 @@ def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, 
                     return o
 
                 out = call().detach()
-                ms = bench_ms(call, device, reps)
-                peak = peak_extra_mib(call, device, exclude_output=False)
+                ms = median_seconds(call, device, reps=reps) * 1e3
+                peak = _peak_mib(call, device)
         return ms, peak, out, "ok"
     except _OOM:
         return None, None, None, "oom"
-    except RuntimeError as e:
-        if backend != "default" and impl in SDPA_FORMULATIONS and ("No available kernel" in str(e)
-                                                                    or "No viable backend" in str(e)):
-            return None, None, None, _refusal(e, caught)
-        return None, None, None, f"error: RuntimeError: {str(e).splitlines()[0][:200]}"
-    except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
+    except Exception as e:  # noqa: BLE001 - a refusing or failing implementation is a result, not a crash
+        if backend != "default" and impl in SDPA_FORMULATIONS and is_refusal(e):
+            return None, None, None, refusal(e, caught, limit=240)
         return None, None, None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     finally:
         if device.type == "cuda":
@@ -216,27 +155,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                         if best is not None and r["impl"] == "triton" and r["ms"] is not None:
                             r["speedup_vs_best_sdpa"] = best["ms"] / r["ms"]
                         if ref is not None and (r["impl"], r["backend"]) in outs:
-                            r["max_abs_err"] = (outs[(r["impl"], r["backend"])].float() - ref.float()).abs().max().item()
+                            err = outs[(r["impl"], r["backend"])].float() - ref.float()
+                            r["max_abs_err"] = err.abs().max().item()
                     rows.extend(group)
                     del inputs, outs, ref
-    import triton
-
     from diffattn_tutorial.triton_diff import chosen_configs
 
     return {
-        "schema": SCHEMA,
-        "recorded": {
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": device_name(device),
-            "device_type": device.type,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            "python": platform.python_version(),
-            "diffattn_tutorial": diffattn_tutorial.__version__,
-            "command": " ".join(["python", "benchmarks/bench_triton.py", *sys.argv[1:]]) if args.record_argv else "",
-        },
+        "schema": TRITON_SCHEMA,
+        "recorded": results_header(device, "benchmarks/bench_triton.py",
+                                   sys.argv[1:] if args.record_argv else None),
         "config": {
             "tokens": args.tokens, "model_width": args.model_width, "dtype": args.dtype,
             "lengths": list(args.lengths), "head_dims": list(args.head_dims), "causal": causal_values,
@@ -244,81 +172,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
             "naive_max_n": args.naive_max_n,
             "shapes": "q (B, 2H, N, d), k (B, 2H, N, d), v (B, H, N, 2d); B = tokens // N, H = model_width / (2d)",
             "flops": "12 B H N^2 d forward for every impl (DIFF V1 layer), causal half, fwd_bwd 3.5x",
-            "timer": "triton.testing.do_bench median (CUDA); perf_counter median (CPU)",
-            "peak_extra_mib": "torch.cuda.max_memory_allocated above the inputs (fwd: output excluded)",
+            "timer": "gpu_bench.median_seconds: triton.testing.do_bench median (CUDA); perf_counter median (CPU)",
+            "peak_extra_mib": "bench.cuda_peak_extra: CUDA bytes allocated above the inputs, output excluded",
         },
         "chosen_configs": chosen_configs(),
         "rows": rows,
     }
-
-
-def merge(results: Sequence[dict]) -> dict:
-    """One results dict from several runs on one device (e.g. one per head dim, as the GPU session's steps run
-    them): rows concatenated, configs and autotune picks united, the first run's header kept."""
-    first = json.loads(json.dumps(results[0]))
-    devices = {r["recorded"]["device"] for r in results}
-    if len(devices) > 1:
-        raise ValueError(f"results from different devices cannot be merged: {sorted(devices)}")
-    for r in results[1:]:
-        first["rows"] += r["rows"]
-        first["chosen_configs"].update(r.get("chosen_configs", {}))
-        for key in ("head_dims", "lengths", "modes", "causal"):
-            first["config"][key] = sorted(set(first["config"][key]) | set(r["config"][key]))
-        first["recorded"]["command"] += " && " + r["recorded"]["command"]
-    return first
-
-
-def find_results(folder: Path, device_type: Optional[str] = "cuda") -> list[tuple[Path, dict]]:
-    """Every ``results_triton_*.json`` in ``folder`` written by this script (on ``device_type``; None: any)."""
-    found = []
-    for path in sorted(Path(folder).glob("results_triton_*.json")):
-        try:
-            results = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if results.get("schema") == SCHEMA and device_type in (None, results["recorded"]["device_type"]):
-            found.append((path, results))
-    return found
-
-
-def summary(results: dict) -> str:
-    """A Markdown table: per configuration, triton and the best SDPA (formulation, backend), ms, TFLOP/s, MiB."""
-    lines = ["| d | causal | mode | N | triton ms | TFLOP/s | MiB | best SDPA | ms | TFLOP/s | MiB | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keyed: dict[tuple, dict[str, dict]] = {}
-    for r in results["rows"]:
-        g = keyed.setdefault((r["d"], r["causal"], r["mode"], r["n"]), {})
-        if r["impl"] == "triton":
-            g["triton"] = r
-        if r["best_sdpa"]:
-            g["best"] = r
-
-    def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
-    for (d, causal, mode, n), g in keyed.items():
-        t, b = g.get("triton", {}), g.get("best", {})
-        best_name = f"{b['impl']}[{b['backend']}]" if b else "-"
-        lines.append(f"| {d} | {causal} | {mode} | {n} | {f(t.get('ms'), '.3f')} | {f(t.get('tflops'), '.0f')} | "
-                     f"{f(t.get('peak_extra_mib'), '.0f')} | {best_name} | {f(b.get('ms'), '.3f')} | "
-                     f"{f(b.get('tflops'), '.0f')} | {f(b.get('peak_extra_mib'), '.0f')} | "
-                     f"{f(t.get('speedup_vs_best_sdpa'), '.2f')} |")
-    return "\n".join(lines)
-
-
-def goals(results: dict, n: int = 8192) -> list[dict]:
-    """Issue 13's goals checked against a results file: non-causal rows at ``n`` for d = 64 and 128."""
-    out = []
-    for d in (64, 128):
-        rows = {r["mode"]: r for r in results["rows"]
-                if r["impl"] == "triton" and r["d"] == d and r["n"] == n and not r["causal"]}
-        fwd, fb = rows.get("fwd", {}), rows.get("fwd_bwd", {})
-        out.append({"d": d,
-                    "fwd_speedup_vs_best_sdpa": fwd.get("speedup_vs_best_sdpa"),
-                    "fwd_tflops": fwd.get("tflops"),
-                    "fwd_bwd_speedup_vs_best_sdpa": fb.get("speedup_vs_best_sdpa")})
-        out[-1]["met"] = {k: (out[-1][k] is not None and out[-1][k] >= v) for k, v in GOALS.items()}
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -341,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--naive-max-n", type=int, default=4096, help="skip naive above this length (O(N^2) memory)")
     ap.add_argument("--reps", type=int, default=10, help="CPU: timed calls; CUDA: sets do_bench's rep >= 10x ms")
     ap.add_argument("--out", type=Path, default=None,
-                    help="results file (default benchmarks/results_triton_<device>.json)")
+                    help="results file (default on CUDA: diffattn_tutorial/recorded/bench_triton_<device>.json; "
+                         "needed on a CPU, whose runs are not recorded)")
     ap.add_argument("--no-record-argv", dest="record_argv", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("-q", "--quiet", action="store_true")
     return ap
@@ -359,17 +219,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU (use --device cpu with "
                          "TRITON_INTERPRET=1 for a smoke run)")
+    if args.out is None and not args.device.startswith("cuda"):
+        raise SystemExit("a CPU run needs --out PATH (diffattn_tutorial/recorded/ holds GPU results only)")
     progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         results = run(args, progress)
     except Exception:
         traceback.print_exc()
         return 1
-    out = args.out or Path(__file__).resolve().parent / f"results_triton_{slug(results['recorded']['device'])}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    out = write_json(args.out or recorded_path("bench_triton", results["recorded"]["device"]), results)
     if not args.quiet:
-        print(summary(results))
+        print(triton_summary(results))
     print(f"wrote {len(results['rows'])} rows to {out}")
     return 0
 

@@ -3,13 +3,14 @@
     python benchmarks/gpu_session.py                      # every step in order, then collect (about 18 min on an H100)
     python benchmarks/gpu_session.py --list               # the steps, what each runs, its time limit
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
-    python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into benchmarks/
+    python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into the package
 
 The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
 
 0. ``compile`` (only when named with ``--step compile``; it needs no GPU): ``python -m
    diffattn_tutorial.triton_compile --all`` with the Triton installed there (the GPU machine's may be older than
-   the one that wrote ``benchmarks/compile_facts.json``, and registers can differ between versions);
+   the one that wrote ``diffattn_tutorial/recorded/compile_facts.json``, and registers can differ between
+   versions);
 1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
    (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: the CPU suite's cases compiled (every
    plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements;
@@ -24,17 +25,18 @@ The steps, in order (each a subprocess with its own time limit, ``--step-timeout
 
 Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
 and ``session_<step>.log`` into ``--out-dir``; the benchmark steps also write their results part. ``--collect``
-merges them into ``benchmarks/results_triton_<device>.json``, ``benchmarks/results_sdpa_<device>.json`` and
-``benchmarks/gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, issue 13's goals
-checked), which notebooks 08 and 09 show. With the device tool of this workplace, run one step per call with
-``--out-dir "$OUT"``, then ``--collect`` the fetched folders here and commit the three files.
+merges them into ``diffattn_tutorial/recorded/``: ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json``
+and ``gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, issue 13's goals
+checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.gpu_bench.find_recorded``). With
+the device tool of this workplace, run one step per call with ``--out-dir "$OUT"``, then ``--collect`` the
+fetched folders here and commit the three files. The scripts import the package from this checkout
+(``PYTHONPATH`` is set for each step), so the GPU machine needs torch and triton only.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import json
 import os
 import platform
@@ -47,8 +49,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
-SCHEMA = "diffattn-tutorial/gpu_session/1"
+if __package__ in (None, ""):  # run as a script from a checkout: import the package from the repository
+    sys.path.insert(0, str(ROOT))
+
+from diffattn_tutorial import gpu_bench  # noqa: E402  (imports torch, not triton)
+from diffattn_tutorial.gpu_bench import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
 STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
     "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 3,
@@ -130,28 +135,17 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
 
 
 def _problems(facts: dict) -> list[str]:
+    """One line per compile with a problem in a ``triton_compile --json`` file."""
     from diffattn_tutorial.triton_compile import Facts
 
-    out = []
-    for r in facts["facts"]:
-        f = Facts(**{**r, "wgmma_shapes": tuple(r["wgmma_shapes"])})
-        if f.problems():
-            out.append(f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: "
-                       f"{'; '.join(f.problems())}")
-    return out
+    found = [Facts.from_row(r) for r in facts["facts"]]
+    return [f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: {'; '.join(f.problems())}"
+            for f in found if f.problems()]
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def collect(dirs: Sequence[Path], dest: Path = BENCH) -> dict:
-    """Merge the steps' files found in ``dirs`` into ``dest``: the results files and ``gpu_session_<device>.json``."""
-    from diffattn_tutorial.bench import slug
-
+def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
+    """Merge the steps' files found in ``dirs`` into ``dest`` (default ``diffattn_tutorial/recorded/``): the
+    ``bench_triton`` and ``bench_sdpa`` results and ``gpu_session_<device>.json``."""
     steps, triton_parts, sdpa_parts, picks = {}, [], [], {}
     for d in dirs:
         d = Path(d)
@@ -165,7 +159,6 @@ def collect(dirs: Sequence[Path], dest: Path = BENCH) -> dict:
     if not steps:
         raise SystemExit(f"no session_*.json in {[str(d) for d in dirs]}")
     env = next(iter(steps.values()))["environment"]
-    device = env.get("device", "unknown device")
     written = []
     session = {"schema": SCHEMA, "recorded": env, "steps": {}, "autotune_picks_in_tests": picks}
     for name in STEPS:
@@ -174,41 +167,23 @@ def collect(dirs: Sequence[Path], dest: Path = BENCH) -> dict:
             session["steps"][name] = {k: rec[k] for k in ("what", "command", "status", "returncode", "seconds")}
             session["steps"][name]["log_tail"] = rec["log_tail"][-1500:]
     if triton_parts:
-        bench = _load_script("bench_triton")
-        merged = bench.merge(triton_parts)
-        path = dest / f"results_triton_{slug(merged['recorded']['device'])}.json"
-        path.write_text(json.dumps(merged, indent=1) + "\n")
-        written.append(path)
-        session["goals"] = bench.goals(merged)
-        session["summary"] = bench.summary(merged)
+        merged = gpu_bench.merge_triton(triton_parts)
+        written.append(gpu_bench.write_json(gpu_bench.recorded_path("bench_triton", merged["recorded"]["device"],
+                                                                    dest), merged))
+        session["goals"] = gpu_bench.goals(merged)
+        session["summary"] = gpu_bench.triton_summary(merged)
     for d in dirs:
         for p in Path(d).glob("compile_facts_gpu_machine.json"):
             facts = json.loads(p.read_text())
-            session["compile_facts_gpu_machine"] = {"recorded": facts["recorded"],
-                                                    "problems": _problems(facts)}
+            session["compile_facts_gpu_machine"] = {"recorded": facts["recorded"], "problems": _problems(facts)}
     for part in sdpa_parts:
-        path = dest / f"results_sdpa_{slug(part['recorded']['device'])}.json"
-        path.write_text(json.dumps(part, indent=1) + "\n")
-        written.append(path)
-    path = dest / f"gpu_session_{slug(device)}.json"
-    path.write_text(json.dumps(session, indent=1) + "\n")
-    written.append(path)
+        written.append(gpu_bench.write_json(gpu_bench.recorded_path("bench_sdpa", part["recorded"]["device"], dest),
+                                            part))
+    device = env.get("device", "unknown device")
+    written.append(gpu_bench.write_json(gpu_bench.recorded_path("gpu_session", device, dest), session))
     for p in written:
         print(f"wrote {p}")
     return session
-
-
-def find_sessions(folder: Path = BENCH) -> list[tuple[Path, dict]]:
-    """Every ``gpu_session_*.json`` in ``folder`` (what notebooks 08 and 09 show)."""
-    found = []
-    for path in sorted(Path(folder).glob("gpu_session_*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if data.get("schema") == SCHEMA:
-            found.append((path, data))
-    return found
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -218,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=None, help="where the steps write (default: a temporary folder)")
     ap.add_argument("--step-timeout", type=int, default=540, help="seconds per step (a 10-minute command fits one)")
     ap.add_argument("--collect", type=Path, nargs="+", default=None, metavar="DIR",
-                    help="merge the files of earlier steps in DIR... into benchmarks/")
+                    help="merge the files of earlier steps in DIR... into diffattn_tutorial/recorded/")
     args = ap.parse_args(argv)
     if args.list:
         for name, (what, minutes, cmd) in STEPS.items():
@@ -239,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     records = [run_step(n, out, args.step_timeout) for n in names]
     print(f"{len(records)} steps in {time.perf_counter() - t0:.0f} s; files in {out}")
-    if args.step is None:  # the whole session: collect into benchmarks/ (commit the three files)
+    if args.step is None:  # the whole session: collect into diffattn_tutorial/recorded/ (commit the three files)
         collect([out])
     return 0 if all(r["status"] == "passed" for r in records) else 1
 

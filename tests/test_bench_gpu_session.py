@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from diffattn_tutorial import gpu_bench
+from diffattn_tutorial import recorded
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,7 +30,7 @@ def test_steps_fit_the_limits(capsys):
     assert all(minutes < 9 for _, minutes, _ in session.STEPS.values())
 
 
-def _part(bench, d):
+def _part(d):
     rows = []
     for mode in ("fwd", "fwd_bwd"):
         for impl, backend, ms in (("triton", "triton", 2.0), ("sdpa_split", "flash", 3.0), ("sdpa_split", "cudnn", 2.5),
@@ -37,14 +40,14 @@ def _part(bench, d):
                          "tflops": 400.0 if ms else None, "peak_extra_mib": 10.0 if ms else None,
                          "best_sdpa": (impl, backend) == ("sdpa_split", "cudnn"),
                          "speedup_vs_best_sdpa": 1.25 if impl == "triton" else None, "max_abs_err": 0.0})
-    return {"schema": bench.SCHEMA, "recorded": {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda",
+    return {"schema": gpu_bench.TRITON_SCHEMA, "recorded": {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda",
                                                  "command": f"d{d}", "date": "2026-01-01 00:00 UTC"},
             "config": {"head_dims": [d], "lengths": [8192], "modes": ["fwd", "fwd_bwd"], "causal": [False]},
             "chosen_configs": {f"_diff_attn_fwd/x/d{d}": {"k": "BLOCK_M: 128"}}, "rows": rows}
 
 
 def test_collect_merges_steps_into_results(tmp_path):
-    session, bench = load("gpu_session"), load("bench_triton")
+    session = load("gpu_session")
     steps = tmp_path / "steps"
     steps.mkdir()
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.x", "triton": "3.x", "date": "2026-01-01 00:00 UTC"}
@@ -53,8 +56,8 @@ def test_collect_merges_steps_into_results(tmp_path):
             {"schema": session.SCHEMA, "step": name, "what": "", "command": "python x", "returncode": 0,
              "status": "passed", "seconds": 1.0, "expected_minutes": 1, "environment": env, "log_tail": "ok"}))
     for d in (64, 128):
-        (steps / f"results_triton_part_d{d}.json").write_text(json.dumps(_part(bench, d)))
-    facts = json.loads((ROOT / "benchmarks" / "compile_facts.json").read_text())
+        (steps / f"results_triton_part_d{d}.json").write_text(json.dumps(_part(d)))
+    facts = recorded.load("compile_facts")
     facts["facts"] = facts["facts"][:3]
     facts["facts"][0] = {**facts["facts"][0], "spill_stores": 8, "spill_loads": 8}  # as an older Triton might
     (steps / "compile_facts_gpu_machine.json").write_text(json.dumps(facts))
@@ -63,11 +66,13 @@ def test_collect_merges_steps_into_results(tmp_path):
     out = session.collect([steps], dest=dest)
     assert set(out["steps"]) == {"tests", "bench64", "bench128"}
     assert len(out["compile_facts_gpu_machine"]["problems"]) == 1
-    merged = json.loads((dest / "results_triton_nvidia-h100-80gb-hbm3.json").read_text())
+    merged = json.loads((dest / "bench_triton_nvidia-h100-80gb-hbm3.json").read_text())
     assert merged["config"]["head_dims"] == [64, 128] and len(merged["rows"]) == 16
     assert [g["met"]["fwd_speedup_vs_best_sdpa"] for g in out["goals"]] == [True, True]
-    assert [p.name for p, _ in session.find_sessions(dest)] == ["gpu_session_nvidia-h100-80gb-hbm3.json"]
-    assert [p.name for p, _ in bench.find_results(dest)] == ["results_triton_nvidia-h100-80gb-hbm3.json"]
+    assert [name for name, _ in gpu_bench.find_recorded("gpu_session", None, dest)] == [
+        "gpu_session_nvidia-h100-80gb-hbm3"]
+    assert [name for name, _ in gpu_bench.find_recorded("bench_triton", folder=dest)] == [
+        "bench_triton_nvidia-h100-80gb-hbm3"]
 
 
 def test_no_gpu_no_session(monkeypatch):

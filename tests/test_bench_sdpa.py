@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from diffattn_tutorial import gpu_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_sdpa.py"
 
@@ -31,7 +33,7 @@ def results(tmp_path_factory):
 
 def test_header(results):
     mod, r = results
-    assert r["schema"] == mod.SCHEMA
+    assert r["schema"] == gpu_bench.SDPA_SCHEMA
     rec = r["recorded"]
     assert set(rec) >= {"date", "device", "device_type", "torch", "cuda", "python", "diffattn_tutorial", "command"}
     assert rec["device_type"] == "cpu" and rec["torch"] and rec["date"].endswith("UTC")
@@ -99,12 +101,12 @@ def test_cli_subprocess_and_errors(tmp_path):
 
 def test_find_and_summarise(results, tmp_path):
     mod, r = results
-    (tmp_path / "results_sdpa_cpu.json").write_text(json.dumps(r))
-    (tmp_path / "results_sdpa_broken.json").write_text("{not json")
-    assert mod.find_results(tmp_path) == []  # only CUDA results by default
-    [(path, found)] = mod.find_results(tmp_path, device_type=None)
-    assert path.name == "results_sdpa_cpu.json" and found == r
-    table = mod.summary_table(r, d=8, mode="fwd")
+    (tmp_path / "bench_sdpa_cpu.json").write_text(json.dumps(r))
+    (tmp_path / "bench_sdpa_broken.json").write_text("{not json")
+    assert gpu_bench.find_recorded("bench_sdpa", folder=tmp_path) == []  # only CUDA results by default
+    [(name, found)] = gpu_bench.find_recorded("bench_sdpa", device_type=None, folder=tmp_path)
+    assert name == "bench_sdpa_cpu" and found == r
+    table = gpu_bench.sdpa_summary(r, d=8, mode="fwd")
     lines = table.splitlines()
     assert len(lines) == 2 + 2 * 2  # header, rule, (causal x N)
     assert all(line.count("|") == len(mod.DEFAULT_FORMULATIONS) + 6 for line in lines)

@@ -1,5 +1,7 @@
 """benchmarks/bench_triton.py on a CPU with tiny sizes (kernels in the interpreter): the plumbing runs every
-implementation on the same inputs, compares them and writes a well-formed results file. No timings are asserted."""
+implementation on the same inputs, compares them and writes a well-formed results file; the helpers it shares
+with the notebooks (``diffattn_tutorial.gpu_bench``) summarise, merge, check goals and find recorded files. No
+timings are asserted."""
 
 import importlib.util
 import json
@@ -14,6 +16,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
+
+from diffattn_tutorial import gpu_bench  # noqa: E402
+from diffattn_tutorial.bench import make_inputs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton.py"
 
@@ -35,7 +40,7 @@ IMPLS = ("triton", "sdpa_wide", "sdpa_split", "sdpa_stacked", "naive")
 
 def test_header_names_device_versions_and_date(results):
     mod, r = results
-    assert r["schema"] == mod.SCHEMA
+    assert r["schema"] == gpu_bench.TRITON_SCHEMA
     assert set(r["recorded"]) >= {"date", "device", "device_type", "torch", "triton", "cuda", "cudnn"}
     assert r["recorded"]["device_type"] == "cpu" and r["recorded"]["date"].endswith("UTC")
     assert r["config"]["backends"] == ["default"]  # on a CPU; on CUDA flash, cudnn and efficient, explicitly
@@ -61,40 +66,50 @@ def test_every_impl_ran_and_agrees(results):
 
 def test_summary_table_merge_and_goals(results):
     mod, r = results
-    table = mod.summary(r)
+    table = gpu_bench.triton_summary(r)
     assert table.count("\n") == 3 and "| 16 | True | fwd | 32 |" in table
     other = json.loads(json.dumps(r))
     for x in other["rows"]:
         x["d"] = 32
     other["config"]["head_dims"] = [32]
-    merged = mod.merge([r, other])
+    merged = gpu_bench.merge_triton([r, other])
     assert len(merged["rows"]) == 2 * len(r["rows"]) and merged["config"]["head_dims"] == [16, 32]
-    assert [g["d"] for g in mod.goals(merged)] == [64, 128]  # no rows at N = 8192 here: nothing is met
-    assert not any(any(g["met"].values()) for g in mod.goals(merged))
+    assert [g["d"] for g in gpu_bench.goals(merged)] == [64, 128]  # no rows at N = 8192 here: nothing is met
+    assert not any(any(g["met"].values()) for g in gpu_bench.goals(merged))
+    elsewhere = json.loads(json.dumps(r))
+    elsewhere["recorded"]["device"] = "another GPU"
+    with pytest.raises(ValueError, match="different devices"):
+        gpu_bench.merge_triton([r, elsewhere])
 
 
 def test_a_refusing_backend_is_a_result_not_a_crash():
     spec = importlib.util.spec_from_file_location("bench_triton", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    inputs = mod.make_inputs(1, 2, 16, 8, dtype=torch.float32, device=torch.device("cpu"))
+    inputs = make_inputs(1, 2, 16, 8, dtype=torch.float32, device=torch.device("cpu"))
     ms, peak, out, status = mod.measure("sdpa_wide", "cudnn", "fwd", False, inputs, device=torch.device("cpu"), reps=1)
     assert ms is None and out is None and status.startswith("refused"), status
 
 
 def test_shapes_keep_tokens_and_width():
-    spec = importlib.util.spec_from_file_location("bench_triton", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.shape_for(1024, 64, 16384, 2048) == (16, 16)
-    assert mod.shape_for(16384, 128, 16384, 2048) == (1, 8)
-    with pytest.raises(ValueError):
-        mod.shape_for(1024, 48, 16384, 1000)
+    assert gpu_bench.shape_for(1024, 64, 16384, 2048) == (16, 16)
+    assert gpu_bench.shape_for(16384, 128) == (1, 8)
+    with pytest.raises(ValueError, match="model_width"):
+        gpu_bench.shape_for(1024, 48, 16384, 1000)
+    with pytest.raises(ValueError, match="unknown SDPA backend"):
+        gpu_bench.sdpa_backend("flash3")
 
 
-def test_find_results(results, tmp_path):
+def test_find_recorded_and_where_results_go(results, tmp_path):
     mod, r = results
-    (tmp_path / "results_triton_cpu.json").write_text(json.dumps(r))
-    (tmp_path / "results_triton_broken.json").write_text("{")
-    assert [p.name for p, _ in mod.find_results(tmp_path, device_type=None)] == ["results_triton_cpu.json"]
-    assert mod.find_results(tmp_path) == []  # no CUDA results
+    path = gpu_bench.recorded_path("bench_triton", r["recorded"]["device"], tmp_path)
+    assert path.parent == tmp_path and path.name.startswith("bench_triton_cpu-")
+    gpu_bench.write_json(path, r)
+    (tmp_path / "bench_triton_broken.json").write_text("{")
+    (tmp_path / "bench_sdpa_cpu.json").write_text(json.dumps(r))  # a different kind: not listed
+    found = gpu_bench.find_recorded("bench_triton", device_type=None, folder=tmp_path)
+    assert found == [(path.stem, r)]
+    assert gpu_bench.find_recorded("bench_triton", folder=tmp_path) == []  # no CUDA results
+    assert gpu_bench.recorded_path("gpu_session", "NVIDIA H100 80GB HBM3").parent == gpu_bench.RECORDED_DIR
+    with pytest.raises(SystemExit, match="--out"):  # a CPU run is never written into the package
+        mod.main(["--device", "cpu"])

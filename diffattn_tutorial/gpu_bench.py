@@ -1,0 +1,265 @@
+"""GPU benchmark helpers shared by the scripts in ``benchmarks/`` and notebooks 08 and 09.
+
+Measuring (the scripts and notebook 09's live cell):
+
+* :func:`median_seconds`: the one GPU timer. On CUDA ``triton.testing.do_bench`` (median; CUDA events, no host
+  sync between calls, the L2 cache flushed before each call), which :func:`diffattn_tutorial.bench.median_time`
+  is not: that one syncs after every call, fine for the CPU backends it compares, but for a kernel of about a
+  millisecond the sync and a warm L2 both flatter or blur it. Elsewhere (CPU runs of the plumbing) it is
+  ``bench.median_time``. Inputs come from :func:`diffattn_tutorial.bench.make_inputs`, peak memory from
+  :func:`diffattn_tutorial.bench.cuda_peak_extra`.
+* :func:`sdpa_backend`: run under one SDPA kernel selected explicitly (``flash``, ``cudnn``, ``efficient``,
+  ``math``) or PyTorch's own dispatch (``default``); :func:`refusal` words why a kernel declined a call.
+* :func:`shape_for`: the FlashAttention benchmarks' shapes (fixed tokens per batch and model width).
+* :func:`results_header`: the device, versions, date and command every results file carries.
+
+Recorded results (notebooks 08 and 09, ``benchmarks/gpu_session.py --collect``): a GPU run's files live in
+:mod:`diffattn_tutorial.recorded` as ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json`` and
+``gpu_session_<device>.json`` (:func:`recorded_path`), so a notebook finds them from any folder with
+:func:`find_recorded`. :func:`merge_triton` joins runs of ``bench_triton``, :func:`triton_summary` and
+:func:`sdpa_summary` tabulate them, :func:`goals` checks issue 13's goals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import platform
+import re
+import warnings
+from pathlib import Path
+from typing import Callable, ContextManager, Optional, Sequence
+
+import torch
+
+from diffattn_tutorial.bench import device_name, median_time, slug
+
+TRITON_SCHEMA = "diffattn-tutorial/bench_triton/2"
+SDPA_SCHEMA = "diffattn-tutorial/bench_sdpa/1"
+SESSION_SCHEMA = "diffattn-tutorial/gpu_session/1"
+KINDS = {"bench_triton": TRITON_SCHEMA, "bench_sdpa": SDPA_SCHEMA, "gpu_session": SESSION_SCHEMA}
+"""Recorded file kind (the name's prefix) -> the schema its files carry."""
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH", "default": None}
+"""Backend names -> ``torch.nn.attention.SDPBackend`` members (``default``: PyTorch's own dispatch)."""
+GOALS = {"fwd_speedup_vs_best_sdpa": 1.2, "fwd_tflops": 350.0, "fwd_bwd_speedup_vs_best_sdpa": 1.0}
+"""Issue 13's goals for the fused kernel (H100, bf16, N = 8192, non-causal, d = 64 and 128)."""
+RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measuring
+# ----------------------------------------------------------------------------------------------------------
+
+
+def median_seconds(call: Callable[[], object], device: torch.device | str, *, warmup: int = 1,
+                   reps: int = 10) -> float:
+    """Median seconds of one ``call()``. CUDA: ``triton.testing.do_bench`` (its own warm-up; it repeats the call
+    for at least ``max(100, 10 * reps)`` ms); without triton, or on a CPU: ``bench.median_time``."""
+    if torch.device(device).type == "cuda":
+        try:
+            import triton.testing
+        except ImportError:
+            return median_time(call, warmup=max(warmup, 3), reps=reps, device=device)
+        return float(triton.testing.do_bench(call, warmup=25, rep=max(100, 10 * reps), return_mode="median")) / 1e3
+    return median_time(call, warmup=warmup, reps=reps, device=device)
+
+
+def sdpa_backend(name: str) -> ContextManager:
+    """A context that runs SDPA calls on the one kernel ``name`` (a key of :data:`SDPA_BACKENDS`); ``default``
+    leaves PyTorch's dispatch alone (as for code that calls no SDPA)."""
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"unknown SDPA backend {name!r}; choose from {tuple(SDPA_BACKENDS)}")
+    member = SDPA_BACKENDS[name]
+    if member is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, member)])
+
+
+def _reason(message: str) -> str:
+    """PyTorch's warning text without the '(Triggered internally at ...)' tail."""
+    return re.sub(r"\s*\(Triggered internally at .*", "", message, flags=re.S).strip()
+
+
+def refusal(error: Exception, caught: Sequence[warnings.WarningMessage], limit: int = 400) -> str:
+    """``"refused: <PyTorch's reason>"`` for an SDPA kernel that declined a call: the warnings it raised (they
+    name each failed check; the 'not used because' headers dropped), else the error's first line."""
+    reasons = [_reason(str(w.message)) for w in caught]
+    reasons = [r for r in reasons if r and "not used because" not in r]
+    text = "; ".join(dict.fromkeys(reasons)) or (_reason(str(error)).splitlines() or [type(error).__name__])[0]
+    return f"refused: {text[:limit]}"
+
+
+def is_refusal(error: Exception) -> bool:
+    """True if ``error`` is SDPA saying that no selected kernel takes the call."""
+    return isinstance(error, RuntimeError) and ("No available kernel" in str(error)
+                                                or "No viable backend" in str(error))
+
+
+def shape_for(n: int, d: int, tokens: int = 16384, model_width: int = 2048) -> tuple[int, int]:
+    """``(B, H)`` as the FlashAttention benchmarks choose them: ``B = tokens // n`` sequences (at least 1) and
+    ``H = model_width // (2 d)`` differential heads, so every length does the same work per token."""
+    if model_width % (2 * d):
+        raise ValueError(f"model_width {model_width} is not a multiple of 2d = {2 * d}; pick a width divisible by "
+                         f"{2 * d}")
+    return max(1, tokens // n), model_width // (2 * d)
+
+
+def results_header(device: torch.device | str, script: str, argv: Optional[Sequence[str]]) -> dict:
+    """The ``recorded`` block of a results file: date, device, versions and the command (``argv`` None: none)."""
+    import diffattn_tutorial
+
+    device = torch.device(device)
+    try:
+        import triton
+
+        triton_version: Optional[str] = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "python": platform.python_version(),
+        "diffattn_tutorial": diffattn_tutorial.__version__,
+        "command": " ".join(["python", script, *argv]) if argv is not None else "",
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# recorded results
+# ----------------------------------------------------------------------------------------------------------
+
+
+def recorded_path(kind: str, device: str, folder: Optional[Path] = None) -> Path:
+    """Where a GPU run's file goes: ``<folder>/<kind>_<device slug>.json``, by default in the package's
+    ``recorded/`` folder (so ``recorded.load`` finds it)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown results kind {kind!r}; choose from {tuple(KINDS)}")
+    return Path(folder or RECORDED_DIR) / f"{kind}_{slug(device)}.json"
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """Write a results file (indented, newline at the end), creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def find_recorded(kind: str, device_type: Optional[str] = "cuda",
+                  folder: Optional[Path] = None) -> list[tuple[str, dict]]:
+    """Every recorded file of ``kind`` (``bench_triton``, ``bench_sdpa``, ``gpu_session``) as ``(name, data)``,
+    sorted by name: those with the kind's schema, recorded on ``device_type`` (None: any). ``folder``: look there
+    instead of the package's ``recorded/`` (tests); unreadable files are skipped."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown results kind {kind!r}; choose from {tuple(KINDS)}")
+    found = []
+    for path in sorted(Path(folder or RECORDED_DIR).glob(f"{kind}_*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("schema") != KINDS[kind]:
+            continue
+        recorded_on = data.get("recorded", {}).get("device_type", "cuda")  # a session file runs on CUDA only
+        if device_type is None or recorded_on == device_type:
+            found.append((path.stem, data))
+    return found
+
+
+def merge_triton(results: Sequence[dict]) -> dict:
+    """One ``bench_triton`` results dict from several runs on one device (e.g. one per head dim, as the GPU
+    session's steps run them): rows concatenated, configs and autotune picks united, the first run's header kept."""
+    first = json.loads(json.dumps(results[0]))
+    devices = {r["recorded"]["device"] for r in results}
+    if len(devices) > 1:
+        raise ValueError(f"results from different devices cannot be merged: {sorted(devices)}")
+    for r in results[1:]:
+        first["rows"] += r["rows"]
+        first["chosen_configs"].update(r.get("chosen_configs", {}))
+        for key in ("head_dims", "lengths", "modes", "causal"):
+            first["config"][key] = sorted(set(first["config"][key]) | set(r["config"][key]))
+        first["recorded"]["command"] += " && " + r["recorded"]["command"]
+    return first
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def triton_summary(results: dict) -> str:
+    """A Markdown table of ``bench_triton`` results: per configuration, the fused kernel and the best SDPA
+    (formulation, backend): ms, TFLOP/s, peak extra MiB, and the speed-up."""
+    lines = ["| d | causal | mode | N | triton ms | TFLOP/s | MiB | best SDPA | ms | TFLOP/s | MiB | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keyed: dict[tuple, dict[str, dict]] = {}
+    for r in results["rows"]:
+        g = keyed.setdefault((r["d"], r["causal"], r["mode"], r["n"]), {})
+        if r["impl"] == "triton":
+            g["triton"] = r
+        if r["best_sdpa"]:
+            g["best"] = r
+    for (d, causal, mode, n), g in keyed.items():
+        t, b = g.get("triton", {}), g.get("best", {})
+        best_name = f"{b['impl']}[{b['backend']}]" if b else "-"
+        lines.append(f"| {d} | {causal} | {mode} | {n} | {_fmt(t.get('ms'), '.3f')} | {_fmt(t.get('tflops'), '.0f')} | "
+                     f"{_fmt(t.get('peak_extra_mib'), '.0f')} | {best_name} | {_fmt(b.get('ms'), '.3f')} | "
+                     f"{_fmt(b.get('tflops'), '.0f')} | {_fmt(b.get('peak_extra_mib'), '.0f')} | "
+                     f"{_fmt(t.get('speedup_vs_best_sdpa'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def goals(results: dict, n: int = 8192) -> list[dict]:
+    """Issue 13's goals (:data:`GOALS`) checked against ``bench_triton`` results: non-causal rows at ``n`` for
+    d = 64 and 128; ``met`` says which hold (a missing measurement is not met)."""
+    out = []
+    for d in (64, 128):
+        rows = {r["mode"]: r for r in results["rows"]
+                if r["impl"] == "triton" and r["d"] == d and r["n"] == n and not r["causal"]}
+        fwd, fb = rows.get("fwd", {}), rows.get("fwd_bwd", {})
+        out.append({"d": d,
+                    "fwd_speedup_vs_best_sdpa": fwd.get("speedup_vs_best_sdpa"),
+                    "fwd_tflops": fwd.get("tflops"),
+                    "fwd_bwd_speedup_vs_best_sdpa": fb.get("speedup_vs_best_sdpa")})
+        out[-1]["met"] = {k: (out[-1][k] is not None and out[-1][k] >= v) for k, v in GOALS.items()}
+    return out
+
+
+def sdpa_summary(results: dict, *, d: Optional[int] = None, causal: Optional[bool] = None,
+                 mode: Optional[str] = None) -> str:
+    """A Markdown table of ``bench_sdpa`` results: median milliseconds, one row per (d, causal, mode, N), one
+    column per formulation, and the best V1 SDPA formulation's time over the baseline's ("oom" where it ran out
+    of memory)."""
+    forms = results["config"]["formulations"]
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in results["rows"]:
+        keep = (d is None or r["d"] == d) and (causal is None or r["causal"] == causal)
+        if keep and (mode is None or r["mode"] == mode):
+            cells.setdefault((r["d"], r["causal"], r["mode"], r["n"]), {})[r["formulation"]] = r
+    head = "| d | causal | pass | N | " + " | ".join(forms) + " | best V1 SDPA / baseline |"
+    lines = [head, "|" + "---:|" * 4 + "---:|" * len(forms) + "---:|"]
+    for (row_d, row_causal, row_mode, n), row in cells.items():
+        def show(f: str) -> str:
+            r = row.get(f)
+            if r is None:
+                return ""
+            return f"{r['ms']:.2f}" if r["status"] == "ok" else r["status"].split(":")[0]
+        sdpa = [row[f]["ms"] for f in ("sdpa_wide", "sdpa_split", "sdpa_stacked") if f in row and row[f]["ms"]]
+        base = row.get("baseline", {}).get("ms")
+        ratio = f"{min(sdpa) / base:.2f}x" if sdpa and base else ""
+        lines.append(f"| {row_d} | {'yes' if row_causal else 'no'} | {row_mode} | {n} | "
+                     + " | ".join(show(f) for f in forms) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+__all__ = ["median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
+           "recorded_path", "write_json", "find_recorded", "merge_triton", "triton_summary", "goals",
+           "sdpa_summary", "SDPA_BACKENDS", "GOALS", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA", "SESSION_SCHEMA",
+           "RECORDED_DIR"]
