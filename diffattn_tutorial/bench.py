@@ -4,7 +4,8 @@ Used by ``diffattn-tutorial bench``, notebook 08 and ``benchmarks/``. Every back
 in one process (ratios are measured side by side), and its output is compared with ``"naive"``.
 
 * Time: median of ``reps`` calls after ``warmup`` calls (CUDA: CUDA events around each call).
-* Peak extra memory: bytes allocated above the inputs while one call runs, the output excluded.
+* Peak extra memory: bytes allocated above the inputs while one call runs (:func:`cuda_peak_extra`,
+  :func:`cpu_peak_extra`: the output excluded; :func:`peak_extra_memory`, for any function: included by default).
   On CUDA: ``torch.cuda.max_memory_allocated``. On a Linux CPU: the resident-set high-water mark
   (``VmHWM``, reset through ``/proc/self/clear_refs``) in a child process where glibc serves every large
   block with ``mmap``, so freed memory really leaves the process and the peak is exact to a page.
@@ -22,8 +23,8 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -109,13 +110,34 @@ def cpu_memory_supported() -> bool:
     return sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")
 
 
-def _cpu_peak_extra_here(fn: Callable[[], Tensor]) -> int:
+def _cpu_peak_extra_here(fn: Callable[[], Tensor], include_output: bool) -> int:
     """Run in the measuring child only (see module docstring)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     base = _status_kib("VmRSS") * 1024
     out = fn()
-    return max(0, _status_kib("VmHWM") * 1024 - base - out.numel() * out.element_size())
+    kept = 0 if include_output else out.numel() * out.element_size()
+    return max(0, _status_kib("VmHWM") * 1024 - base - kept)
+
+
+_CHILD_PREAMBLE = "\n".join([
+    "import math", "import torch", "import torch.nn.functional as F", "from einops import rearrange",
+    "from diffattn_tutorial import functional", "from diffattn_tutorial.functional import diff_attention", ""])
+"""What a function sent to the memory child as source may use without importing it."""
+
+
+def _child_function(entry: dict) -> Callable[..., Tensor]:
+    """The callable an entry of the child's spec names: imported by module and name, or built from source."""
+    if "source" in entry:
+        namespace: dict = {}
+        exec(_CHILD_PREAMBLE + entry["source"], namespace)  # the caller's own code, sent by peak_extra_memory
+        return namespace[entry["name"]]
+    import importlib
+
+    fn = importlib.import_module(entry["module"])
+    for part in entry["name"].split("."):
+        fn = getattr(fn, part)
+    return fn
 
 
 def _memory_child(spec: dict) -> dict[str, int]:
@@ -126,23 +148,75 @@ def _memory_child(spec: dict) -> dict[str, int]:
     q, k, v, lam = make_inputs(spec["b"], spec["h"], spec["n"], spec["d"], dtype=getattr(torch, spec["dtype"]))
     result = {}
     with torch.no_grad():
-        for name in spec["backends"]:
-            fn = lambda: diff_attention(q, k, v, lam, causal=spec["causal"], backend=name)  # noqa: E731
+        for label, entry in spec["functions"].items():
+            function, kwargs = _child_function(entry), entry.get("kwargs", {})
+            fn = lambda: function(q, k, v, lam, causal=spec["causal"], **kwargs)  # noqa: E731
             fn()  # first call allocates one-off workspaces
-            result[name] = min(_cpu_peak_extra_here(fn) for _ in range(2))
+            result[label] = min(_cpu_peak_extra_here(fn, spec["include_output"]) for _ in range(2))
     return result
 
 
-def cpu_peak_extra(backends: Sequence[str], *, b: int, h: int, n: int, d: int, causal: bool,
-                   dtype: torch.dtype = torch.float32) -> dict[str, Optional[int]]:
-    """Peak extra CPU bytes of each backend, measured in a child process; ``None`` where unsupported."""
+def _function_entry(fn: Callable[..., Tensor], helpers: Sequence[Callable]) -> dict:
+    """How the child finds ``fn``: by module and name when it can import it, else by its source."""
+    import functools
+    import inspect
+
+    kwargs = {}
+    if isinstance(fn, functools.partial):
+        fn, kwargs = fn.func, dict(fn.keywords)
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<" not in name and not module.startswith("__"):
+        return {"module": module, "name": name, "kwargs": kwargs}
+    source = "\n".join(inspect.getsource(f) for f in (*helpers, fn))
+    return {"source": source, "name": fn.__name__, "kwargs": kwargs}
+
+
+def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int, h: int, n: int, d: int,
+                      causal: bool = False, dtype: torch.dtype = torch.float32, include_output: bool = True,
+                      helpers: Sequence[Callable] = (), threads: Optional[int] = None) -> dict[str, Optional[int]]:
+    """Peak extra resident bytes of each ``fn(q, k, v, lam, causal=causal)`` in a fresh process (Linux).
+
+    The inputs are :func:`make_inputs` ``(b, h, n, d)``: q, k ``(b, 2h, n, d)``, v ``(b, h, n, 2d)``. Each
+    function runs in one child process, once to warm up and twice measured (the smaller peak counts), in
+    inference mode; the figure is the growth of the resident-set high-water mark above the inputs, the
+    output included unless ``include_output=False``. Functions are found by the child by module and name
+    (library functions, ``functools.partial`` of them with keywords) or, when defined in a notebook or
+    script, sent as source together with ``helpers`` (the functions they call); the source may use
+    ``torch``, ``F``, ``math``, ``rearrange``, ``functional`` and ``diff_attention`` without importing them.
+    Returns ``{label: bytes}``, or ``{label: None}`` where CPU memory cannot be measured (macOS, Windows).
+
+    >>> import functools
+    >>> mem = peak_extra_memory({"naive": functools.partial(diff_attention, backend="naive")}, b=1, h=1, n=64, d=8)
+    >>> mem["naive"] is None or mem["naive"] >= 0
+    True
+    """
     if not cpu_memory_supported():
-        return {name: None for name in backends}
-    spec = {"backends": list(backends), "b": b, "h": h, "n": n, "d": d, "causal": causal,
-            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
+        return {label: None for label in functions}
+    spec = {"functions": {label: _function_entry(fn, helpers) for label, fn in functions.items()},
+            "b": b, "h": h, "n": n, "d": d, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+            "threads": threads or torch.get_num_threads(), "include_output": include_output}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.bench", "--memory-child", json.dumps(spec)],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"the memory-measuring child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _package_root() -> str:
+    """The folder holding the ``diffattn_tutorial`` package, so the child imports this very copy."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_peak_extra(backends: Sequence[str], *, b: int, h: int, n: int, d: int, causal: bool,
+                   dtype: torch.dtype = torch.float32, include_output: bool = False) -> dict[str, Optional[int]]:
+    """Peak extra CPU bytes of each ``diff_attention`` backend (:func:`peak_extra_memory`), output excluded by
+    default (as the CUDA figure); ``None`` where unsupported."""
+    import functools
+
+    functions = {name: functools.partial(diff_attention, backend=name) for name in backends}
+    return peak_extra_memory(functions, b=b, h=h, n=n, d=d, causal=causal, dtype=dtype,
+                             include_output=include_output)
 
 
 def run(device: str | torch.device = "cpu", *, lengths: Sequence[int] = DEFAULT_LENGTHS,
@@ -189,10 +263,6 @@ def format_table(rows: Sequence[Row]) -> str:
         ratio = "n/a" if r.extra_mib is None or not base.extra_mib else f"{r.extra_mib / base.extra_mib:.3f}"
         lines.append(f"| {r.n} | {r.backend} | {r.ms:.1f} | {base.ms / r.ms:.2f}x | {mem} | {ratio} | {r.max_abs_err:.1e} |")
     return "\n".join(lines)
-
-
-def to_json(rows: Sequence[Row]) -> list[dict]:
-    return [asdict(r) for r in rows]
 
 
 def _main(argv: Optional[list[str]] = None) -> int:

@@ -155,6 +155,37 @@ def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optiona
     return torch.where(valid, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)), valid
 
 
+def _rows_reading_nan(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+    """Bool ``(B, H, Nq, 1)``: the output rows that read a NaN, through their own query (either map) or a key
+    position they may attend to (a NaN in either key map or the value of their KV group there).
+
+    ``mask`` is a 4-D bool/additive mask or None; ``causal`` adds the bottom-right causal mask (used only
+    with ``mask=None``: a combined mask already holds it). O(N d), plus O(Nq Nk) where a mask is given.
+    """
+    q_nan = torch.isnan(q).any(-1)  # (B, 2H, Nq)
+    rows = q_nan[:, 0::2] | q_nan[:, 1::2]  # (B, H, Nq)
+    H, nq, nk = rows.shape[1], q.shape[2], k.shape[2]
+    k_nan = torch.isnan(k).any(-1)  # (B, 2Hkv, Nk)
+    key_nan = k_nan[:, 0::2] | k_nan[:, 1::2] | torch.isnan(v).any(-1)  # (B, Hkv, Nk)
+    key_nan = key_nan.repeat_interleave(H // v.shape[1], dim=1)  # (B, H, Nk)
+    if mask is not None:
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        reads_key = (visible & key_nan.unsqueeze(2)).any(-1, keepdim=True)
+        return (rows.unsqueeze(-1) & visible.any(-1, keepdim=True)) | reads_key  # a fully masked row reads nothing
+    if causal:  # row i sees keys j <= i + Nk - Nq: it reads a NaN key iff the first one is among them
+        first = torch.where(key_nan.any(-1), key_nan.int().argmax(-1), nk)  # (B, H)
+        i = torch.arange(nq, device=q.device)
+        return (rows | (first.unsqueeze(-1) <= i + (nk - nq))).unsqueeze(-1)
+    return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
+
+
+def _zero_nan(t: Tensor) -> Tensor:
+    """``t`` with NaN entries zeroed. Applied to k and v where a mask hides keys, so that a hidden NaN cannot
+    reach a row through ``-inf + NaN`` or ``0 * NaN`` (the rows that do read it get NaN from
+    :func:`_rows_reading_nan`)."""
+    return torch.where(torch.isnan(t), torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
@@ -292,12 +323,25 @@ def _softmax_dtype(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+def expand_kv_groups(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """GQA made explicit: ``k (B, 2Hkv, Nk, d) -> (B, 2H, Nk, d)`` and ``v (B, Hkv, Nk, 2d) -> (B, H, Nk, 2d)``.
+
+    Differential head ``i`` reads KV group ``i // (H // Hkv)`` for both maps, so the key heads of a group
+    (``2g``, ``2g+1``) are repeated as a pair. ``heads`` is H; with ``H == Hkv`` the inputs come back as they are.
+    """
+    rep = heads // v.shape[1]
+    if rep == 1:
+        return k, v
+    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1).flatten(1, 2)
+    return k, v.repeat_interleave(rep, dim=1)
+
+
 def _dual_maps(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
-    """Both softmax maps of every differential head, ``(B, H, 2, Nq, Nk)``, softmax in float32 or wider."""
-    rep = q.shape[1] // k.shape[1]
-    q = rearrange(q, "b (h two) n d -> b h two n d", two=2)
-    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1)  # head i: group i // rep
-    scores = (q * scale) @ k.transpose(-1, -2)  # (B, H, 2, Nq, Nk)
+    """Both softmax maps of every differential head, ``(B, H, 2, Nq, Nk)``, softmax in float32 or wider.
+
+    ``k`` has one key head per query head, ``(B, 2H, Nk, d)`` (see :func:`expand_kv_groups`).
+    """
+    scores = ((q * scale) @ k.transpose(-1, -2)).unflatten(1, (-1, 2))  # (B, H, 2, Nq, Nk)
     if mask is not None:
         m = mask.unsqueeze(2)  # the same mask for both maps of a head
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
@@ -307,11 +351,11 @@ def _dual_maps(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float) -> Te
 def _naive(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], scale: float,
            dropout_p: float) -> Tensor:
     """Explicit maps: ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) v``."""
+    k, v = expand_kv_groups(k, v, q.shape[1] // 2)
     attn = _dual_maps(q, k, mask, scale)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
     diff_map = attn[:, :, 0] - lam * attn[:, :, 1]  # (B, H, Nq, Nk): weights can be negative
-    v = v.repeat_interleave(attn.shape[1] // v.shape[1], dim=1)  # (B, H, Nk, 2d)
     return diff_map @ v
 
 
@@ -325,14 +369,10 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor
     """
     B, H2, nq, _ = q.shape
     H, nk = H2 // 2, k.shape[2]
-    rep = H // v.shape[1]
     if chunk is None:
         chunk = max(16, (1 << 21) // max(1, B * H2 * nk))
-    kt = k
-    if rep > 1:  # differential head i reads KV group i // rep, for both maps
-        kt = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1).flatten(1, 2)
-        v = v.repeat_interleave(rep, dim=1)
-    qs, kt = q * scale, kt.transpose(-1, -2)  # (B, 2H, Nq, d), (B, 2H, d, Nk)
+    k, v = expand_kv_groups(k, v, H)
+    qs, kt = q * scale, k.transpose(-1, -2)  # (B, 2H, Nq, d), (B, 2H, d, Nk)
     outs = []
     for s in range(0, nq, chunk):
         e = min(nq, s + chunk)
@@ -415,8 +455,7 @@ def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[
     return status
 
 
-def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False,
-                    causal: bool = False, needs_grad: bool = False) -> str:
+def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False) -> str:
     """The concrete backend ``backend`` means on ``device`` (``"auto"`` and ``"sdpa"`` resolved).
 
     ``"auto"`` follows measurements (``diffattn-tutorial bench``, README): the four-call equal-dim formulation
@@ -470,22 +509,32 @@ def diff_attention(
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam_t))
-    name = resolve_backend(backend, q.device, dropout=dropout_p > 0, causal=causal, needs_grad=needs_grad)
+    name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
+    # SDPA's own is_causal (top-left aligned) is used only where it equals ours: Nq == Nk, no other mask
+    is_causal = causal and (name == "triton" or (mask is None and Nq == Nk and name in SDPA_FORMULATIONS))
+    full = None if is_causal and mask is None else _combine_masks(mask, causal, Nq, Nk, q.device)
+    nan_rows = _rows_reading_nan(q, k, v, full, is_causal)
+    if is_causal or full is not None:  # hidden keys must stay harmless, whatever they hold
+        k, v = _zero_nan(k), _zero_nan(v)
+    out = _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
+    return out.masked_fill(nan_rows, float("nan"))  # the fused CPU kernels turn a NaN query row into numbers
+
+
+def _run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor],
+                 full: Optional[Tensor], causal: bool, is_causal: bool, scale: float, dropout_p: float) -> Tensor:
+    """One backend on validated inputs: ``mask`` the caller's 4-D mask, ``full`` it combined with ``causal``
+    (None where SDPA applies ``is_causal`` itself). Fully masked rows come back as zeros."""
     if name == "triton":
         from diffattn_tutorial.triton_diff import triton_diff_attention
 
-        return triton_diff_attention(q, k, v, lam_t, causal=causal, attn_mask=mask, scale=scale)
-    # SDPA's own is_causal (top-left aligned) is used only where it equals ours: Nq == Nk, no other mask
-    is_causal = causal and mask is None and Nq == Nk and name in SDPA_FORMULATIONS
-    full = None if is_causal else _combine_masks(mask, causal, Nq, Nk, q.device)
+        return triton_diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, scale=scale)
     full, valid = _fix_fully_masked(full)
     if name == "naive":
-        out = _naive(q, k, v, lam_t, full, scale, dropout_p)
+        out = _naive(q, k, v, lam, full, scale, dropout_p)
     elif name == "chunked":
-        out = _chunked(q, k, v, lam_t, full, scale, dropout_p, causal=causal)
+        out = _chunked(q, k, v, lam, full, scale, dropout_p, causal=causal)
     else:
-        out = _SDPA_IMPLS[name](q, k, v, lam_t, full, is_causal, scale, dropout_p)
+        out = _SDPA_IMPLS[name](q, k, v, lam, full, is_causal, scale, dropout_p)
     return out if valid is None else out.masked_fill(~valid, 0.0)
 
 
@@ -509,7 +558,7 @@ def diff_attention_maps(
     lam_t, mask, _ = check_diff_inputs(q, k, v_dummy, lam, attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
     full, valid = _fix_fully_masked(_combine_masks(mask, causal, Nq, k.shape[2], q.device))
-    maps = _dual_maps(q, k, full, scale)
+    maps = _dual_maps(q, expand_kv_groups(k, v_dummy, H2 // 2)[0], full, scale)
     if valid is not None:
         maps = maps.masked_fill(~valid.unsqueeze(2), 0.0)
     a1, a2 = maps[:, :, 0], maps[:, :, 1]
