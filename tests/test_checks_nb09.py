@@ -52,9 +52,9 @@ def combine_right(acc1, l1, acc2, l2, lam):
 
 
 @triton.jit
-def grads_right(p1, p2, dp, delta1, dd, lam):
+def grads_right(p1, p2, dp, delta1, delta2, lam):
     ds1 = p1 * (dp - delta1[:, None])
-    ds2 = -lam[:, None] * p2 * (dp - dd[:, None])
+    ds2 = -lam[:, None] * p2 * (dp - delta2[:, None])
     return ds1, ds2
 
 
@@ -87,7 +87,7 @@ def combine_stub(acc1, l1, acc2, l2, lam):
 
 
 @triton.jit
-def grads_stub(p1, p2, dp, delta1, dd, lam):
+def grads_stub(p1, p2, dp, delta1, delta2, lam):
     raise NotImplementedError("write this")
 
 
@@ -287,44 +287,44 @@ def test_diff_combine_mistakes(fn, match):
 
 
 @triton.jit
-def grads_plus(p1, p2, dp, delta1, dd, lam):
-    return grads_right(p1, p2, dp, delta1, dd, -lam)
+def grads_plus(p1, p2, dp, delta1, delta2, lam):
+    return grads_right(p1, p2, dp, delta1, delta2, -lam)
 
 
 @triton.jit
-def grads_no_lambda(p1, p2, dp, delta1, dd, lam):
-    return p1 * (dp - delta1[:, None]), -p2 * (dp - dd[:, None])
+def grads_no_lambda(p1, p2, dp, delta1, delta2, lam):
+    return p1 * (dp - delta1[:, None]), -p2 * (dp - delta2[:, None])
 
 
 @triton.jit
-def grads_delta1_twice(p1, p2, dp, delta1, dd, lam):
+def grads_delta1_twice(p1, p2, dp, delta1, delta2, lam):
     return grads_right(p1, p2, dp, delta1, delta1, lam)
 
 
 @triton.jit
-def grads_no_delta(p1, p2, dp, delta1, dd, lam):
+def grads_no_delta(p1, p2, dp, delta1, delta2, lam):
     return p1 * dp, -lam[:, None] * p2 * dp
 
 
 @triton.jit
-def grads_d2_without_lambda(p1, p2, dp, delta1, dd, lam):
-    return p1 * (dp - delta1[:, None]), p2 * (-lam[:, None] * dp - dd[:, None])
+def grads_d2_without_lambda(p1, p2, dp, delta1, delta2, lam):
+    return p1 * (dp - delta1[:, None]), p2 * (-lam[:, None] * dp - delta2[:, None])
 
 
 @triton.jit
-def grads_swapped(p1, p2, dp, delta1, dd, lam):
-    ds1, ds2 = grads_right(p1, p2, dp, delta1, dd, lam)
+def grads_swapped(p1, p2, dp, delta1, delta2, lam):
+    ds1, ds2 = grads_right(p1, p2, dp, delta1, delta2, lam)
     return ds2, ds1
 
 
 @triton.jit
-def grads_no_minus_lambda(p1, p2, dp, delta1, dd, lam):  # map 2 treated like map 1
-    return p1 * (dp - delta1[:, None]), p2 * (dp - dd[:, None])
+def grads_no_minus_lambda(p1, p2, dp, delta1, delta2, lam):  # map 2 treated like map 1
+    return p1 * (dp - delta1[:, None]), p2 * (dp - delta2[:, None])
 
 
 @triton.jit
-def grads_lambda_clamped(p1, p2, dp, delta1, dd, lam):
-    return grads_right(p1, p2, dp, delta1, dd, tl.maximum(lam, 0.0))
+def grads_lambda_clamped(p1, p2, dp, delta1, delta2, lam):
+    return grads_right(p1, p2, dp, delta1, delta2, tl.maximum(lam, 0.0))
 
 
 @pytest.mark.parametrize("fn,match", [

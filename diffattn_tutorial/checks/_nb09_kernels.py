@@ -59,9 +59,9 @@ def combine_harness(ACC1, L1, ACC2, L2, LAM, OUT, N, COMBINE: tl.constexpr, DV: 
 
 
 @triton.jit
-def grads_harness(P1, P2, DP, DELTA1, DD, LAM, DS1, DS2, Nq, Nk, GRADS: tl.constexpr,
+def grads_harness(P1, P2, DP, DELTA1, DELTA2, LAM, DS1, DS2, Nq, Nk, GRADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile ``(pid0, pid1)`` of ``(Nq, Nk)`` maps: ``DS1, DS2 = GRADS(p1, p2, dp, delta1, dd, lam)``."""
+    """Tile ``(pid0, pid1)`` of ``(Nq, Nk)`` maps: ``DS1, DS2 = GRADS(p1, p2, dp, delta1, delta2, lam)``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows[:, None] < Nq) & (cols[None, :] < Nk)
@@ -70,8 +70,8 @@ def grads_harness(P1, P2, DP, DELTA1, DD, LAM, DS1, DS2, Nq, Nk, GRADS: tl.const
     p2 = tl.load(P2 + off, mask=ok, other=0.0)
     dp = tl.load(DP + off, mask=ok, other=0.0)
     delta1 = tl.load(DELTA1 + rows, mask=rows < Nq, other=0.0)
-    dd = tl.load(DD + rows, mask=rows < Nq, other=0.0)
+    delta2 = tl.load(DELTA2 + rows, mask=rows < Nq, other=0.0)
     lam = tl.load(LAM + rows, mask=rows < Nq, other=0.0)
-    ds1, ds2 = GRADS(p1, p2, dp, delta1, dd, lam)
+    ds1, ds2 = GRADS(p1, p2, dp, delta1, delta2, lam)
     tl.store(DS1 + off, ds1, mask=ok)
     tl.store(DS2 + off, ds2, mask=ok)

@@ -2,7 +2,7 @@
 
 * ``online_softmax_step(m, l, acc, s, v) -> (m, l, acc)``: one key tile of the online softmax (base 2);
 * ``diff_combine(acc1, l1, acc2, l2, lam) -> out``: the lambda combine of the two streams (epilogue);
-* ``diff_softmax_grads(p1, p2, dp, delta1, dd, lam) -> (ds1, ds2)``: the score gradients of both maps.
+* ``diff_softmax_grads(p1, p2, dp, delta1, delta2, lam) -> (ds1, ds2)``: the score gradients of both maps.
 
 Each check launches a small harness kernel (``checks/_nb09_kernels.py``) around the learner's function in
 Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported), on fresh random inputs of
@@ -14,17 +14,14 @@ Triton is imported only when a check runs, so importing ``diffattn_tutorial.chec
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from diffattn_tutorial.checks._core import CheckFailed, close, exercise_check, expect, fail, passed, randn
+from diffattn_tutorial.checks._core import call, close, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, softmax_attention
 
 __all__ = ["check_online_softmax_step", "check_diff_combine", "check_diff_softmax_grads"]
 
 Tensor = torch.Tensor
-LOG2E = 1.0 / math.log(2.0)
 
 _INTERPRETER_HINT = ("the checks run your kernel in Triton's interpreter, but triton was imported without it: "
                      "restart the kernel and run the notebook from the top (its first cells set "
@@ -47,27 +44,34 @@ def _check_jit(fn, name: str) -> None:
         fail(f"{name} must be a Triton device function: put @triton.jit on the line above `def {name}(...)`")
 
 
+def _log2e() -> float:
+    """The kernels' factor from natural-log to base-2 scores, the library's ``LOG2E`` (imported when a check runs,
+    after :func:`_harness`: ``triton_diff`` imports triton)."""
+    from diffattn_tutorial.triton_diff import LOG2E
+
+    return LOG2E
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """What the learner's code raised: Triton's interpreter wraps it in a chain of ``InterpreterError``."""
+    seen = set()
+    while id(error) not in seen and (error.__cause__ or error.__context__) is not None:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return error
+
+
 def _launch(kernel, grid, *args, what: str) -> None:
-    """Run a harness; a stub's NotImplementedError passes through, anything else becomes a hint."""
-    try:
-        kernel[grid](*args)
-    except CheckFailed:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever the learner's code raises is reported, not hidden
-        inner, seen = e, set()
-        while inner is not None and id(inner) not in seen:
-            seen.add(id(inner))
-            if isinstance(inner, NotImplementedError):
-                raise NotImplementedError(str(inner)) from None
-            if inner.__cause__ is None and inner.__context__ is None:
-                break
-            inner = inner.__cause__ or inner.__context__
-        fail(f"{what} raised {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}")
+    """Run a harness kernel through :func:`_core.call` (a stub's NotImplementedError passes through, anything else
+    becomes a one-line hint), unwrapped from the interpreter's errors first."""
 
+    def run() -> None:
+        try:
+            kernel[grid](*args)
+        except Exception as e:  # noqa: BLE001 - re-raised as the learner's own exception
+            raise _innermost(e) from None
 
-def _no_nan(got: Tensor, expected: Tensor, hint: str) -> None:
-    if torch.isnan(got).any() and not torch.isnan(expected).any():
-        fail(hint)
+    call(run, what=what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ _STEP_HINTS = {
 
 def _simulate_step(q: Tensor, k: Tensor, v: Tensor, scale: float, block_n: int, mistake: str = "") -> Tensor:
     """The harness loop in PyTorch (float64), right or with one ``mistake``; returns ``[acc / l | lse]``."""
-    s_all = (q @ k.T) * scale * LOG2E
+    s_all = (q @ k.T) * scale * _log2e()
     nq = q.shape[0]
     m = torch.full((nq,), float("-inf"), dtype=q.dtype)
     l = torch.zeros(nq, dtype=q.dtype)
@@ -125,7 +129,7 @@ def _step_inputs(i: int, nq: int, nk: int, d: int, kind: str):
         lo = (torch.arange(nq, dtype=torch.int32) * 11) % (nk + 2)  # cut short on the right as well
         hi[1::4] = nk - 3
     if kind == "large":  # two features that put scores far from 0: every key of feature 0 is 1, of feature 1 +-1
-        a = 220.0 / (d ** -0.5 * LOG2E)  # a score of 220 in base-2 units
+        a = 220.0 / (d ** -0.5 * _log2e())  # a score of 220 in base-2 units
         k[:, 0] = 1.0
         k[:, 1] = torch.where(torch.arange(nk) % 2 == 0, 1.0, -1.0)
         q[:, :2] = 0.0
@@ -141,7 +145,7 @@ def _step_reference(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, sca
     visible = (j >= lo[:, None]) & (j < hi[:, None])
     s = s.masked_fill(~visible, float("-inf"))
     empty = ~visible.any(-1)
-    lse = torch.logsumexp(s, dim=-1) * LOG2E
+    lse = torch.logsumexp(s, dim=-1) * _log2e()
     o = torch.softmax(s, dim=-1) @ v.double()
     o = torch.where(empty[:, None], torch.zeros_like(o), o)
     lse = torch.where(empty, torch.zeros_like(lse), lse)
@@ -158,7 +162,7 @@ def check_online_softmax_step(online_softmax_step) -> None:
         scale = d ** -0.5
         m_out, l_out, acc_out = torch.empty(nq), torch.empty(nq), torch.empty(nq, d)
         _launch(kernels.online_softmax_harness, ((nq + bm - 1) // bm,), q, k, v, lo, hi, m_out, l_out, acc_out,
-                nq, nk, scale * LOG2E, online_softmax_step, d, bm, bn, what="online_softmax_step")
+                nq, nk, scale * _log2e(), online_softmax_step, d, bm, bn, what="online_softmax_step")
         m64, l64, acc64 = m_out.double(), l_out.double(), acc_out.double()
         safe_l = torch.where(l64 == 0, torch.ones_like(l64), l64)
         got = torch.cat([acc64 / safe_l[:, None], torch.where(l64 == 0, torch.zeros_like(m64),
@@ -298,7 +302,7 @@ _GRAD_CASES = [  # Nq, Nk, d, causal
 
 @exercise_check(task=3, name="diff_softmax_grads")
 def check_diff_softmax_grads(diff_softmax_grads) -> None:
-    """``diff_softmax_grads(p1, p2, dp, delta1, dd, lam) -> (ds1, ds2)``, checked through autograd of
+    """``diff_softmax_grads(p1, p2, dp, delta1, delta2, lam) -> (ds1, ds2)``, checked through autograd of
     ``diff_attention``: ``dq_m = scale * ds_m @ k_m`` and ``dk_m = scale * ds_m^T @ q_m`` must match."""
     _check_jit(diff_softmax_grads, "diff_softmax_grads")
     kernels = _harness()
@@ -316,10 +320,10 @@ def check_diff_softmax_grads(diff_softmax_grads) -> None:
             p1, p2, vv, do = a1[0, 0], a2[0, 0], v[0, 0], g[0, 0]
             dp = do @ vv.T
             delta1 = (do * (p1 @ vv)).sum(-1)
-            dd = (do * (p2 @ vv)).sum(-1)
+            delta2 = (do * (p2 @ vv)).sum(-1)
             lr = lam[0, 0, :, 0]
         ds1, ds2 = torch.empty(nq, nk), torch.empty(nq, nk)
-        f32 = [t.float().contiguous() for t in (p1, p2, dp, delta1, dd, lr)]
+        f32 = [t.float().contiguous() for t in (p1, p2, dp, delta1, delta2, lr)]
         _launch(kernels.grads_harness, ((nq + 15) // 16, (nk + 15) // 16), *f32, ds1, ds2, nq, nk,
                 diff_softmax_grads, 16, 16, what="diff_softmax_grads")
         scale = d ** -0.5
@@ -332,28 +336,27 @@ def check_diff_softmax_grads(diff_softmax_grads) -> None:
             return torch.cat([dq.flatten(), dk.flatten()])
 
         got = through(ds1.double(), ds2.double())
-        _no_nan(got, expected, "diff_softmax_grads produced NaN values")
         L = lr[:, None]
-        d1, ddc = delta1[:, None], dd[:, None]
+        d1, d2 = delta1[:, None], delta2[:, None]
         right1 = p1 * (dp - d1)
         wrong = {
             ("the sign of ds2 is flipped: the output is O1 - lambda O2, so map 2 receives the upstream gradient "
-             "times -lambda."): through(right1, L * p2 * (dp - ddc)),
+             "times -lambda."): through(right1, L * p2 * (dp - d2)),
             ("lambda is missing from ds2: the output is O1 - lambda O2, so map 2 receives the upstream gradient "
-             "times -lambda, not just its negative."): through(right1, -p2 * (dp - ddc)),
+             "times -lambda, not just its negative."): through(right1, -p2 * (dp - d2)),
             ("map 2's factor -lambda is missing: the output is O1 - lambda O2, so map 2 receives the upstream "
-             "gradient times -lambda, while map 1 receives it as it is."): through(right1, p2 * (dp - ddc)),
-            ("ds2 uses delta1: each map subtracts its own row statistic, rowsum(dO * O2) = dd for map 2."):
+             "gradient times -lambda, while map 1 receives it as it is."): through(right1, p2 * (dp - d2)),
+            ("ds2 uses delta1: each map subtracts its own row statistic, rowsum(dO * O2) = delta2 for map 2."):
                 through(right1, -L * p2 * (dp - d1)),
             ("the row statistics are not subtracted: softmax's backward is P * (dP - rowsum(dP * P)), and the "
-             "row sums are the delta1 and dd you are given."): through(p1 * dp, -L * p2 * dp),
-            ("map 2's row statistic also carries -lambda: with dP2 = -lambda dP, rowsum(dP2 * P2) = -lambda dd, so "
-             "-lambda multiplies both terms."): through(right1, p2 * (-L * dp - ddc)),
-            "ds1 and ds2 come back swapped: map 1's gradient comes first.": through(-L * p2 * (dp - ddc), right1),
+             "row sums are the delta1 and delta2 you are given."): through(p1 * dp, -L * p2 * dp),
+            ("map 2's row statistic also carries -lambda: with dP2 = -lambda dP, rowsum(dP2 * P2) = -lambda delta2, so "
+             "-lambda multiplies both terms."): through(right1, p2 * (-L * dp - d2)),
+            "ds1 and ds2 come back swapped: map 1's gradient comes first.": through(-L * p2 * (dp - d2), right1),
             "lambda lost its sign: lambda can be negative (some rows here have a negative lambda); use it as it is.":
-                through(right1, -L.abs() * p2 * (dp - ddc)),
+                through(right1, -L.abs() * p2 * (dp - d2)),
             "lambda was clamped at 0: lambda can be negative (some rows here have one); use it as it is.":
-                through(right1, -L.clamp(min=0) * p2 * (dp - ddc)),
+                through(right1, -L.clamp(min=0) * p2 * (dp - d2)),
         }
         expect(got, expected, what=f"diff_softmax_grads (Nq={nq}, Nk={nk}{', causal' if causal else ''}), "
                f"through dq and dk", wrong=wrong, rtol=1e-4, atol=2e-5)
