@@ -148,8 +148,8 @@ def _apply_mask(s, mvals, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr):
 def _visible(s, rows, cols, Nq, Nk, EDGE: tl.constexpr, CAUSAL: tl.constexpr):
     """``-inf`` where key ``cols`` is past ``Nk`` or, causal (bottom-right aligned: query ``i`` sees keys
     ``j <= i + Nk - Nq``), after the query's diagonal. ``rows``, ``cols``: the query and key index of each entry
-    of ``s``, broadcastable to its shape (``rows[:, None]``, ``cols[None, :]``; the other way round for the dK/dV
-    kernel's transposed tiles). Only tiles that cross an edge (``EDGE``) pay for it."""
+    of ``s``, broadcastable to its shape (``rows[:, None]``, ``cols[None, :]``). Only tiles that cross an edge
+    (``EDGE``) pay for it."""
     if EDGE:
         ok = cols < Nk
         if CAUSAL:
@@ -174,8 +174,9 @@ def _scores(a, b, mvals, rows, cols, Nq, Nk, qk_scale, EDGE: tl.constexpr, CAUSA
             MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One masked score tile in base-2 units: ``a @ b * qk_scale`` (``qk_scale = scale * LOG2E``), the user's
     mask tile ``mvals`` applied and, on edge tiles (``EDGE``), keys past ``Nk`` and after the causal diagonal
-    hidden. ``a = q`` ``(BLOCK_M, d)`` and ``b = k^T`` ``(d, BLOCK_N)`` give ``(BLOCK_M, BLOCK_N)``; the dK/dV
-    kernel passes ``k`` and ``q^T`` for the transposed tile. ``rows``, ``cols`` as in :func:`_visible`."""
+    hidden (:func:`_visible`). ``a = q`` ``(BLOCK_M, d)`` and ``b = k^T`` ``(d, BLOCK_N)`` give
+    ``(BLOCK_M, BLOCK_N)``; the dK/dV kernel passes ``k`` and ``q^T`` for the transposed tile, ``EDGE`` off (it
+    masks the diagonal on the probabilities, see :func:`_probs_t`)."""
     s = _dot(a, b, None, DOT_PRECISION, UPCAST) * qk_scale
     return _visible(_apply_mask(s, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
 
@@ -436,16 +437,20 @@ def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
 
 
 @triton.jit
-def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, rows, row_ok, cols, Nq, Nk, qk_scale,
-             DIAG: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale, DIAG: tl.constexpr,
+             MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One map's probabilities for one query tile against the key tile ``k``, recomputed and transposed,
     ``(BLOCK_N, BLOCK_M)``: ``P^T = 2^(k q^T qk_scale - lse)`` from the saved base-2 log-sum-exp (``LSE`` of this
-    map; rows past ``Nq`` load ``+inf``, so their P is 0). Returns ``(p^T, q^T)``: the dK product reuses q^T."""
+    map; rows past ``Nq`` load ``+inf``, so their P is 0). On diagonal tiles (``DIAG``) the entries outside
+    ``visible``, one tile for both maps, become 0 after the exponential (hiding the scores before it, as the
+    other kernels do with :func:`_visible`, costs the heaviest dK variants register spills: compile facts).
+    Returns ``(p^T, q^T)``: the dK product reuses q^T."""
     qt = tl.load(Q + qt_off, mask=qt_mask, other=0.0)
-    st = _scores(k, qt, mvals, rows[None, :], cols[:, None], Nq, Nk, qk_scale, DIAG, CAUSAL, MASK_KIND, MASK_MIN,
-                 DOT_PRECISION, UPCAST)
-    return tl.math.exp2(st - tl.load(LSE + rows, mask=row_ok, other=float("inf"))[None, :]), qt
+    st = _scores(k, qt, mvals, 0, 0, 0, 0, qk_scale, False, False, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+    pt = tl.math.exp2(st - tl.load(LSE + rows, mask=row_ok, other=float("inf"))[None, :])
+    if DIAG:
+        pt = tl.where(visible, pt, 0.0)
+    return pt, qt
 
 
 @triton.jit
@@ -478,13 +483,16 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
         lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
         mvals = _load_mask_tile(MASKh + m64 * stride_mm, offs_mb[None, :], offs_nl[:, None], row_ok[None, :],
                                 offs_n[:, None] < Nk, stride_mm, stride_mn, MASK_KIND)
+        visible = 0
+        if DIAG:  # key j seen by query i (bottom-right aligned causal), transposed
+            visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
         # recompute the maps, transposed: (BLOCK_N, BLOCK_M); map 2's upstream gradient is -lam dO
         if NEED1:
-            p1t, q1t = _probs_t(k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, mvals, rows, row_ok, offs_n, Nq, Nk,
-                                qk_scale, DIAG, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+            p1t, q1t = _probs_t(k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, mvals, visible, rows, row_ok, qk_scale,
+                                DIAG, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
         if NEED2:
-            p2t, q2t = _probs_t(k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, mvals, rows, row_ok,
-                                offs_n, Nq, Nk, qk_scale, DIAG, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+            p2t, q2t = _probs_t(k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, mvals, visible, rows,
+                                row_ok, qk_scale, DIAG, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
         if DV_OUT:  # dV += (P1 - lam P2)^T dO: the differential map, transposed
             dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         if DK_MAPS != 0:  # dP = dO v^T, shared by both maps
