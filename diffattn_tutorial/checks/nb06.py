@@ -5,15 +5,14 @@ differential heads, and a full multi-head differential attention forward. Refere
 from __future__ import annotations
 
 import copy
-import math
 from typing import Callable
 
 import torch
 from einops import rearrange
 
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, expect_grads, fail, passed, randn
-from diffattn_tutorial.checks._helpers import blocked_as_interleaved, seeded, swap_pairs
-from diffattn_tutorial.functional import causal_mask, diff_attention, reparam_lambda, rms_norm
+from diffattn_tutorial.checks._helpers import blocked_as_interleaved, kv_heads_one_by_one, seeded, swap_pairs, tiled_kv
+from diffattn_tutorial.functional import causal_mask, diff_attention, expand_kv_groups, lambda_init_fn, rms_norm
 from diffattn_tutorial.modules import MultiheadDiffAttn
 
 __all__ = ["check_causal_mask", "check_expand_kv", "check_forward"]
@@ -53,15 +52,13 @@ def check_causal_mask(fn: Callable) -> None:
     passed("bool mask, True = may attend, j <= i + (nk - nq): diagonal included, aligned bottom-right.")
 
 
-def _expansions(k: torch.Tensor, v: torch.Tensor, rep: int) -> dict:
-    """The right and the plausible wrong ways to give 2H query heads their keys and H heads their values."""
-    ks = {
-        "right": rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1).flatten(1, 2),
-        "tile": k.repeat(1, rep, 1, 1),
-        "one_by_one": k.repeat_interleave(rep, dim=1),
-    }
-    vs = {"right": v.repeat_interleave(rep, dim=1), "tile": v.repeat(1, rep, 1, 1)}
-    return {"k": ks, "v": vs}
+_KV_EXPANSIONS = {"right": expand_kv_groups, "tile": tiled_kv, "one_by_one": kv_heads_one_by_one}
+"""The library's GQA expansion and the two plausible mistakes, each ``(k, v, H) -> (k, v)``."""
+
+
+def _expanded(k: torch.Tensor, v: torch.Tensor, heads: int, k_rule: str, v_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys expanded by ``k_rule`` and values by ``v_rule`` (names of :data:`_KV_EXPANSIONS`)."""
+    return _KV_EXPANSIONS[k_rule](k, v, heads)[0], _KV_EXPANSIONS[v_rule](k, v, heads)[1]
 
 
 _KV_HINTS = {
@@ -105,8 +102,7 @@ def check_expand_kv(fn: Callable) -> None:
                      f"(H = {H} differential heads, Hkv = {Hkv} KV groups)")
         expected = diff_attention(q, k, v, lam, backend="naive")  # the library's own GQA
         got = diff_attention(q, ke.to(q.dtype), ve.to(q.dtype), lam, backend="naive")
-        ex = _expansions(k, v, rep)
-        wrong = {hint: diff_attention(q, ex["k"][kn], ex["v"][vn], lam, backend="naive")
+        wrong = {hint: diff_attention(q, *_expanded(k, v, H, kn, vn), lam, backend="naive")
                  for (kn, vn), hint in _KV_HINTS.items()}
         expect(got, expected, what=f"{what} (diff_attention with your k and v, H={H}, Hkv={Hkv})", wrong=wrong,
                default_hint="Differential head i uses KV group g = i // (H // Hkv): key heads 2g, 2g + 1 and "
@@ -136,27 +132,33 @@ def _make_layer(i: int, C: int, H: int, Hkv: int, depth: int) -> MultiheadDiffAt
     return layer
 
 
-def _lambda_init_formula(depth: int) -> float:
-    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+def _lambda_init_at(depth: int) -> float:
+    """``lambda_init_fn(depth)``, extended to ``depth = -1`` (where a learner's off-by-one lands for layer 0): the
+    formula's steps between layers shrink by a constant ratio, so the step below layer 0 follows from layers 0-2."""
+    if depth >= 0:
+        return lambda_init_fn(depth)
+    l0, l1, l2 = (lambda_init_fn(i) for i in range(3))
+    return l0 - (l1 - l0) ** 2 / (l2 - l1)  # one step down: the step 0 -> 1 divided by the ratio (l2 - l1) / (l1 - l0)
 
 
 def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=False, blocked=False, mask="causal",
-             gqa="right", factor="right", norm="right", depth_shift=0, merge="right") -> torch.Tensor:
-    """The layer's forward with one knob turned to a plausible mistake (all knobs at "right" = the layer)."""
+             gqa=("right", "right"), factor="right", norm="right", depth_shift=0, merge="right") -> torch.Tensor:
+    """The layer's forward with one step turned into a plausible mistake (every knob at its default = the layer).
+
+    The right steps are the library's own (the layer's projections, lambda, sub-norm and output projection,
+    ``expand_kv_groups``, ``diff_attention``); only the mistaken step is written here.
+    """
     B, N, _ = x.shape
     H, Hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     scale = (2 * d) ** -0.5 if scale == "2d" else scale
-    q = rearrange(layer.q_proj(x), "b n (h d) -> b h n d", h=2 * H)
-    k = rearrange(layer.k_proj(x), "b n (h d) -> b h n d", h=2 * Hkv)
-    v = rearrange(layer.v_proj(x), "b n (h d) -> b h n d", h=Hkv)
-    li = _lambda_init_formula(layer.depth + depth_shift)
-    lam = reparam_lambda(layer.lambda_q1, layer.lambda_k1, layer.lambda_q2, layer.lambda_k2, li)
+    q, k, v = layer._qkv(x, None, None, None, 2 * H, 2 * Hkv, Hkv)
+    lambda_init = _lambda_init_at(layer.depth + depth_shift)
+    lam = layer.lambda_full() - layer.lambda_init + lambda_init  # the layer's lambda, re-based on lambda_init
     if swap:
         q, k = swap_pairs(q), swap_pairs(k)
     if blocked:
         q, k = blocked_as_interleaved(q), blocked_as_interleaved(k)
-    ex = _expansions(k, v, H // Hkv)
-    k, v = ex["k"]["right" if gqa == "right" else gqa[0]], ex["v"]["right" if gqa == "right" else gqa[1]]
+    k, v = _expanded(k, v, H, *gqa)
     i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
     kw = {"causal": True} if mask == "causal" else {}
     if mask == "anti":  # masked the past instead of the future: each token sees itself and the future
@@ -167,27 +169,30 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
     if mask == "strict_fill":  # masked_fill(-1e9): the first row is all -1e9, a uniform average of the values
         o = o.clone()
         o[:, :, 0] = (1 - lam) * v.mean(-2)
-    if norm == "right":
-        o = rms_norm(o, layer.subln.weight, layer.subln.eps)
-    elif norm == "half":
-        o = rms_norm(rearrange(o, "b h n (two d) -> b h n two d", two=2), None, layer.subln.eps)
-        o = rearrange(o, "b h n two d -> b h n (two d)") * layer.subln.weight
-    elif norm == "joint":
-        o = rearrange(rms_norm(rearrange(o, "b h n e -> b n (h e)"), None, layer.subln.eps),
-                      "b n (h e) -> b h n e", h=H) * layer.subln.weight
-    elif norm == "tokens":
-        o = o * torch.rsqrt(o.pow(2).mean(-2, keepdim=True) + layer.subln.eps) * layer.subln.weight
-    if factor == "right":
-        o = o * (1 - li)
-    elif factor == "lambda_init":
-        o = o * li
-    if merge == "right":
-        o = rearrange(o, "b h n e -> b n (h e)")
-    elif merge == "no_transpose":
+    o = _subnorm_variant(layer, o, norm)
+    o = o * {"right": 1 - lambda_init, "lambda_init": lambda_init, "none": 1.0}[factor]
+    if merge == "no_transpose":
         o = o.reshape(B, N, -1)
     elif merge == "feature_major":
         o = rearrange(o, "b h n e -> b n (e h)")
+    else:
+        o = rearrange(o, "b h n e -> b n (h e)")
     return layer.out_proj(o)
+
+
+def _subnorm_variant(layer: MultiheadDiffAttn, o: torch.Tensor, norm: str) -> torch.Tensor:
+    """The layer's sub-norm of the heads ``o (B, H, N, 2d)`` (``"right"``), or a plausible mistake."""
+    weight, eps, H = layer.subln.weight, layer.subln.eps, o.shape[1]
+    if norm == "right":
+        return layer.subln(o)
+    if norm == "half":  # each d-wide half normalised on its own
+        o = rms_norm(rearrange(o, "b h n (two d) -> b h n two d", two=2), None, eps)
+        return rearrange(o, "b h n two d -> b h n (two d)") * weight
+    if norm == "joint":  # every head of a token normalised together
+        return rearrange(rms_norm(rearrange(o, "b h n e -> b n (h e)"), None, eps), "b n (h e) -> b h n e", h=H) * weight
+    if norm == "tokens":  # over the tokens instead of the features
+        return o * torch.rsqrt(o.pow(2).mean(-2, keepdim=True) + eps) * weight
+    return o  # "none"
 
 
 _FORWARD_HINTS = {
