@@ -359,10 +359,10 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     log = MetricsLog(Path(cfg.out) / "metrics.jsonl", enabled=ctx.is_main)
     start = 0
     if cfg.resume:
-        _check_resumable(cfg)
         path = latest_checkpoint(cfg.out)
-        if path is None:
+        if path is None or not (Path(cfg.out) / "config.json").exists():
             raise ValueError(f"--resume: no checkpoint in {cfg.out}/checkpoints; run without --resume first")
+        _check_resumable(cfg)
         start = load_checkpoint(model, opt, path)
         log.truncate_after(start)
     elif ctx.is_main:
