@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
-from einops import rearrange
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
 from diffattn_tutorial.functional import (
     causal_mask,
     diff_attention,
+    expand_kv_groups,
     lambda_init_fn,
     reparam_lambda,
     rms_norm,
@@ -34,12 +34,6 @@ def fails(check, fn, match: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _right_expand_kv(k, v, num_heads):
-    rep = num_heads // v.shape[1]
-    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1).flatten(1, 2)
-    return k, v.repeat_interleave(rep, dim=1)
-
-
 LIBRARY = {
     "check_amplifier_output": amplifier_output,
     "check_gains": amplifier_gains,
@@ -53,7 +47,7 @@ LIBRARY = {
     "check_rms_norm": rms_norm,
     "check_subln": lambda heads, lambda_init, weight=None, eps=1e-5: rms_norm(heads, weight, eps) * (1 - lambda_init),
     "check_causal_mask": causal_mask,
-    "check_expand_kv": _right_expand_kv,
+    "check_expand_kv": expand_kv_groups,
     "check_forward": lambda x, layer: layer(x, causal=True),
 }
 OUR_CHECKS = sorted(LIBRARY)
@@ -434,14 +428,14 @@ def test_expand_kv_mistakes():
 
     fails(c, lambda k, v, H: (k.repeat(1, rep_of(v, H), 1, 1), v.repeat(1, rep_of(v, H), 1, 1)),
           "k and v are tiled")
-    fails(c, lambda k, v, H: (_right_expand_kv(k, v, H)[0], v.repeat(1, rep_of(v, H), 1, 1)), "wrong for v")
+    fails(c, lambda k, v, H: (expand_kv_groups(k, v, H)[0], v.repeat(1, rep_of(v, H), 1, 1)), "wrong for v")
     fails(c, lambda k, v, H: (k.repeat_interleave(rep_of(v, H), 1), v.repeat_interleave(rep_of(v, H), 1)),
           "one at a time.*unilm")
-    fails(c, lambda k, v, H: (k.repeat(1, rep_of(v, H), 1, 1), _right_expand_kv(k, v, H)[1]), "keys are tiled")
-    fails(c, lambda k, v, H: (_right_expand_kv(k, v, H)[0], v.repeat_interleave(2 * rep_of(v, H), 1)), "2H heads")
+    fails(c, lambda k, v, H: (k.repeat(1, rep_of(v, H), 1, 1), expand_kv_groups(k, v, H)[1]), "keys are tiled")
+    fails(c, lambda k, v, H: (expand_kv_groups(k, v, H)[0], v.repeat_interleave(2 * rep_of(v, H), 1)), "2H heads")
     fails(c, lambda k, v, H: (k, v), "shape")
-    fails(c, lambda k, v, H: _right_expand_kv(k, v, H)[0], "pair")
-    fails(c, lambda k, v, H: tuple(t.detach() for t in _right_expand_kv(k, v, H)), "differentiabl")
+    fails(c, lambda k, v, H: expand_kv_groups(k, v, H)[0], "pair")
+    fails(c, lambda k, v, H: tuple(t.detach() for t in expand_kv_groups(k, v, H)), "differentiabl")
 
 
 def learner_forward(x, layer, *, scale="d", swap=False, blocked=False, mask="causal", gqa="right",
@@ -454,7 +448,7 @@ def learner_forward(x, layer, *, scale="d", swap=False, blocked=False, mask="cau
     v = layer.v_proj(x).view(B, N, Hkv, 2 * d).transpose(1, 2)
     rep = H // Hkv
     if gqa == "right":
-        k, v = _right_expand_kv(k, v, H)
+        k, v = expand_kv_groups(k, v, H)
     elif gqa == "tile":
         k, v = k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
     elif gqa == "one_by_one":
