@@ -738,7 +738,7 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 
 # (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
 # without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups
-# (tests/test_triton_compile.py; python -m diffattn_tutorial.triton_compile --all; benchmarks/compile_facts.json).
+# (tests/test_triton_compile.py; python -m diffattn_tutorial.triton_compile --all; diffattn_tutorial/recorded/compile_facts.json).
 _C = _cfg
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
