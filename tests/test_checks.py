@@ -309,6 +309,7 @@ def test_lambda_init_mistakes():
     fails(c, lambda depth: 0.8 - 0.6 * math.exp(0.3 * depth), "wrong sign")
     fails(c, lambda depth: 0.6 - 0.8 * math.exp(-0.3 * depth), "swapped")
     fails(c, lambda depth: 0.8 + 0.6 * math.exp(-0.3 * depth), "added instead")
+    fails(c, lambda depth: 0.8 - 0.6 * torch.exp(torch.tensor(-0.3 * depth)), "returned a tensor: return a Python float")
     fails(c, lambda depth: 0.8, "differs")
     fails(c, lambda depth: [0.8], "number")
 

@@ -34,8 +34,8 @@ def check_split_pairs(fn: Callable) -> None:
         got_pair = torch.stack(list(res))
         t1, t2 = t[:, 0::2], t[:, 1::2]
         expect(got_pair, torch.stack([t1, t2]), what=what, wrong={
-            "paired heads blocked (i with i + H) instead of interleaved: the two maps of head i are the adjacent "
-            "heads 2i and 2i + 1, so map 1 is every even head and map 2 every odd head": torch.stack([t[:, :H], t[:, H:]]),
+            "paired heads blocked (i with i + H) instead of interleaved: the two maps of differential head i are "
+            "adjacent heads (see Task 1's text)": torch.stack([t[:, :H], t[:, H:]]),
             "the two maps are swapped: map 1 is the even heads (2i), map 2 the odd heads (2i + 1)":
                 torch.stack([t2, t1]),
             "paired heads blocked and swapped: the maps of head i are heads 2i (map 1) and 2i + 1 (map 2)":

@@ -20,7 +20,11 @@ _DEPTHS = list(range(0, 13)) + [23, 47]
 def check_lambda_init(fn: Callable) -> None:
     """``fn(depth)`` -> ``0.8 - 0.6 * exp(-0.3 * depth)`` for the 0-based layer index ``depth``."""
     what = "lambda_init"
-    got = as_numbers([call(fn, depth, what=f"{what}({depth})") for depth in _DEPTHS], what=what)
+    results = [call(fn, depth, what=f"{what}({depth})") for depth in _DEPTHS]
+    if any(isinstance(r, torch.Tensor) for r in results):
+        fail(f"{what} returned a tensor: return a Python float (math.exp, not torch.exp), as the docstring says; "
+             f"lambda_init is a constant of the layer, not a parameter")
+    got = as_numbers(results, what=what)
     expected = torch.tensor([lambda_init_fn(depth) for depth in _DEPTHS], dtype=torch.float64)
     dep = torch.tensor(_DEPTHS, dtype=torch.float64)
     expect(got, expected, what=what, wrong={
