@@ -31,7 +31,7 @@ import torch
 from diffattn_tutorial.functional import diff_attention
 
 Tensor = torch.Tensor
-DEFAULT_BACKENDS = ("naive", "chunked", "sdpa_wide", "sdpa_split", "sdpa_stacked", "auto")
+DEFAULT_BACKENDS = ("naive", "chunked", "sdpa_wide", "sdpa_split", "sdpa_stacked", "sdpa_padded", "auto")
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 
 

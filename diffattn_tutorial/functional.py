@@ -14,6 +14,7 @@ Backends (all exact, they differ in speed and memory):
 ``"sdpa_split"``    four SDPA calls, V split in halves so q/k/v head dims are equal
                     (unilm ``multihead_flashdiff_2``): the formulation that reaches fused kernels.
 ``"sdpa_stacked"``  one SDPA call over 4H stacked heads of equal dims.
+``"sdpa_padded"``   two SDPA calls with q/k zero-padded to width 2d: equal dims, V whole (no split, no concat).
 ``"sdpa"``          the best SDPA formulation (``"sdpa_split"``; ``"sdpa_wide"`` with dropout).
 ``"chunked"``       explicit maps over query chunks: naive arithmetic, bounded memory.
 ``"triton"``        the fused differential flash-attention kernel (``diffattn_tutorial.triton_diff``).
@@ -42,15 +43,16 @@ BACKENDS: tuple[str, ...] = (
     "sdpa_wide",
     "sdpa_split",
     "sdpa_stacked",
+    "sdpa_padded",
     "chunked",
     "triton",
 )
 """Every backend name ``diff_attention`` accepts, besides ``"auto"``."""
 
-SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked")
+SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked", "sdpa_padded")
 """The SDPA formulations notebook 08 compares, selectable by name."""
 
-_DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "triton")
+_DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "sdpa_padded", "triton")
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,7 +431,21 @@ def _sdpa_stacked(q, k, v, lam, mask, is_causal, scale, dropout_p):
     return torch.cat([o11, o12], -1) - lam * torch.cat([o21, o22], -1)
 
 
-_SDPA_IMPLS = {"sdpa_wide": _sdpa_wide, "sdpa_split": _sdpa_split, "sdpa_stacked": _sdpa_stacked}
+def _sdpa_padded(q, k, v, lam, mask, is_causal, scale, dropout_p):
+    """Two SDPA calls with q and k zero-padded to width 2d: ``[q, 0] . [k, 0] = q . k``, so the scores are
+    unchanged, while every head dim is 2d and V stays whole. Each call reaches the fused kernels (as
+    ``sdpa_split``'s four do) at half the calls, with no V split and no concatenation."""
+    d = q.shape[-1]
+    (q1, q2), (k1, k2) = _split_pairs(q), _split_pairs(k)
+    o1 = _sdpa(F.pad(q1, (0, d)), F.pad(k1, (0, d)), v, mask, is_causal, scale, 0.0)
+    o2 = _sdpa(F.pad(q2, (0, d)), F.pad(k2, (0, d)), v, mask, is_causal, scale, 0.0)
+    if o1.requires_grad or lam.requires_grad:
+        return o1 - lam * o2
+    return o1.sub_(o2.mul_(lam))  # inference: the first output holds the result, no third buffer
+
+
+_SDPA_IMPLS = {"sdpa_wide": _sdpa_wide, "sdpa_split": _sdpa_split, "sdpa_stacked": _sdpa_stacked,
+               "sdpa_padded": _sdpa_padded}
 
 
 def _triton_available() -> tuple[bool, str]:
