@@ -22,7 +22,7 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 NAME = "99_toy.ipynb"
 COLAB = "https://colab.research.google.com/github/owner/repo/blob/main"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({}/{}/99_toy.ipynb)"
-INTRO = "# Exercises 99 · Toy\n\nStuck? The same notebook, solved, is [`solutions/99_toy.ipynb`](../solutions/99_toy.ipynb)."
+INTRO = f"# Exercises 99 · Toy\n\nStuck? The same notebook, solved, is [`solutions/{NAME}`](../solutions/{NAME})."
 SETUP = "# NBVAL_IGNORE_OUTPUT\nfrom diffattn_tutorial.nb import setup\ndevice = setup(seed=0)"
 HEAD = '# TASK 1: double it\ndef double(x):\n    """2 x, for a float or a tensor x."""\n'
 SOLVED = HEAD + '    # STUB: raise NotImplementedError("add x to itself")\n    return x + x\n    # END TASK'
@@ -43,7 +43,7 @@ def toy_solution(task_source: str = SOLVED) -> nbformat.NotebookNode:
         _executed(SETUP, 1, "device: cpu\n"),
         _executed(task_source, 2, ""),
         _executed(CHECK, 3, "PASSED\n"),
-        new_markdown_cell("**Solved:** [`solutions/99_toy.ipynb`](../solutions/99_toy.ipynb)"),
+        new_markdown_cell(f"**Solved:** [`solutions/{NAME}`](../solutions/{NAME})"),
     ], metadata={"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
                  "widgets": {"state": {}}})
 
@@ -103,14 +103,14 @@ def test_multiline_stub_keeps_indentation_and_the_lines_after_end():
 def test_a_marker_mistake_names_the_notebook_and_the_cell(source, message):
     with pytest.raises(mx.MarkerError) as info:
         mx.make_exercise(toy_solution(source), NAME)
-    assert str(info.value).startswith("solutions/99_toy.ipynb cell 3 (# TASK 1: double it): ")
+    assert str(info.value).startswith(f"solutions/{NAME} cell 3 (# TASK 1: double it): ")
     assert message in str(info.value)
 
 
 def test_a_marker_outside_a_task_cell_is_an_error():
     solution = toy_solution()
     solution.cells[1].source += "\n# END TASK"
-    with pytest.raises(mx.MarkerError, match=r"^solutions/99_toy.ipynb cell 2 \(# NBVAL_IGNORE_OUTPUT\): "
+    with pytest.raises(mx.MarkerError, match=rf"^solutions/{NAME} cell 2 \(# NBVAL_IGNORE_OUTPUT\): "
                                              r"'# END TASK' is outside a task cell"):
         mx.make_exercise(solution, NAME)
 
@@ -135,7 +135,7 @@ def test_cli_writes_then_check_names_the_cell_that_differs(tmp_path, capsys):
     ex.write_text(mx.notebook_text(stale), encoding="utf-8")
     capsys.readouterr()
     assert mx.main(["--check", str(sol)]) == 1
-    assert "exercises/99_toy.ipynb cell 3 (# TASK 1: double it): its source differs" in capsys.readouterr().err
+    assert f"exercises/{NAME} cell 3 (# TASK 1: double it): its source differs" in capsys.readouterr().err
 
 
 def test_add_markers_adopts_a_hand_kept_pair(tmp_path):
@@ -148,5 +148,6 @@ def test_add_markers_adopts_a_hand_kept_pair(tmp_path):
 
 def test_orphan_exercise_is_reported(tmp_path):
     sol, _ = _write_pair(tmp_path, toy_solution(), toy_exercise())
-    (tmp_path / "exercises" / "98_gone.ipynb").write_text("{}", encoding="utf-8")
-    assert mx._orphans([sol]) == ["exercises/98_gone.ipynb has no solution to generate it from"]
+    gone = "98_gone.ipynb"
+    (tmp_path / "exercises" / gone).write_text("{}", encoding="utf-8")
+    assert mx._orphans([sol]) == [f"exercises/{gone} has no solution to generate it from"]

@@ -36,7 +36,7 @@ The markers are comments, so they change neither what the solution computes nor 
 is copied as it is, with outputs and execution counts cleared and the notebook metadata cleaned as
 ``tools/run_notebooks.py`` cleans it; the one rewrite is an "Open in Colab" link to this solution
 (``https://colab.research.google.com/github/<owner>/<repo>/blob/<branch>/solutions/<name>``), which points to
-``exercises/<name>`` in the exercise (the badge ``tools/notebook_header.py`` writes). Each task cell has exactly
+``exercises/<name>`` in the exercise (the badge that ``notebook_header.py`` in ``tools/`` writes). Each task cell has exactly
 one stub block and one ``# END TASK``; a marker outside a task cell, a misspelt marker, a missing ``# END TASK``,
 an empty answer or a stub that does not end with the ``raise`` is an error naming the notebook and the cell.
 
