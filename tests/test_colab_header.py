@@ -43,29 +43,29 @@ def test_the_course_has_notebooks_and_the_url_is_a_github_repository():
 
 def test_badge_after_the_title_and_install_url_idempotent():
     nb = synthetic()
-    assert header.apply(nb, "notebooks/99_x.ipynb", URL)
-    link = "https://colab.research.google.com/github/someone/some-course/blob/main/notebooks/99_x.ipynb"
+    assert header.apply(nb, "notebooks/NN_example.ipynb", URL)
+    link = "https://colab.research.google.com/github/someone/some-course/blob/main/notebooks/NN_example.ipynb"
     assert nb.cells[0].source == (f"# 99 · A title\n\n[![Open In Colab]({header.BADGE_IMAGE})]({link})\n\n"
                                   "Some text.")
     assert 'install -q git+https://github.com/someone/some-course")' in nb.cells[1].source
     assert nb.cells[2].source == "x = 1"
     once = [c.source for c in nb.cells]
-    assert not header.apply(nb, "notebooks/99_x.ipynb", URL)
+    assert not header.apply(nb, "notebooks/NN_example.ipynb", URL)
     assert [c.source for c in nb.cells] == once
 
 
 def test_a_moved_repository_or_notebook_replaces_the_old_badge():
     nb = synthetic()
-    header.apply(nb, "solutions/99_x.ipynb", "https://github.com/old/place")
-    assert header.apply(nb, "exercises/99_x.ipynb", URL)
+    header.apply(nb, "solutions/NN_example.ipynb", "https://github.com/old/place")
+    assert header.apply(nb, "exercises/NN_example.ipynb", URL)
     assert nb.cells[0].source.count("Open In Colab") == 1
-    assert "some-course/blob/main/exercises/99_x.ipynb)" in nb.cells[0].source
+    assert "some-course/blob/main/exercises/NN_example.ipynb)" in nb.cells[0].source
     assert "git+https://github.com/old" not in nb.cells[1].source
 
 
 def test_a_first_cell_without_a_title_gets_the_badge_first():
     nb = synthetic(title="Plain text.")
-    header.apply(nb, "notebooks/99_x.ipynb", URL)
+    header.apply(nb, "notebooks/NN_example.ipynb", URL)
     assert nb.cells[0].source.startswith("[![Open In Colab](") and nb.cells[0].source.endswith("\n\nPlain text.")
 
 
@@ -73,7 +73,7 @@ def test_errors_name_the_fix(tmp_path):
     nb = synthetic()
     nb.cells[1].source = "import torch"
     with pytest.raises(ValueError, match="no `git\\+<url>` Colab install line"):
-        header.apply(nb, "notebooks/99_x.ipynb", URL)
+        header.apply(nb, "notebooks/NN_example.ipynb", URL)
     bad = tmp_path / "pyproject.toml"
     bad.write_text('[project]\nname = "x"\n[project.urls]\nRepository = "https://gitlab.com/a/b"\n')
     with pytest.raises(ValueError, match="Repository must be https://github.com/<owner>/<repo>"):
@@ -83,12 +83,12 @@ def test_errors_name_the_fix(tmp_path):
 def test_check_mode_writes_nothing_and_fails_on_a_difference(tmp_path, monkeypatch, capsys):
     (tmp_path / "notebooks").mkdir()
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    path = tmp_path / "notebooks" / "99_x.ipynb"
+    path = tmp_path / "notebooks" / "NN_example.ipynb"
     nbformat.write(synthetic(), path)
     monkeypatch.setattr(header, "ROOT", tmp_path)
     monkeypatch.setattr(header, "repository_url", lambda: URL)
     before = path.read_bytes()
     assert header.main(["--check", str(path)]) == 1 and path.read_bytes() == before
-    assert "notebooks/99_x.ipynb" in capsys.readouterr().err
+    assert "notebooks/NN_example.ipynb" in capsys.readouterr().err
     assert header.main([str(path)]) == 0 and path.read_bytes() != before
     assert header.main(["--check", str(path)]) == 0
