@@ -1,0 +1,184 @@
+"""Inputs a learner's code really produces, on every backend: NaNs, Hugging Face's ``finfo.min`` masks in half
+precision, and q/k/v that are strided views (slices of one fused projection, transposed or expanded tensors).
+
+Each gives the ``naive`` answer (computed on contiguous float64 copies) or a ``ValueError``/``TypeError``;
+none crashes the process or hides a NaN. The Triton backend runs in Triton's interpreter on a CPU
+(``TRITON_INTERPRET=1`` set before ``triton`` is imported, as ``test_triton.py`` does), on small shapes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from diffattn_tutorial.functional import BACKENDS, backend_status, causal_mask, diff_attention  # noqa: E402
+
+TRITON_OK = backend_status("cpu")["triton"][0]
+ALL = [b for b in BACKENDS if b != "triton" or TRITON_OK] + ["auto"]
+FAST = [b for b in ALL if b != "triton"]  # Triton's interpreter is slow: it gets fewer, smaller cases
+
+
+def reference(q, k, v, lam, *, causal=False, attn_mask=None):
+    """The naive backend on contiguous float64 copies."""
+    f64 = [t.detach().contiguous().double() for t in (q, k, v)]
+    lam = lam.double() if isinstance(lam, torch.Tensor) else lam
+    mask = attn_mask.double() if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
+    return diff_attention(*f64, lam, causal=causal, attn_mask=mask, backend="naive")
+
+
+def inputs(B=1, H=2, Hkv=1, Nq=8, Nk=8, d=4, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g)
+    v = torch.randn(B, Hkv, Nk, 2 * d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NaN: it reaches exactly the rows that read it
+# ---------------------------------------------------------------------------------------------------------
+
+MASKS = ["none", "bool", "additive"]
+
+
+def key_mask(kind, nq, nk):
+    """A mask that hides key 5 from every row (None for "none")."""
+    if kind == "none":
+        return None
+    allowed = torch.ones(nq, nk, dtype=torch.bool)
+    allowed[:, 5] = False
+    return allowed if kind == "bool" else torch.zeros(nq, nk).masked_fill(~allowed, float("-inf"))
+
+
+def rows_reading(q, k, v, mask, causal):
+    """Independent of the library: ``(H, Nq)`` True where an output row reads a NaN (batch 1, H == Hkv)."""
+    nq, nk = q.shape[2], k.shape[2]
+    visible = torch.ones(nq, nk, dtype=torch.bool)
+    if mask is not None:
+        visible &= mask if mask.dtype == torch.bool else mask > float("-inf")
+    if causal:
+        visible &= causal_mask(nq, nk)
+    q_nan = q[0].isnan().any(-1).view(-1, 2, nq).any(1)  # (H, Nq): either map's query
+    key_nan = k[0].isnan().any(-1).view(-1, 2, nk).any(1) | v[0].isnan().any(-1)  # (H, Nk)
+    return q_nan | (visible[None] & key_nan[:, None, :]).any(-1)
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_nan_reaches_exactly_the_rows_that_read_it(backend, where, causal, mask_kind):
+    q, k, v = inputs(H=2, Hkv=2, Nq=8, Nk=8)
+    poisoned = {"q": q, "k": k, "v": v}[where]
+    poisoned[0, 2 if where != "v" else 1, 3, 1] = float("nan")  # head 1 (map 1 of q/k), position 3
+    if where == "k":
+        k[0, 0, 5, 0] = float("nan")  # a NaN key that the mask hides (seen only without a mask)
+    mask = key_mask(mask_kind, 8, 8)
+    out = diff_attention(q, k, v, 0.4, causal=causal, attn_mask=mask, backend=backend)
+    expected_nan = rows_reading(q, k, v, mask, causal)
+    assert torch.equal(out[0].isnan().any(-1), expected_nan), f"NaN rows differ from the rows that read a NaN"
+    assert not out[0][~expected_nan].isnan().any(), "a row mixes NaN and numbers"
+    clean = [t.nan_to_num(0.0) for t in (q, k, v)]
+    ref = reference(*clean, 0.4, causal=causal, attn_mask=mask)[0]
+    torch.testing.assert_close(out[0][~expected_nan].double(), ref[~expected_nan], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_nan_query_row_under_gqa_and_grad(backend):
+    """GQA (two heads per KV group) and autograd: the NaN query row is NaN, the other rows keep finite grads."""
+    q, k, v = inputs(B=2, H=4, Hkv=2, Nq=6, Nk=9)
+    q[1, 5, 2, 0] = float("nan")  # batch 1, head 2 (map 2), row 2
+    q.requires_grad_()
+    out = diff_attention(q, k, v, 0.3, causal=True, backend=backend)
+    nan_rows = out.isnan().any(-1)
+    assert nan_rows.sum() == 1 and nan_rows[1, 2, 2]
+    out.nan_to_num(0.0).sum().backward()
+    assert q.grad[0].isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face's finfo(dtype).min masks in float16 and bfloat16
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_finfo_min_mask_in_half_precision(backend, dtype):
+    """An additive mask filled with ``finfo(dtype).min`` (one row fully masked) equals the -inf mask."""
+    q, k, v = inputs(B=1, H=2, Hkv=1, Nq=6, Nk=7, d=8, dtype=dtype)
+    allowed = causal_mask(6, 7) & (torch.arange(7) != 4)
+    allowed[2] = False  # a fully masked row: zeros
+    hf = torch.zeros(6, 7, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    out = diff_attention(q, k, v, 0.5, attn_mask=hf, backend=backend)
+    ref = reference(q, k, v, 0.5, attn_mask=allowed)
+    assert out.dtype == dtype
+    assert out[:, :, 2].abs().max() == 0
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {err:.2e} in {dtype}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# strided inputs: a property test over layouts, every backend
+# ---------------------------------------------------------------------------------------------------------
+
+LAYOUTS = ["contiguous", "fused_projection", "transposed", "last_dim_strided", "expanded"]
+
+
+def layout(t: torch.Tensor, kind: str, other_heads: int) -> torch.Tensor:
+    """The same values as ``t (B, heads, N, w)`` in the memory layout ``kind``."""
+    B, heads, N, w = t.shape
+    if kind == "fused_projection":  # one (B, N, all heads * w) projection, this tensor a slice of it
+        fused = torch.randn(B, N, (heads + other_heads) * w)
+        fused[..., other_heads * w:] = t.transpose(1, 2).reshape(B, N, heads * w)
+        return fused[..., other_heads * w:].unflatten(-1, (heads, w)).transpose(1, 2)
+    if kind == "transposed":  # stored (B, N, heads, w)
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if kind == "last_dim_strided":  # stored (B, heads, w, N): the last dim has stride N
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "expanded":  # one batch row broadcast (stride 0); the values become that row's
+        return t[:1].expand(B, heads, N, w)
+    return t
+
+
+def check_layouts(backend, B, H, Hkv, Nq, Nk, d, kinds, causal, seed):
+    q, k, v = inputs(B=B, H=H, Hkv=Hkv, Nq=Nq, Nk=Nk, d=d, seed=seed)
+    q, k, v = (layout(t, kind, other) for t, kind, other in zip((q, k, v), kinds, (2 * Hkv, 3 * Hkv, 0)))
+    try:
+        out = diff_attention(q, k, v, 0.45, causal=causal, backend=backend)
+    except (ValueError, TypeError) as e:  # allowed, if it names the fix
+        assert "contiguous" in str(e) or "stride" in str(e), f"unclear error for {kinds}: {e}"
+        return
+    torch.testing.assert_close(out.double(), reference(q, k, v, 0.45, causal=causal), rtol=1e-4, atol=1e-5)
+
+
+SIZES = st.tuples(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]), st.integers(1, 9),
+                  st.integers(1, 9), st.sampled_from([2, 4, 8]))
+KINDS = st.tuples(*(st.sampled_from(LAYOUTS) for _ in range(3)))
+
+
+@pytest.mark.parametrize("backend", FAST)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=SIZES, kinds=KINDS, causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_strided_inputs_give_the_naive_answer(backend, sizes, kinds, causal, seed):
+    B, (H, Hkv), Nq, Nk, d = sizes
+    check_layouts(backend, B, H, Hkv, Nq, Nk, d, kinds, causal, seed)
+
+
+@pytest.mark.skipif(not TRITON_OK, reason=f"Triton unavailable: {backend_status('cpu')['triton'][1]}")
+@settings(max_examples=6, deadline=None)
+@given(kinds=KINDS, causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_strided_inputs_triton(kinds, causal, seed):
+    """The fused kernel reads raw pointers with strides: every layout, a small shape (interpreter)."""
+    check_layouts("triton", 2, 2, 1, 5, 7, 4, kinds, causal, seed)
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("kinds", [("fused_projection",) * 3, ("last_dim_strided",) * 3, ("expanded",) * 3])
+def test_every_layout_on_every_backend(backend, kinds):
+    """The layouts that crashed the process (strided last dims under the interpreter), each on every backend."""
+    check_layouts(backend, 2, 2, 1, 6, 6, 4, kinds, True, 0)
