@@ -181,6 +181,16 @@ def _rows_reading_nan(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], c
     return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
 
 
+def _may_hold_nan(*tensors: Tensor) -> bool:
+    """False when none of ``tensors`` holds a NaN: on a CPU one summing pass each (a NaN anywhere makes the
+    total NaN; an overflow to ``inf - inf`` only sends the call down the careful path). On other devices
+    always True, so that no call waits for the device to answer."""
+    if tensors[0].device.type != "cpu":
+        return True
+    with torch.no_grad():
+        return bool(torch.isnan(sum(t.sum(dtype=torch.float32) for t in tensors)))
+
+
 def _zero_nan(t: Tensor) -> Tensor:
     """``t`` with NaN entries zeroed. Applied to k and v where a mask hides keys, so that a hidden NaN cannot
     reach a row through ``-inf + NaN`` or ``0 * NaN`` (the rows that do read it get NaN from
@@ -529,6 +539,8 @@ def diff_attention(
     # SDPA's own is_causal (top-left aligned) is used only where it equals ours: Nq == Nk, no other mask
     is_causal = causal and (name == "triton" or (mask is None and Nq == Nk and name in SDPA_FORMULATIONS))
     full = None if is_causal and mask is None else _combine_masks(mask, causal, Nq, Nk, q.device)
+    if not _may_hold_nan(q, k, v):
+        return _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
     nan_rows = _rows_reading_nan(q, k, v, full, is_causal)
     if is_causal or full is not None:  # hidden keys must stay harmless, whatever they hold
         k, v = _zero_nan(k), _zero_nan(v)
