@@ -484,16 +484,18 @@ def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[
 def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False) -> str:
     """The concrete backend ``backend`` means on ``device`` (``"auto"`` and ``"sdpa"`` resolved).
 
-    ``"auto"`` follows measurements (``diffattn-tutorial bench``, README): the four-call equal-dim formulation
-    (``sdpa_split``) reaches the fused flash kernels on a GPU and on a CPU, keeps no N x N map, and stays fast
-    when other programs share the CPU. (``chunked`` can be faster on an idle CPU, but its many small parallel ops
-    slow down about 10x when a core is busy, so it is never chosen automatically.) Dropout needs ``sdpa_wide``.
+    ``"auto"`` follows measurements (``benchmarks/bench_cpu_auto.py``, notebook 08): on a CPU the two-call
+    padded formulation (``sdpa_padded``: half the fused calls of ``sdpa_split``, the same FLOPs, less than a
+    tenth of ``naive``'s memory); elsewhere the four-call equal-dim formulation (``sdpa_split``), which reaches
+    the GPU's flash kernels at any head dim they take. (``chunked`` can be fast on an idle CPU, but its many
+    small parallel ops slow down about 10x when a core is busy, so it is never chosen automatically.) With
+    dropout, ``"auto"`` and ``"sdpa"`` mean ``sdpa_wide``.
     """
     if backend not in BACKENDS and backend != "auto":
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    if backend == "auto":
-        backend = "sdpa"
-    if backend == "sdpa":
+    if backend == "auto" and not dropout and torch.device(device).type == "cpu":
+        return "sdpa_padded"
+    if backend in ("auto", "sdpa"):
         backend = "sdpa_wide" if dropout else "sdpa_split"
     if dropout and backend in _DROPOUT_FREE:
         raise ValueError(f"backend {backend!r} does not support attention dropout (its maps are split or fused); "
