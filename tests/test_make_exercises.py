@@ -18,12 +18,18 @@ mx = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = mx  # dataclasses look their module up there
 _spec.loader.exec_module(mx)
 
+_spec = importlib.util.spec_from_file_location("notebook_header", ROOT / "tools" / "notebook_header.py")
+header = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(header)
+
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 NAME = "99_toy.ipynb"
 COLAB = "https://colab.research.google.com/github/owner/repo/blob/main"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({}/{}/99_toy.ipynb)"
 INTRO = f"# Exercises 99 · Toy\n\nStuck? The same notebook, solved, is [`solutions/{NAME}`](../solutions/{NAME})."
-SETUP = "# NBVAL_IGNORE_OUTPUT\nfrom diffattn_tutorial.nb import setup\ndevice = setup(seed=0)"
+SETUP = ('# NBVAL_IGNORE_OUTPUT\nimport sys\nif "google.colab" in sys.modules:\n'
+         '    get_ipython().run_line_magic("pip", "install -q git+https://github.com/owner/repo")\n'
+         'from diffattn_tutorial.nb import setup\ndevice = setup(seed=0)')
 HEAD = '# TASK 1: double it\ndef double(x):\n    """2 x, for a float or a tensor x."""\n'
 SOLVED = HEAD + '    # STUB: raise NotImplementedError("add x to itself")\n    return x + x\n    # END TASK'
 STUB = HEAD + '    raise NotImplementedError("add x to itself")'
@@ -113,6 +119,21 @@ def test_a_marker_outside_a_task_cell_is_an_error():
     with pytest.raises(mx.MarkerError, match=rf"^solutions/{NAME} cell 2 \(# NBVAL_IGNORE_OUTPUT\): "
                                              r"'# END TASK' is outside a task cell"):
         mx.make_exercise(solution, NAME)
+
+
+@pytest.mark.parametrize("solution", [toy_solution, lambda: nbformat.read(SOLUTIONS[0], as_version=4)],
+                         ids=["toy", "first solution"])
+def test_agrees_with_the_colab_header_tool(solution):
+    """The header (badge, install URL) written into a solution becomes, in its exercise, the header that
+    ``notebook_header.py`` writes into the exercise: the two tools never undo each other."""
+    repo = "https://github.com/someone/some-course"
+    solved = solution()
+    solved.cells[0].source = solved.cells[0].source.replace(BADGE.format(COLAB, "solutions") + "\n", "")
+    assert header.apply(solved, f"solutions/{NAME}", repo)
+    assert f"{header.colab_link(repo, 'solutions/' + NAME)})" in solved.cells[0].source
+    exercise = mx.make_exercise(solved, NAME)
+    assert f"{header.colab_link(repo, 'exercises/' + NAME)})" in exercise.cells[0].source
+    assert not header.apply(exercise, f"exercises/{NAME}", repo), "the header tool would rewrite the exercise"
 
 
 def _write_pair(tmp_path: Path, solution, exercise) -> tuple[Path, Path]:
