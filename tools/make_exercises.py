@@ -34,11 +34,12 @@ and in the generated exercise, the stub in place of everything from ``# STUB:`` 
 
 The markers are comments, so they change neither what the solution computes nor its outputs. Every other cell
 is copied as it is, with outputs and execution counts cleared and the notebook metadata cleaned as
-``tools/run_notebooks.py`` cleans it; the one rewrite is an "Open in Colab" link to this solution
-(``https://colab.research.google.com/github/<owner>/<repo>/blob/<branch>/solutions/<name>``), which points to
-``exercises/<name>`` in the exercise (the badge that ``notebook_header.py`` in ``tools/`` writes). Each task cell has exactly
-one stub block and one ``# END TASK``; a marker outside a task cell, a misspelt marker, a missing ``# END TASK``,
-an empty answer or a stub that does not end with the ``raise`` is an error naming the notebook and the cell.
+``tools/run_notebooks.py`` cleans it. The one rewrite: an "Open in Colab" link to this solution
+(``https://colab.research.google.com/github/<owner>/<repo>/blob/<branch>/solutions/<name>``) points to
+``exercises/<name>`` in the exercise, so the header that ``tools/notebook_header.py`` writes into both agrees.
+Each task cell has one block of stub lines and one ``# END TASK``; a marker outside a task cell, a misspelt
+marker, a missing ``# END TASK``, an empty answer or a stub that does not end with the ``raise`` is an error
+naming the notebook and the cell.
 
 ``--add-markers`` adopts a chapter written the old way (solution and exercise kept by hand): in each task cell of
 the solution that has no markers yet, the lines after those both notebooks share become the answer, the
@@ -63,14 +64,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]  # run as a script from anywhere, installed or not
 from run_notebooks import clean  # noqa: E402 - the one home of the notebook JSON clean-up
 
-from diffattn_tutorial.scorecard import TASK_RE, is_task_cell  # noqa: E402
+from diffattn_tutorial.scorecard import is_task_cell  # noqa: E402
 
 STUB_PREFIX, END_TASK = "# STUB:", "# END TASK"
 STUB_LINE = re.compile(r"^(?P<indent>[ \t]*)# STUB:(?: (?P<code>.*))?$")
 END_LINE = re.compile(r"^[ \t]*# END TASK$")
 ANY_MARKER = re.compile(r"^[ \t]*#+\s*(?:STUB\b|END[ _-]*TASK\b)", re.IGNORECASE)  # to catch misspellings
 STUB_RAISE = "raise NotImplementedError"
-COLAB = r"(https://colab\.research\.google\.com/github/[^\s()\"'<>]+?/)solutions/"
+COLAB_TO_SOLUTION = r"(https://colab\.research\.google\.com/github/[^\s()\"'<>]+?/)solutions/"
 
 
 class MarkerError(ValueError):
@@ -163,7 +164,7 @@ def _check_unmarked(source: str, where: Where) -> None:
 
 
 def _colab_to_exercise(text: str, name: str) -> str:
-    return re.sub(COLAB + f"(?={re.escape(name)})", r"\1exercises/", text)
+    return re.sub(COLAB_TO_SOLUTION + f"(?={re.escape(name)})", r"\1exercises/", text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
