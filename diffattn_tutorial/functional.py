@@ -49,8 +49,9 @@ BACKENDS: tuple[str, ...] = (
 )
 """Every backend name ``diff_attention`` accepts, besides ``"auto"``."""
 
-SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked", "sdpa_padded")
-"""The SDPA formulations notebook 08 compares, selectable by name."""
+SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked")
+"""The SDPA formulations of the reference implementations, which notebook 08 compares, selectable by name
+(``"sdpa_padded"``, the CPU's ``"auto"``, has a section of its own there)."""
 
 _DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "sdpa_padded", "triton")
 
@@ -470,7 +471,7 @@ def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[
     """For each backend name: ``(usable here, why / note)`` on ``device``."""
     device = torch.device(device)
     status = {name: (True, "pure PyTorch") for name in ("naive", "chunked")}
-    for name in ("sdpa", *SDPA_FORMULATIONS):
+    for name in ("sdpa", *_SDPA_IMPLS):
         status[name] = (True, "torch.nn.functional.scaled_dot_product_attention")
     ok, why = _triton_available()
     if ok and device.type == "cpu":
@@ -539,7 +540,7 @@ def diff_attention(
     scale = d ** -0.5 if scale is None else float(scale)
     name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
     # SDPA's own is_causal (top-left aligned) is used only where it equals ours: Nq == Nk, no other mask
-    is_causal = causal and (name == "triton" or (mask is None and Nq == Nk and name in SDPA_FORMULATIONS))
+    is_causal = causal and (name == "triton" or (mask is None and Nq == Nk and name in _SDPA_IMPLS))
     full = None if is_causal and mask is None else _combine_masks(mask, causal, Nq, Nk, q.device)
     if not _may_hold_nan(q, k, v):
         return _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
