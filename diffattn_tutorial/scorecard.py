@@ -103,6 +103,27 @@ def cell_error(cell) -> Optional[tuple[str, str]]:
     return None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FAILING_LINE = re.compile(r"^\s*-+>\s*\d+\s+(.*\S)")  # IPython's marker of the line that raised
+
+
+def _describe_cell_error(cell, error: tuple[str, str]) -> str:
+    """A non-task cell's error in words a learner can act on: the cell by its first code line, the error, and
+    the line that raised (an ``assert`` without a message says nothing else)."""
+    ename, evalue = error
+    first = next((line.strip() for line in cell.get("source", "").splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")), "")
+    raised = ""
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            lines = _ANSI.sub("", "\n".join(out.get("traceback", []))).splitlines()
+            marked = [m.group(1) for m in map(_FAILING_LINE.match, lines) if m]
+            raised = marked[-1] if marked else ""
+    what = f"{ename}: {evalue}" if evalue else ename
+    where = f" at `{raised}`" if raised else ""
+    return f"the cell starting `{first}` (not a task) raised {what}{where}"
+
+
 def _kernel_manager_class():
     """A kernel manager class whose ``python3`` kernel is this Python (the current environment), whatever
     kernelspecs are installed (as nbval's ``--nbval-current-env``)."""
@@ -329,7 +350,7 @@ def check_notebook(path: Union[str, Path], timeout: int = 600) -> int:
     others = [(i, e) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code" and i not in task_cells
               for e in [cell_error(c)] if e is not None]
     if others:
-        i, (ename, evalue) = others[0]
-        print(_one_line(f"  note: cell {i + 1} (not a task) raised {ename}: {evalue}"))
+        i, error = others[0]
+        print(_one_line(f"  note: {_describe_cell_error(nb.cells[i], error)}"))
     print(summary + (". All done!" if n_pass == len(results) else "."))
     return 0 if n_pass == len(results) else 1

@@ -136,6 +136,20 @@ def test_runs_in_its_own_folder_times_out_and_goes_on(tmp_path, capsys, monkeypa
     assert NOT_ATTEMPTED in lines[2]
 
 
+def test_an_error_outside_the_tasks_names_its_cell_and_line(tmp_path, capsys):
+    """A bare ``assert`` in a plain cell has no message: the note quotes the cell's first line and the line that
+    raised, not an empty 'AssertionError:' and a cell number Jupyter never shows."""
+    nb = new_notebook(cells=[
+        new_code_cell("# TASK 1: one\ndef one():\n    return 1"),
+        new_code_cell("# CHECK 1\nassert one() == 1"),
+        new_code_cell("# compare the two\ntotal = one() + one()\nassert total == 3"),
+    ])
+    nbformat.write(nb, tmp_path / "mine.ipynb")
+    assert main(["check", str(tmp_path / "mine.ipynb")]) == 0
+    note = next(line for line in capsys.readouterr().out.splitlines() if "note:" in line)
+    assert "the cell starting `total = one() + one()`" in note and "AssertionError at `assert total == 3`" in note
+
+
 def test_a_cell_that_swallows_the_interrupt_is_stopped_and_later_tasks_fail(tmp_path):
     """A check that catches KeyboardInterrupt would be interrupted for ever: after the timeout and a grace of
     min(timeout, 5) s the kernel is stopped, that task fails as timed out, later tasks fail as not run, exit 1.
