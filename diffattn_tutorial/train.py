@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import platform
@@ -85,7 +86,8 @@ class RunConfig:
     ``seq_len`` (text windows). Optimisation: ``steps``, AdamW ``lr`` (linear warm-up over ``warmup`` steps, then
     cosine to 0), ``weight_decay``, gradient-norm ``clip``, ``seed``. Batch: ``batch_size`` rows per rank and
     micro-step, ``grad_accum`` micro-steps, ``global_batch = batch_size x world x grad_accum``. Run:
-    ``strategy``, ``precision``, ``compile``, ``device``, ``out``, ``checkpoint_every`` (0: only at the end),
+    ``strategy``, ``precision``, ``compile``, ``device``, ``threads`` (torch CPU threads; None: as set, which
+    ``torchrun`` makes 1 per process), ``out``, ``checkpoint_every`` (0: only at the end),
     ``stop_at`` (stop after that step, as a time-limited job would), ``resume``, ``progress``.
     """
 
@@ -110,6 +112,7 @@ class RunConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     device: str = "auto"
+    threads: Optional[int] = None
     out: str = "runs/train"
     checkpoint_every: int = 0
     stop_at: Optional[int] = None
@@ -127,6 +130,9 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a whole number >= 1 or None, got {self.threads!r}")
         if self.warmup < 0 or self.checkpoint_every < 0:
             raise ValueError("warmup and checkpoint_every must be >= 0")
         if not (self.lr > 0 and math.isfinite(self.lr)) or not self.clip > 0 or self.weight_decay < 0:
@@ -239,9 +245,15 @@ def graph_breaks(attention: str, backend: str, *, d_model: int = 32, n_heads: in
     set_attention_backend(model, backend)
     block, x = model.blocks[0], torch.randn(2, seq_len, d_model)
     rope = (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(block)(x, rope)
-    torch._dynamo.reset()
+    dynamo_log = logging.getLogger("torch._dynamo")
+    level = dynamo_log.level
+    dynamo_log.setLevel(logging.ERROR)  # explain() counts the breaks; their warnings would repeat them
+    try:
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(block)(x, rope)
+    finally:
+        torch._dynamo.reset()
+        dynamo_log.setLevel(level)
     return explanation.graph_break_count
 
 
@@ -347,6 +359,8 @@ def _torch_threads_kept() -> Iterator[None]:
 def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     """Run (or resume) the training ``cfg`` describes in this process; returns this session's step losses
     (the global batch's mean loss after each optimizer step)."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     source = DataSource(cfg)
     model = build(cfg, source.vocab_size, source.max_len)
     if cfg.compile:
@@ -466,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--compile-backend", default=d.compile_backend, help="torch.compile backend (eager: trace only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads per process (default: as set; torchrun sets OMP_NUM_THREADS=1)")
     p.add_argument("--out", default=d.out, help="run folder: config.json, metrics.jsonl, checkpoints/")
     p.add_argument("--checkpoint-every", type=_non_negative, default=d.checkpoint_every,
                    help="save every N steps (0: only at the end)")
@@ -538,7 +554,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         with _torch_threads_kept():
             losses = train(cfg, ctx)
         if ctx.is_main and losses:
-            print(f"{cfg.attention}: {len(losses)} steps on {ctx.world_size} x {ctx.device.type} ({cfg.strategy}), "
+            how = cfg.strategy if ctx.distributed else "no process group"
+            print(f"{cfg.attention}: {len(losses)} steps on {ctx.world_size} x {ctx.device.type} ({how}), "
                   f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; log {Path(cfg.out) / 'metrics.jsonl'}")
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
