@@ -160,6 +160,7 @@ def test_gains_mistakes():
     fails(c, lambda gp, gm: (gp - gm, gp - gm), "average")
     fails(c, lambda gp, gm: (gp + gm) / 2, "pair")
     fails(c, lambda gp, gm: ("big", gp - gm), "number")
+    fails(c, lambda gp, gm: ((gp - gm) / 2, gp + gm), "fix task 1 first")  # measured on an amplifier that adds
 
 
 def test_gains_keep_their_sign():
