@@ -84,6 +84,9 @@ def check_gains(fn: Callable) -> None:
         "gain is negative (do not take an absolute value or clamp)": torch.stack([ed.abs(), ec], 1),
         "the common-mode gain lost its sign: when g- is larger than g+ the common mode comes out inverted, a "
         "negative gain (do not take an absolute value or clamp)": torch.stack([ed, ec.abs()], 1),
+        "these are the gains of an amplifier that adds its inputs (g+ v+ + g- v-): gains measures your "
+        "amplifier_output, so fix task 1 first (its output is g+ v+ - g- v-)":
+            torch.stack([(gp_t - gm_t) / 2, gp_t + gm_t], 1),
     })
     passed("differential gain (g+ + g-)/2 and common-mode gain g+ - g-, measured like a lab would.")
 
