@@ -1,6 +1,6 @@
 """Exercise checks: ``from diffattn_tutorial.checks import check_...``.
 
-Each notebook's checks live in a submodule ``nbNN`` (``nb01`` ... ``nb11``); its public ``check_*`` functions are
+Each notebook's checks live in a submodule ``nbNN`` (``nb01`` ... ``nb12``); its public ``check_*`` functions are
 imported here by name, so exercises import from one place (``tests/test_checks.py`` fails when a submodule's
 ``__all__`` and this list disagree). Each check belongs to one task of one exercise notebook (``check.task``,
 ``check.function_name``); a failure is one line, :class:`CheckFailed` (the hint), and an unattempted stub is
@@ -22,6 +22,7 @@ from diffattn_tutorial.checks.nb09 import check_diff_combine, check_diff_softmax
 from diffattn_tutorial.checks.nb10 import check_diff_v2, check_forward_v2, check_pair_groups
 from diffattn_tutorial.checks.nb11 import (check_axonml_fixed, check_block_causal_mask, check_diffllama_rows,
                                            check_four_calls_gqa)
+from diffattn_tutorial.checks.nb12 import check_local_shard, check_rank_rows
 
 __all__ = [
     "CheckFailed", "NotAttempted",
@@ -36,4 +37,5 @@ __all__ = [
     "check_online_softmax_step", "check_diff_combine", "check_diff_softmax_grads",
     "check_diff_v2", "check_pair_groups", "check_forward_v2",
     "check_axonml_fixed", "check_block_causal_mask", "check_four_calls_gqa", "check_diffllama_rows",
+    "check_rank_rows", "check_local_shard",
 ]
