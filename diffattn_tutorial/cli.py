@@ -3,6 +3,7 @@
     diffattn-tutorial doctor              versions, devices, and which attention backends work here
     diffattn-tutorial bench [options]     time and peak memory of every backend, side by side
     diffattn-tutorial check NOTEBOOK      run your exercise notebook and print a scorecard
+    diffattn-tutorial train [options]     train a TinyLM (python -m diffattn_tutorial.train; torchrun for many processes)
 """
 
 from __future__ import annotations
@@ -122,10 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("notebook", help="path to your copy of exercises/NN_*.ipynb")
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell (at least 1)")
     p.set_defaults(func=check)
+    sub.add_parser("train", add_help=False, help="train a TinyLM: see 'diffattn-tutorial train --help' "
+                                                 "(torchrun -m diffattn_tutorial.train for several processes)")
     return ap
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # the training entry point parses its own options
+        from diffattn_tutorial.train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

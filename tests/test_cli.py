@@ -65,3 +65,14 @@ def test_bench_rejects_bad_options_with_a_usage_message(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2  # argparse's usage error, before any child process starts
     assert message in capsys.readouterr().err
+
+
+def test_train_subcommand_is_the_training_entry_point(capsys):
+    """`diffattn-tutorial train ARGS` is `python -m diffattn_tutorial.train ARGS`: same options, same errors."""
+    from diffattn_tutorial.cli import main as cli_main
+
+    assert cli_main(["train", "--steps", "0"]) == 2
+    assert "--steps: 0 must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["train", "--help"])
+    assert exit_info.value.code == 0 and "--strategy" in capsys.readouterr().out
