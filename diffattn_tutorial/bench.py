@@ -127,17 +127,21 @@ _CHILD_PREAMBLE = "\n".join([
 
 
 def _child_function(entry: dict) -> Callable[..., Tensor]:
-    """The callable an entry of the child's spec names: imported by module and name, or built from source."""
-    if "source" in entry:
-        namespace: dict = {}
-        exec(_CHILD_PREAMBLE + entry["source"], namespace)  # the caller's own code, sent by peak_extra_memory
-        return namespace[entry["name"]]
-    import importlib
+    """The callable an entry of the child's spec names: imported by module and name, else built from its source."""
+    if "module" in entry:
+        import importlib
 
-    fn = importlib.import_module(entry["module"])
-    for part in entry["name"].split("."):
-        fn = getattr(fn, part)
-    return fn
+        try:
+            fn = importlib.import_module(entry["module"])
+            for part in entry["name"].split("."):
+                fn = getattr(fn, part)
+            return fn
+        except (ImportError, AttributeError):
+            if "source" not in entry:
+                raise
+    namespace: dict = {}
+    exec(_CHILD_PREAMBLE + entry["source"], namespace)  # the caller's own code, sent by peak_extra_memory
+    return namespace[entry["name"].split(".")[-1]]
 
 
 def _memory_child(spec: dict) -> dict[str, int]:
@@ -157,18 +161,26 @@ def _memory_child(spec: dict) -> dict[str, int]:
 
 
 def _function_entry(fn: Callable[..., Tensor], helpers: Sequence[Callable]) -> dict:
-    """How the child finds ``fn``: by module and name when it can import it, else by its source."""
+    """How the child finds ``fn``: by module and name where it can import them, else by its source (with
+    ``helpers``' sources), for functions defined in a notebook, a script or a test module."""
     import functools
     import inspect
 
     kwargs = {}
     if isinstance(fn, functools.partial):
         fn, kwargs = fn.func, dict(fn.keywords)
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if module and module != "__main__" and "<" not in name and not module.startswith("__"):
-        return {"module": module, "name": name, "kwargs": kwargs}
-    source = "\n".join(inspect.getsource(f) for f in (*helpers, fn))
-    return {"source": source, "name": fn.__name__, "kwargs": kwargs}
+    entry: dict = {"name": fn.__qualname__, "kwargs": kwargs}
+    module = getattr(fn, "__module__", None)
+    if module and module != "__main__" and "<" not in fn.__qualname__:
+        entry["module"] = module
+    if not module or not module.startswith("diffattn_tutorial"):
+        try:
+            entry["source"] = "\n".join(inspect.getsource(f) for f in (*helpers, fn))
+        except (OSError, TypeError):
+            if "module" not in entry:
+                raise ValueError(f"cannot find the source of {fn!r} to run it in a child process; define it in a "
+                                 f"file or a notebook cell, or import it from a module") from None
+    return entry
 
 
 def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int, h: int, n: int, d: int,

@@ -15,8 +15,10 @@ from diffattn_tutorial.functional import (
     diff_attention_maps,
     diff_attention_v2,
     dual_lambda,
+    expand_kv_groups,
     lambda_init_fn,
     reparam_lambda,
+    resolve_backend,
     rms_norm,
     softmax_attention,
 )
@@ -205,3 +207,39 @@ def test_v2_pairs_share_their_group():
     torch.testing.assert_close(out, full[:, 0::2] - lam * full[:, 1::2])
     with pytest.raises(ValueError, match="different GQA groups"):
         diff_attention_v2(torch.randn(1, 6, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), 0.5)
+
+
+def test_auto_resolves_per_device_and_dropout():
+    """auto: the two-call padded formulation on a CPU, the four-call split one elsewhere, sdpa_wide with dropout."""
+    assert resolve_backend("auto", "cpu") == "sdpa_padded"
+    assert resolve_backend("auto", "cuda") == "sdpa_split"
+    assert resolve_backend("sdpa", "cpu") == "sdpa_split"
+    assert resolve_backend("auto", "cpu", dropout=True) == resolve_backend("auto", "cuda", dropout=True) == "sdpa_wide"
+    with pytest.raises(ValueError, match="does not support attention dropout"):
+        resolve_backend("sdpa_padded", "cpu", dropout=True)
+
+
+@pytest.mark.parametrize("H, Hkv", [(2, 2), (4, 2), (4, 1)])
+def test_expand_kv_groups_pairs_both_maps_with_their_group(H, Hkv):
+    """Differential head i reads key heads 2g and 2g+1 and value head g, with g = i // (H // Hkv)."""
+    k, v = torch.randn(1, 2 * Hkv, 3, 4), torch.randn(1, Hkv, 3, 8)
+    k_rep, v_rep = expand_kv_groups(k, v, H)
+    assert k_rep.shape == (1, 2 * H, 3, 4) and v_rep.shape == (1, H, 3, 8)
+    for i in range(H):
+        g = i // (H // Hkv)
+        assert torch.equal(k_rep[:, 2 * i], k[:, 2 * g]) and torch.equal(k_rep[:, 2 * i + 1], k[:, 2 * g + 1])
+        assert torch.equal(v_rep[:, i], v[:, g])
+
+
+def test_padded_inference_subtracts_in_place_but_grad_flows():
+    """sdpa_padded reuses its first output buffer only without autograd; with it, gradients equal naive's."""
+    q, k, v = torch.randn(1, 4, 6, 4), torch.randn(1, 4, 6, 4), torch.randn(1, 2, 6, 8)
+    lam = torch.tensor(0.3, requires_grad=True)
+    grads = {}
+    for backend in ("naive", "sdpa_padded"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        lam.grad = None
+        diff_attention(*leaves, lam, causal=True, backend=backend).square().sum().backward()
+        grads[backend] = [t.grad for t in leaves] + [lam.grad]
+    for a, b in zip(grads["naive"], grads["sdpa_padded"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
