@@ -12,9 +12,15 @@ Modules:
     flops       attention FLOP and byte accounting (baseline, V1, V2, each SDPA formulation)
     metrics     attention shares (answer vs noise) and activation-outlier ratios
     model, data, experiments   a tiny LM with switchable attention, a retrieval task, the paper's measurements
-    recorded    results files recorded by the project's scripts (seed and budget studies), with their provenance
+    recorded    results files recorded by the project's scripts (seed and budget studies, compile facts, GPU
+                benchmarks), with their provenance
+    golden      the reference implementations' recorded runs (names(), load(name)), shipped in the package
     toys, plotting             the opening notebooks' toy problems, and heatmaps/curves
-    bench       side-by-side timing and peak memory of the backends (diffattn-tutorial bench)
+    bench       side-by-side timing and peak memory of the backends (diffattn-tutorial bench), peak_extra_memory
+    gpu_bench   the GPU benchmarks' shared helpers (one GPU timer, SDPA backend selection, recorded results)
+    cpu         how many threads to use on a CPU that other programs share (recommended_threads)
+    train, distributed, corpus, runlog   training under torchrun (DDP, FSDP2, checkpoints), a generated text
+                corpus, and the JSON-lines metrics log and its plots (diffattn-tutorial train)
     checks      the exercise checks; scorecard runs an exercise notebook (diffattn-tutorial check)
 """
 
