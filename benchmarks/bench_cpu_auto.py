@@ -11,6 +11,8 @@ count. Candidates:
 * ``sdpa_padded``: two SDPA calls with q and k zero-padded to width 2d (``q.k`` is unchanged, every head dim
   is 2d, so both calls reach the fused kernel), the second half subtracted in place.
 * ``padded_one_call``: one SDPA call over the 2H maps, q/k padded, V repeated per map.
+* ``shared_keys_one_call``: one SDPA call, q padded on complementary sides so both maps share one key head
+  ``[k1 | k2]`` per KV group, V as it is (GQA).
 * ``split_into_one``: ``sdpa_split`` writing its four products into one preallocated output.
 * ``chunked``: explicit maps over query chunks.
 
@@ -54,6 +56,19 @@ def padded_one_call(q, k, v, lam, causal=False):
     return o[:, :, 0] - lam * o[:, :, 1]
 
 
+def shared_keys_one_call(q, k, v, lam, causal=False):
+    """One SDPA call, keys shared by both maps: ``[q1 | 0] . [k1 | k2] = q1 . k1`` and ``[0 | q2] . [k1 | k2] =
+    q2 . k2``, so each KV group holds one key head ``[k1 | k2]`` of width 2d and V stays as it is (GQA)."""
+    d, H, Hkv = q.shape[-1], q.shape[1] // 2, v.shape[1]
+    rep = H // Hkv
+    q1, q2 = F.pad(q[:, 0::2], (0, d)), F.pad(q[:, 1::2], (d, 0))  # (B, H, N, 2d) each
+    qs = torch.stack([q1, q2], dim=2).unflatten(1, (Hkv, rep)).flatten(1, 3)  # (B, Hkv * rep * 2, N, 2d)
+    ks = torch.cat([k[:, 0::2], k[:, 1::2]], dim=-1)  # (B, Hkv, N, 2d)
+    o = F.scaled_dot_product_attention(qs, ks, v, is_causal=causal, scale=d ** -0.5, enable_gqa=True)
+    o = o.unflatten(1, (H, 2))  # (B, H, 2, N, 2d)
+    return o[:, :, 0] - lam * o[:, :, 1]
+
+
 def split_into_one(q, k, v, lam, causal=False):
     """``sdpa_split``'s four calls written into one preallocated ``(B, H, N, 2d)`` output."""
     d = q.shape[-1]
@@ -74,7 +89,8 @@ def candidates() -> dict:
     """Label -> ``fn(q, k, v, lam, causal=...)``."""
     library = {name: functools.partial(diff_attention, backend=name)
                for name in ("naive", "sdpa_split", "sdpa_stacked", "sdpa_wide", "sdpa_padded", "chunked")}
-    return {**library, "padded_one_call": padded_one_call, "split_into_one": split_into_one}
+    return {**library, "padded_one_call": padded_one_call, "shared_keys_one_call": shared_keys_one_call,
+            "split_into_one": split_into_one}
 
 
 def measure(n: int, rounds: int, causal: bool) -> dict:
