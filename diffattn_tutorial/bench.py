@@ -15,6 +15,9 @@ in one process (ratios are measured side by side), and its output is compared wi
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+import inspect
 import json
 import os
 import platform
@@ -129,8 +132,6 @@ _CHILD_PREAMBLE = "\n".join([
 def _child_function(entry: dict) -> Callable[..., Tensor]:
     """The callable an entry of the child's spec names: imported by module and name, else built from its source."""
     if "module" in entry:
-        import importlib
-
         try:
             fn = importlib.import_module(entry["module"])
             for part in entry["name"].split("."):
@@ -163,9 +164,6 @@ def _memory_child(spec: dict) -> dict[str, int]:
 def _function_entry(fn: Callable[..., Tensor], helpers: Sequence[Callable]) -> dict:
     """How the child finds ``fn``: by module and name where it can import them, else by its source (with
     ``helpers``' sources), for functions defined in a notebook, a script or a test module."""
-    import functools
-    import inspect
-
     kwargs = {}
     if isinstance(fn, functools.partial):
         fn, kwargs = fn.func, dict(fn.keywords)
@@ -224,8 +222,6 @@ def cpu_peak_extra(backends: Sequence[str], *, b: int, h: int, n: int, d: int, c
                    dtype: torch.dtype = torch.float32, include_output: bool = False) -> dict[str, Optional[int]]:
     """Peak extra CPU bytes of each ``diff_attention`` backend (:func:`peak_extra_memory`), output excluded by
     default (as the CUDA figure); ``None`` where unsupported."""
-    import functools
-
     functions = {name: functools.partial(diff_attention, backend=name) for name in backends}
     return peak_extra_memory(functions, b=b, h=h, n=n, d=d, causal=causal, dtype=dtype,
                              include_output=include_output)
