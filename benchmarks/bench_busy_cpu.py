@@ -22,15 +22,12 @@ Writes ``benchmarks/results_busy_cpu_<cpu>.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -41,18 +38,6 @@ from diffattn_tutorial.model import TinyLM
 HERE = Path(__file__).resolve().parent
 MODELS = ("baseline", "diff")
 POLICIES = ("torch default", "recommended")
-
-
-@contextlib.contextmanager
-def cpu_load() -> Iterator[None]:
-    """One other CPU-bound process (a Python busy loop) while the block runs."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.5)  # let it start spinning
-        yield
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def step_seconds(attention: str, threads: int, steps: int) -> float:
@@ -96,7 +81,7 @@ def run(steps: int, repeats: int) -> dict:
     rounds = []
     for _ in range(repeats):
         idle = phase(default_threads, steps)
-        with cpu_load():
+        with cpu.cpu_load():
             loaded = phase(default_threads, steps)
         rounds.append({"idle": idle, "loaded": loaded})
     return {"default_threads": default_threads, "rounds": rounds}

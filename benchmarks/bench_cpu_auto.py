@@ -21,12 +21,13 @@ them alike); the table shows the median over rounds and the spread (min-max) of 
 Memory: :func:`diffattn_tutorial.bench.peak_extra_memory`, the growth of the resident-set high-water mark
 of a fresh process, output included. Writes ``benchmarks/results_cpu_auto_<cpu>.json``.
 
-    python benchmarks/bench_cpu_auto.py [--n 2048] [--rounds 7] [--causal]
+    python benchmarks/bench_cpu_auto.py [--n 2048] [--rounds 7] [--causal] [--load]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial import bench
+from diffattn_tutorial import bench, cpu
 from diffattn_tutorial.functional import diff_attention
 
 HERE = Path(__file__).resolve().parent
@@ -130,17 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--out", type=Path, default=None, help="results file (default benchmarks/results_cpu_auto_<cpu>.json)")
+    ap.add_argument("--load", action="store_true",
+                    help="time with one other CPU-bound process running (memory is unaffected)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results file (default benchmarks/results_cpu_auto_<cpu>[_loaded].json)")
     args = ap.parse_args(argv)
     device = bench.device_name("cpu")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    result = measure(args.n, args.rounds, args.causal)
+    with cpu.cpu_load() if args.load else contextlib.nullcontext():
+        result = measure(args.n, args.rounds, args.causal)
+    ours = ", one CPU-bound process of ours running" if args.load else ""
     print(f"{device}, torch {torch.__version__}, B=1 H=8 N={args.n} d=64 float32, causal={args.causal}, "
-          f"{args.rounds} rounds, load average before {load}")
+          f"{args.rounds} rounds, load average before {load}{ours}")
     print(table(result))
-    out = args.out or HERE / f"results_cpu_auto_{bench.slug(device)}.json"
+    out = args.out or HERE / f"results_cpu_auto_{bench.slug(device)}{'_loaded' if args.load else ''}.json"
     out.write_text(json.dumps({"device": device, "torch": torch.__version__, "n": args.n, "causal": args.causal,
-                               "load_average_before": load, **result}, indent=1) + "\n")
+                               "load_average_before": load, "own_load_process": args.load, **result}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

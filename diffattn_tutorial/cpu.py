@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import subprocess
+import sys
 import time
 from typing import Iterator, Optional
 
@@ -94,4 +96,18 @@ def free_core_threads(sample_s: float = 0.2, max_threads: Optional[int] = None) 
         torch.set_num_threads(before)
 
 
-__all__ = ["usable_cores", "busy_cores", "recommended_threads", "free_core_threads"]
+@contextlib.contextmanager
+def cpu_load(processes: int = 1) -> Iterator[None]:
+    """``processes`` other CPU-bound programs (Python busy loops) running while the block runs, for benchmarks
+    that compare an idle and a loaded machine (``benchmarks/bench_busy_cpu.py``, ``bench_cpu_auto.py --load``)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(0.5)  # let them start spinning
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+__all__ = ["usable_cores", "busy_cores", "recommended_threads", "free_core_threads", "cpu_load"]
