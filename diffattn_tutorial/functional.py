@@ -23,6 +23,8 @@ Backends (all exact, they differ in speed and memory):
 Fully masked query rows (every key masked by ``causal`` and/or ``attn_mask``) have no softmax; every
 backend defines their output as **zero** (and their gradients as zero), never NaN. In an additive mask,
 entries ``<= torch.finfo(dtype).min`` (the Hugging Face convention) count as masked, like ``-inf``.
+A NaN in q, k or v reaches exactly the output rows that read it (the rows of its query, the rows that may
+attend to its key position) in every backend, and no other row.
 """
 
 from __future__ import annotations
