@@ -56,6 +56,7 @@ _FORMULATION_UNITS: dict[str, int] = {
     "triton": 6,  # a fused kernel: two q.k maps + two running P v accumulators of width 2d
     "sdpa_split": 8,  # four calls: (q.k + P v of width d) x 4, every q.k computed twice
     "sdpa_stacked": 8,  # one call over 4H stacked heads: the same work as sdpa_split
+    "sdpa_padded": 8,  # two calls with q, k zero-padded to 2d: (q.k of width 2d + P v of width 2d) x 2
 }
 FORMULATIONS: tuple[str, ...] = tuple(_FORMULATION_UNITS)
 """Backend names :func:`formulation_flops` knows (``diff_attention``'s concrete backends)."""

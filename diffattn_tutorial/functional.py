@@ -187,8 +187,9 @@ def _rows_reading_nan(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], c
 def _may_hold_nan(*tensors: Tensor) -> bool:
     """False when none of ``tensors`` holds a NaN: on a CPU one summing pass each (a NaN anywhere makes the
     total NaN; an overflow to ``inf - inf`` only sends the call down the careful path). On other devices
-    always True, so that no call waits for the device to answer."""
-    if tensors[0].device.type != "cpu":
+    always True, so that no call waits for the device to answer, and under ``torch.compile`` (a ``.item()`` would
+    break the graph)."""
+    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent branch in a graph
         return True
     with torch.no_grad():
         return bool(torch.isnan(sum(t.sum(dtype=torch.float32) for t in tensors)))

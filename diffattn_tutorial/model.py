@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diffattn_tutorial.functional import diff_attention_maps, diff_attention_v2, softmax_attention
+from diffattn_tutorial.functional import diff_attention_maps, diff_attention_v2, expand_kv_groups, softmax_attention
 from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
 from diffattn_tutorial.rope import rope_cos_sin
 
@@ -242,11 +242,9 @@ def _probe_layer(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor]) -> Att
     """Maps and logits of one attention layer on its (normalised) input ``h (B, N, C)``."""
     B, N, _ = h.shape
     if isinstance(attn, MultiheadDiffAttn):
-        q, k, _ = attn._qkv(h, None, rope, None, 2 * attn.num_heads, 2 * attn.num_kv_heads, attn.num_kv_heads)
+        q, k, v = attn._qkv(h, None, rope, None, 2 * attn.num_heads, 2 * attn.num_kv_heads, attn.num_kv_heads)
         _, _, maps = diff_attention_maps(q, k, attn.lambda_full(), causal=True)
-        # key head of query head 2i + j: map j of KV group i // rep
-        k_rep = k.unflatten(1, (attn.num_kv_heads, 2)).repeat_interleave(attn.num_heads // attn.num_kv_heads, 1)
-        k_rep = k_rep.flatten(1, 2)
+        k_rep, _ = expand_kv_groups(k, v, attn.num_heads)  # key head of query head 2i + j: map j of group i // rep
     else:
         q_heads = attn.num_heads * (2 if isinstance(attn, DiffAttnV2) else 1)
         q, k, v = attn._qkv(h, None, rope, None, q_heads, attn.num_kv_heads, attn.num_kv_heads)
