@@ -227,14 +227,40 @@ def launch(module: str, args: Sequence[str], *, nproc: int = 2, timeout: float =
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started, none left hanging
+        _kill_tree(proc.pid)  # torchrun and every worker it started (workers may lead sessions of their own)
         proc.communicate()
         raise
     if proc.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-25:])
         raise RuntimeError(f"torchrun {module} exited with {proc.returncode}:\n{tail}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
-    return proc
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process started, directly or not, by ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant: torchrun starts each worker in a new session,
+    so killing torchrun's group alone leaves the workers running (and holding the output pipe open)."""
+    for target in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 __all__ = ["STRATEGIES", "DistContext", "init", "shutdown", "micro_batch_rows", "fsdp_local_shard", "wrap",
