@@ -12,7 +12,7 @@ import argparse
 import importlib
 import platform
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -51,15 +51,23 @@ def doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (the error names the value and the fix)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number ``>= minimum``; the error names the value and the bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    parse.__name__ = "whole number"  # what argparse calls the type in its own messages
+    return parse
+
+
+_positive_int = int_at_least(1)
 
 
 def _backend_list(text: str) -> list[str]:

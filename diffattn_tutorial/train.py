@@ -58,6 +58,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from diffattn_tutorial import distributed as D
+from diffattn_tutorial.cli import int_at_least
 from diffattn_tutorial.corpus import TextTask
 from diffattn_tutorial.data import NeedleTask
 from diffattn_tutorial.experiments import SETTINGS, retrieval_loss
@@ -492,24 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+_positive, _non_negative = int_at_least(1), int_at_least(0)
 
 
 def config_from_args(argv: Optional[list[str]], world_size: int) -> RunConfig:
