@@ -245,11 +245,11 @@ def _descendants(pid: int) -> list[int]:
         except OSError:
             continue  # the process ended while we looked
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
+    found, frontier = [], [pid]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
             found.append(child)
-            todo.append(child)
+            frontier.append(child)
     return found
 
 
