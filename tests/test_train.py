@@ -75,6 +75,7 @@ def test_micro_batch_rows_read_every_row_once(per_rank, world, accum):
     assert sorted(seen) == list(range(per_rank * world * accum))
 
 
+@pytest.mark.slow  # torchrun launches
 def test_ddp_two_processes_reach_the_one_process_parameters(runs):
     ref = params(runs["one"])
     got = params(runs["ddp"])
@@ -87,6 +88,7 @@ def test_ddp_two_processes_reach_the_one_process_parameters(runs):
     assert start["world_size"] == 2 and start["config"]["grad_accum"] == 2 and start["backend"] == "gloo"
 
 
+@pytest.mark.slow  # torchrun launches
 def test_fsdp2_resumed_run_reaches_the_one_process_parameters_and_loss_curve(runs):
     ref = params(runs["one"])
     got = params(runs["fsdp2"])  # loaded into one process from two ranks' shards
@@ -99,6 +101,7 @@ def test_fsdp2_resumed_run_reaches_the_one_process_parameters_and_loss_curve(run
     assert [s["step"] for s in starts] == [0, 2]
 
 
+@pytest.mark.slow  # torchrun launches
 def test_fsdp2_keeps_a_torch_chunk_shard_of_each_parameter_per_rank(runs):
     start = read_records(runs["fsdp2"] / "metrics.jsonl")[0]
     full = params(runs["one"]).values()
@@ -109,6 +112,7 @@ def test_fsdp2_keeps_a_torch_chunk_shard_of_each_parameter_per_rank(runs):
     assert ddp["params_per_rank"] == [ddp["params"]] * 2  # DDP: a full copy on every rank
 
 
+@pytest.mark.slow  # torchrun launches
 def test_one_process_resume_continues_exactly(runs, tmp_path):
     run_here(tmp_path, "--batch-size", "8", "--stop-at", "3")
     assert latest_checkpoint(tmp_path).name == "step_000003"
@@ -119,6 +123,7 @@ def test_one_process_resume_continues_exactly(runs, tmp_path):
         assert_close(params(tmp_path)[name], value, **PARAM_TOL, msg=name)
 
 
+@pytest.mark.slow  # torchrun launches
 def test_a_resume_that_changes_the_run_is_refused(runs, tmp_path, capsys):
     run_here(tmp_path, "--batch-size", "8", "--stop-at", "1")
     assert main([*COMMON, "--out", str(tmp_path), "--batch-size", "8", "--resume", "--lr", "0.5"]) == 2
@@ -126,6 +131,7 @@ def test_a_resume_that_changes_the_run_is_refused(runs, tmp_path, capsys):
     assert "lr: checkpoint 0.01, now 0.5" in err and "another --out" in err
 
 
+@pytest.mark.slow  # torchrun launches
 def test_compiled_blocks_train_the_same_model(runs, tmp_path):
     run_here(tmp_path, "--batch-size", "8", "--compile", "--compile-backend", "eager")
     for name, value in params(runs["one"]).items():
@@ -175,6 +181,7 @@ def test_bf16_on_a_cpu_and_resume_without_checkpoint_are_refused(tmp_path, capsy
     assert "run without --resume first" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # torchrun launches
 def test_a_hung_launch_times_out_and_leaves_no_process(tmp_path, monkeypatch):
     """A run that never finishes raises TimeoutExpired, and torchrun and both workers are gone afterwards."""
     (tmp_path / "hang.py").write_text("import os, time\n"

@@ -35,6 +35,8 @@ from diffattn_tutorial.functional import check_diff_inputs  # noqa: E402
 from diffattn_tutorial.triton_diff import (  # noqa: E402
     capture_launches, tile_schedule, triton_available, triton_diff_attention)
 
+pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
+
 OK, WHY = triton_available()
 if not OK:  # loud, not skipped: a silently skipped kernel test would hide a broken CI set-up
     pytest.fail(f"the Triton kernels cannot run in this test session: {WHY}", pytrace=False)

@@ -26,6 +26,8 @@ triton = pytest.importorskip("triton")
 from diffattn_tutorial import triton_compile as tc  # noqa: E402
 from diffattn_tutorial import triton_diff as td  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles kernels for sm_90a and sm_80 (ptxas)
+
 
 def _nvidia_backend() -> bool:
     from triton.backends import backends

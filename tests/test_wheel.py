@@ -41,6 +41,8 @@ sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "")
 sys.path_hooks[:] = [h for h in sys.path_hooks if not getattr(h, "__module__", "").startswith("__editable__")]
 sys.path_importer_cache.clear()
 import diffattn_tutorial
+
+pytestmark = pytest.mark.slow  # builds the wheel and runs every notebook again from an empty folder
 assert pathlib.Path(diffattn_tutorial.__file__).resolve().is_relative_to(pathlib.Path({site!r}).resolve()), \\
     f"diffattn_tutorial comes from {{diffattn_tutorial.__file__}}, not from the wheel"'''
 
