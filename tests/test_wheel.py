@@ -30,6 +30,8 @@ from nbformat.v4 import new_code_cell
 
 from diffattn_tutorial.scorecard import cell_error, execute
 
+pytestmark = pytest.mark.slow  # builds the wheel and runs every notebook again from an empty folder
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
@@ -42,7 +44,6 @@ sys.path_hooks[:] = [h for h in sys.path_hooks if not getattr(h, "__module__", "
 sys.path_importer_cache.clear()
 import diffattn_tutorial
 
-pytestmark = pytest.mark.slow  # builds the wheel and runs every notebook again from an empty folder
 assert pathlib.Path(diffattn_tutorial.__file__).resolve().is_relative_to(pathlib.Path({site!r}).resolve()), \\
     f"diffattn_tutorial comes from {{diffattn_tutorial.__file__}}, not from the wheel"'''
 
