@@ -70,6 +70,12 @@ def retrieval_loss(model: TinyLM, batch: NeedleBatch) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
 
 
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Learning-rate multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps times a cosine from 1 to
+    0 over ``steps`` (the schedule of :func:`train` and of ``diffattn_tutorial.train``)."""
+    return min(1.0, (step + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+
+
 def train(model: TinyLM, task: NeedleTask, *, steps: int, batch_size: int = 32, lr: float = 3e-3,
           settings: Sequence[tuple[int, int]] = SETTINGS, warmup: int = 50, weight_decay: float = 0.01,
           seed: int = 0, progress: bool = True, desc: str = "train") -> list[float]:
@@ -80,8 +86,7 @@ def train(model: TinyLM, task: NeedleTask, *, steps: int, batch_size: int = 32, 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps, warmup))
     model.train()
     losses = []
     bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=1.0)
@@ -459,7 +464,7 @@ def disagreements(rerun: Union[StudyResult, Mapping], recorded_row: Mapping) -> 
     return out
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "train",
+__all__ = ["CACHE_ENV", "cache_dir", "SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train",
            "accuracy", "attention_scores", "logit_outliers", "measure", "StudyMetrics", "StudyConfig", "StudyResult",
            "run_study", "retrieval_study", "SUMMARY_KEYS", "compare_claims", "claim_lines", "RECORD_TOLERANCE",
            "disagreements"]

@@ -61,7 +61,7 @@ from diffattn_tutorial import distributed as D
 from diffattn_tutorial.cli import int_at_least
 from diffattn_tutorial.corpus import TextTask
 from diffattn_tutorial.data import NeedleTask
-from diffattn_tutorial.experiments import SETTINGS, retrieval_loss
+from diffattn_tutorial.experiments import SETTINGS, lr_factor, retrieval_loss
 from diffattn_tutorial.functional import BACKENDS
 from diffattn_tutorial.model import ATTENTIONS, LMConfig, TinyLM
 from diffattn_tutorial.modules import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
@@ -205,12 +205,6 @@ class DataSource:
                 toks.append(t)
                 tgts.append(y)
         return LMBatch(torch.stack(toks), torch.stack(tgts))
-
-
-def lr_factor(step: int, steps: int, warmup: int) -> float:
-    """Learning-rate multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps times a cosine from 1 to
-    0 over ``steps`` (the schedule of ``experiments.train``)."""
-    return min(1.0, (step + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
 # --- model -----------------------------------------------------------------------------------------------------
