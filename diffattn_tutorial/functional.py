@@ -18,6 +18,8 @@ Backends (all exact, they differ in speed and memory):
 ``"sdpa"``          the best SDPA formulation (``"sdpa_split"``; ``"sdpa_wide"`` with dropout).
 ``"chunked"``       explicit maps over query chunks: naive arithmetic, bounded memory.
 ``"triton"``        the fused differential flash-attention kernel (``diffattn_tutorial.triton_diff``).
+``"cpu_fused"``     the fused CPU kernel, naive's arithmetic with the maps kept in cache (``diffattn_tutorial.cpu_kernel``);
+                    forward only, computes in float32.
 ``"auto"``          the fastest exact backend for the device at hand.
 
 Fully masked query rows (every key masked by ``causal`` and/or ``attn_mask``) have no softmax; every
@@ -48,6 +50,7 @@ BACKENDS: tuple[str, ...] = (
     "sdpa_padded",
     "chunked",
     "triton",
+    "cpu_fused",
 )
 """Every backend name ``diff_attention`` accepts, besides ``"auto"``."""
 
@@ -55,7 +58,13 @@ SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked")
 """The SDPA formulations of the reference implementations, which notebook 08 compares, selectable by name
 (``"sdpa_padded"``, the CPU's ``"auto"``, has a section of its own there)."""
 
-_DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "sdpa_padded", "triton")
+_DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "sdpa_padded", "triton", "cpu_fused")
+
+FORWARD_ONLY: tuple[str, ...] = ("cpu_fused",)
+"""Backends without autograd, for inference (``"auto"`` picks them only where no gradient is needed)."""
+
+LOG2E = 1.4426950408889634
+"""``1 / ln 2``: the fused kernels (Triton's and the CPU's) use ``exp2``, so their scores are in base-2 units."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,8 +489,11 @@ def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[
     if ok and device.type == "cpu":
         why = "Triton interpreter (TRITON_INTERPRET=1): exact but slow, for learning and tests"
     status["triton"] = (ok, why)
-    status["auto"] = (True, f"-> {resolve_backend('auto', device)} ({resolve_backend('auto', device, dropout=True)} "
-                            f"with dropout)")
+    status["cpu_fused"] = _cpu_kernel_status() if device.type == "cpu" else (False, "runs on the CPU only")
+    auto = f"-> {resolve_backend('auto', device)} ({resolve_backend('auto', device, dropout=True)} with dropout)"
+    if status["cpu_fused"][0]:
+        auto = f"-> cpu_fused for float32 inference, else {auto[3:]}"
+    status["auto"] = (True, auto)
     return status
 
 
@@ -494,6 +506,10 @@ def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: 
     the GPU's flash kernels at any head dim they take. (``chunked`` can be fast on an idle CPU, but its many
     small parallel ops slow down about 10x when a core is busy, so it is never chosen automatically.) With
     dropout, ``"auto"`` and ``"sdpa"`` mean ``sdpa_wide``.
+
+    This is the answer for any call. :func:`diff_attention` goes one step further on a CPU: for a float32 call
+    that needs no gradient, ``"auto"`` runs the fused CPU kernel (``cpu_fused``, about 3x ``naive`` where
+    ``sdpa_padded`` is about 2x) wherever it builds (:func:`diffattn_tutorial.cpu_kernel.kernel_status`).
     """
     if backend not in BACKENDS and backend != "auto":
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
@@ -505,6 +521,37 @@ def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: 
         raise ValueError(f"backend {backend!r} does not support attention dropout (its maps are split or fused); "
                          f"use backend='sdpa_wide', 'naive' or 'auto', or dropout_p=0")
     return backend
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _cpu_kernel_status() -> tuple[bool, str]:
+    from diffattn_tutorial.cpu_kernel import kernel_status
+
+    return kernel_status()
+
+
+def _fused_cpu_fits(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> bool:
+    """Whether ``"auto"`` may run this CPU call on the fused kernel: float32, no gradient, not being compiled
+    (a ctypes call would break the graph), and the kernel builds here."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and not _needs_grad(q, k, v, lam)
+            and not torch.compiler.is_compiling() and _cpu_kernel_status()[0])
+
+
+def _check_cpu_fused(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> None:
+    """``backend="cpu_fused"`` asked for by name: say what it cannot do, and what to use instead."""
+    if q.device.type != "cpu":
+        raise ValueError(f"backend 'cpu_fused' runs on the CPU, the inputs are on {q.device}; use backend='auto'")
+    if q.dtype == torch.float64:
+        raise ValueError("backend 'cpu_fused' computes in float32; for float64 use backend='naive' (or 'auto')")
+    if _needs_grad(q, k, v, lam):
+        raise ValueError("backend 'cpu_fused' is forward-only (no autograd); to train use backend='auto' or "
+                         "'sdpa_padded', or call it under torch.no_grad()")
+    ok, why = _cpu_kernel_status()
+    if not ok:
+        raise RuntimeError(f"backend 'cpu_fused' is unavailable here: {why}")
 
 
 def diff_attention(
@@ -531,6 +578,7 @@ def diff_attention(
             combined with ``causal``. Fully masked rows give zeros.
         scale: softmax scale, default ``1/sqrt(d)``.
         dropout_p: dropout on the attention maps (training only; ``naive``/``chunked``/``sdpa_wide``).
+            ``cpu_fused`` is forward-only and float32-or-narrower (it computes in float32).
         backend: one of ``BACKENDS`` or ``"auto"``.
 
     Returns:
@@ -542,8 +590,14 @@ def diff_attention(
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
     name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
-    # SDPA's own is_causal (top-left aligned) is used only where it equals ours: Nq == Nk, no other mask
-    is_causal = causal and (name == "triton" or (mask is None and Nq == Nk and name in _SDPA_IMPLS))
+    if name == "sdpa_padded" and backend == "auto" and _fused_cpu_fits(q, k, v, lam_t):
+        name = "cpu_fused"
+    elif name == "cpu_fused":
+        _check_cpu_fused(q, k, v, lam_t)
+    # the kernels' own causal masking is bottom-right aligned, like ours; SDPA's is_causal (top-left) is used
+    # only where the two agree: Nq == Nk, no other mask
+    is_causal = causal and (name == "triton" or (mask is None and (name == "cpu_fused" or
+                                                                   (Nq == Nk and name in _SDPA_IMPLS))))
     full = None if is_causal and mask is None else _combine_masks(mask, causal, Nq, Nk, q.device)
     if not _may_hold_nan(q, k, v):
         return _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
@@ -563,7 +617,11 @@ def _run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: 
 
         return triton_diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, scale=scale)
     full, valid = _fix_fully_masked(full)
-    if name == "naive":
+    if name == "cpu_fused":
+        from diffattn_tutorial.cpu_kernel import fused_diff_attention
+
+        out = fused_diff_attention(q, k, v, lam, attn_mask=full, causal=is_causal, scale=scale)
+    elif name == "naive":
         out = _naive(q, k, v, lam, full, scale, dropout_p)
     elif name == "chunked":
         out = _chunked(q, k, v, lam, full, scale, dropout_p, causal=causal)

@@ -66,9 +66,10 @@ import torch
 import triton
 import triton.language as tl
 
+from diffattn_tutorial.functional import LOG2E  # 1 / ln 2: the kernels use exp2 (base-2 scores)
+
 Tensor = torch.Tensor
 
-LOG2E = 1.4426950408889634  # 1 / ln 2: the kernels use exp2, so scores are kept in base-2 units
 _LOG2E = tl.constexpr(LOG2E)  # the same number, visible inside @triton.jit functions
 MAX_HEAD_DIM = 128
 INTERPRETER_BLOCK = 16
