@@ -45,7 +45,7 @@ BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
 queries, 48 otherwise (fewer passes over K and V; about 5% faster at N=2048 on the machine of the benchmarks)."""
 
-KEY_MULTIPLE = 32  # keys are padded to the score tile's 32 columns
+KEY_MULTIPLE = 32  # the kernel pads keys to the score tile's 32 columns
 VALUE_MULTIPLE = 64  # the value width to the output tile's 64 columns
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
 NATIVE_FLAGS = ("-march=native",)  # tried first; a compiler that does not take it builds without it
@@ -131,7 +131,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     f = lib.diff_attention_cpu_forward
     ptr, c_int = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, c_int, c_int]
+    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
     f.restype = c_int
     return lib
 
@@ -188,16 +188,15 @@ def _float_mask(mask: Tensor) -> Tensor:
 
 def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], causal: bool,
              scale: float) -> Tensor:
-    """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count."""
+    """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count.
+    Contiguous float32 inputs with a head width that is a multiple of 32 are used as they are (no copy)."""
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
-    d_pad = _round_up(d, VALUE_MULTIPLE // 2)
+    d_pad = _round_up(d, VALUE_MULTIPLE // 2)  # the value width 2 * d_pad is a multiple of the 64-column tile
+    q, k = (F.pad(t.float(), (0, d_pad - d)).contiguous() for t in (q, k))
+    v = F.pad(v.float(), (0, 2 * (d_pad - d))).contiguous()
+    lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
     block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
-    nq_pad, nk_pad = _round_up(nq, block_rows), _round_up(nk, KEY_MULTIPLE)
-    qs = F.pad(q.float() * (scale * LOG2E), (0, d_pad - d, 0, nq_pad - nq)).contiguous()
-    kt = F.pad(k.float(), (0, d_pad - d, 0, nk_pad - nk)).transpose(-1, -2).contiguous()  # (B, 2Hkv, d, Nk)
-    vp = F.pad(v.float(), (0, 2 * (d_pad - d), 0, nk_pad - nk)).contiguous()
-    lam_rows = F.pad(lam.float().expand(B, H, nq, 1)[..., 0], (0, nq_pad - nq)).contiguous()  # (B, H, Nq_pad)
     strides = (ctypes.c_long * 4)(0, 0, 0, 0)
     mask_ptr = None
     if mask is not None:
@@ -207,16 +206,17 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
         m = m.expand(B, H, nq, nk)
         strides = (ctypes.c_long * 4)(*(s if n > 1 else 0 for s, n in zip(m.stride(), m.shape)))
         mask_ptr = m.data_ptr()
-    out = torch.empty(B, H, nq_pad, 2 * d_pad)
-    sizes = (ctypes.c_int * 10)(B, H, Hkv, nq, nq_pad, nk, nk_pad, d_pad, 2 * d_pad, block_rows)
-    rc = lib.diff_attention_cpu_forward(qs.data_ptr(), kt.data_ptr(), vp.data_ptr(), lam_rows.data_ptr(), mask_ptr,
-                                        strides, LOG2E, out.data_ptr(), sizes, int(causal), torch.get_num_threads())
+    out = torch.empty(B, H, nq, 2 * d_pad)
+    sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
+    rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
+                                        strides, LOG2E, scale * LOG2E, out.data_ptr(), sizes, int(causal),
+                                        torch.get_num_threads())
     if rc == -2:
-        raise MemoryError(f"the fused CPU kernel could not allocate its score buffers ({block_rows} x {nk_pad} "
-                          f"floats per thread); use backend='sdpa_padded' or fewer threads")
+        raise MemoryError(f"the fused CPU kernel could not allocate its buffers (k transposed, and {block_rows} x "
+                          f"{_round_up(nk, KEY_MULTIPLE)} scores per thread); use backend='sdpa_padded'")
     if rc != 0:
         raise RuntimeError(f"the fused CPU kernel refused sizes {tuple(sizes)} (code {rc}); please report this")
-    return out[:, :, :nq, : 2 * d].to(q.dtype)
+    return out if d_pad == d else out[..., : 2 * d]
 
 
 def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_mask: Optional[Tensor] = None,
@@ -226,7 +226,7 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     ``(B, H, Nq, 1)``, ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` with no fully masked
     row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype.
     Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`)."""
-    return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale)
+    return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype)
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "KernelUnavailable", "compiler", "library_path", "kernel_status",

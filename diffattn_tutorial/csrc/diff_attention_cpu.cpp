@@ -15,9 +15,9 @@
 // takes fewer items (no thread waits for another at a barrier). Each row is computed by one thread in a
 // fixed order, so the output does not depend on the thread count.
 //
-// The Python side (diffattn_tutorial/cpu_kernel.py) lays the inputs out as this file expects: q scaled by
-// scale * LOG2E and zero-padded to BQ rows, k transposed to (d, Nk_pad), v padded to Nk_pad rows and a head
-// width that is a multiple of 64, lam expanded to (B, H, Nq_pad), the mask (if any) float32 with row strides.
+// The Python side (diffattn_tutorial/cpu_kernel.py) passes contiguous float32 q, k, v (a head width that is
+// a multiple of 32, zero-padded there if need be), lam expanded to (B, H, Nq), the mask (if any) as float32
+// with element strides. The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles.
 // Build: c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread (no PyTorch headers; called through ctypes).
 
 #include <algorithm>
@@ -67,8 +67,8 @@ inline v16 exp2_neg(v16 x) {
   return p * (v16)bits;
 }
 
-// S[r][j0 : j0 + 32] = sum_c q[r][c] * kt[c][j0 : j0 + 32] for SCORE_ROWS rows of q (row stride d).
-inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, float* s, int lds) {
+// S[r][j0 : j0 + 32] = scale * sum_c q[r][c] * kt[c][j0 : j0 + 32] for SCORE_ROWS rows of q (row stride d).
+inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, float* s, int lds, float scale) {
   v16 acc[SCORE_ROWS][2] = {};
   for (int c = 0; c < d; ++c) {
     const v16 k0 = load(kt + (size_t)c * ldk + j0), k1 = load(kt + (size_t)c * ldk + j0 + VL);
@@ -79,8 +79,8 @@ inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, 
     }
   }
   for (int r = 0; r < SCORE_ROWS; ++r) {
-    store(s + (size_t)r * lds + j0, acc[r][0]);
-    store(s + (size_t)r * lds + j0 + VL, acc[r][1]);
+    store(s + (size_t)r * lds + j0, acc[r][0] * scale);
+    store(s + (size_t)r * lds + j0 + VL, acc[r][1] * scale);
   }
 }
 
@@ -132,31 +132,60 @@ inline float softmax_numerators(float* s, int nvis, int npad, const float* mask,
 }
 
 struct Problem {
-  const float *q, *kt, *v, *lam, *mask;
+  const float *q, *k, *v, *lam, *mask;
+  float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys
   float* out;
-  int batch, heads, kv_heads, nq, nq_pad, nk, nk_pad, d, dv, block_rows;
+  int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
+  float qk_scale;                       // the softmax scale times LOG2E: scores in base-2 units
   long mask_b, mask_h, mask_q, mask_k;  // element strides of the (B, H, Nq, Nk) mask view (0 where broadcast)
   float mask_scale;
   bool causal;                          // bottom-right aligned: row i sees keys j <= i + nk - nq
 };
 
-// One work item: rows [r0, r0 + block_rows) of head h in batch b. s1, s2: block_rows x nk_pad scratch.
-void block(const Problem& P, int b, int h, int r0, float* s1, float* s2) {
-  const int g = h / (P.heads / P.kv_heads), BQ = P.block_rows;
-  const float* q1 = P.q + (((size_t)b * 2 * P.heads + 2 * h) * P.nq_pad + r0) * P.d;
-  const float* q2 = q1 + (size_t)P.nq_pad * P.d;
+// Per-thread buffers: two block_rows x nk_pad score blocks; for the last, partial block of rows, its queries
+// zero-padded and its output rows.
+struct Scratch {
+  std::vector<float> s1, s2, q1, q2, out;
+  Scratch(const Problem& P)
+      : s1((size_t)P.block_rows * P.nk_pad), s2(s1.size()), q1((size_t)P.block_rows * P.d), q2(q1.size()),
+        out((size_t)P.block_rows * P.dv) {}
+};
+
+// Work item of the first phase: keys [j0, j0 + 32) of key map m (of B * 2Hkv) into kt, transposed.
+void transpose_keys(const Problem& P, long m, int j0) {
+  const float* k = P.k + (size_t)m * P.nk * P.d;
+  float* kt = P.kt + (size_t)m * P.d * P.nk_pad;
+  for (int c = 0; c < P.d; ++c)
+    for (int j = j0; j < j0 + SCORE_COLS; ++j) kt[(size_t)c * P.nk_pad + j] = j < P.nk ? k[(size_t)j * P.d + c] : 0.0f;
+}
+
+// Work item of the second phase: rows [r0, r0 + block_rows) of head h in batch b.
+void block(const Problem& P, int b, int h, int r0, Scratch& w) {
+  const int g = h / (P.heads / P.kv_heads), BQ = P.block_rows, rows = std::min(BQ, P.nq - r0);
+  const float* q1 = P.q + (((size_t)b * 2 * P.heads + 2 * h) * P.nq + r0) * P.d;
+  const float* q2 = q1 + (size_t)P.nq * P.d;
+  if (rows < BQ) {  // the last block: copy its rows into zero-padded buffers
+    std::fill(w.q1.begin(), w.q1.end(), 0.0f);
+    std::fill(w.q2.begin(), w.q2.end(), 0.0f);
+    std::copy(q1, q1 + (size_t)rows * P.d, w.q1.begin());
+    std::copy(q2, q2 + (size_t)rows * P.d, w.q2.begin());
+    q1 = w.q1.data();
+    q2 = w.q2.data();
+  }
+  float *s1 = w.s1.data(), *s2 = w.s2.data();
   const float* k1 = P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
   const float* k2 = k1 + (size_t)P.d * P.nk_pad;
-  const float* vg = P.v + ((size_t)b * P.kv_heads + g) * P.nk_pad * P.dv;
-  const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq_pad + r0;
-  float* o = P.out + (((size_t)b * P.heads + h) * P.nq_pad + r0) * P.dv;
+  const float* vg = P.v + ((size_t)b * P.kv_heads + g) * P.nk * P.dv;
+  const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq + r0;
+  float* o_rows = P.out + (((size_t)b * P.heads + h) * P.nq + r0) * P.dv;
+  float* o = rows < BQ ? w.out.data() : o_rows;
   const int shift = P.nk - P.nq;  // causal: row i sees keys j < i + 1 + shift
   const int kmax = P.causal ? std::clamp(r0 + BQ + shift, 0, P.nk) : P.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
     for (int r = 0; r < BQ; r += SCORE_ROWS) {
-      score_tile(q1 + (size_t)r * P.d, P.d, k1, P.nk_pad, j0, s1 + (size_t)r * P.nk_pad, P.nk_pad);
-      score_tile(q2 + (size_t)r * P.d, P.d, k2, P.nk_pad, j0, s2 + (size_t)r * P.nk_pad, P.nk_pad);
+      score_tile(q1 + (size_t)r * P.d, P.d, k1, P.nk_pad, j0, s1 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
+      score_tile(q2 + (size_t)r * P.d, P.d, k2, P.nk_pad, j0, s2 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
     }
   for (int r = 0; r < BQ; ++r) {
     const int row = r0 + r;
@@ -167,52 +196,69 @@ void block(const Problem& P, int b, int h, int r0, float* s1, float* s2) {
     const float l1 = softmax_numerators(p1, nvis, kpad, mrow, P.mask_k, P.mask_scale);
     const float l2 = softmax_numerators(p2, nvis, kpad, mrow, P.mask_k, P.mask_scale);
     if (l1 == 0.0f || l2 == 0.0f) { std::memset(p1, 0, sizeof(float) * kpad); continue; }
-    const v16 a1 = splat(1.0f / l1), a2 = splat(lam[r] / l2);
+    const v16 a1 = splat(1.0f / l1), a2 = splat((row < P.nq ? lam[r] : 0.0f) / l2);
     for (int j = 0; j < kpad; j += VL) store(p1 + j, load(p1 + j) * a1 - load(p2 + j) * a2);
   }
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK)
     for (int c0 = 0; c0 < P.dv; c0 += OUT_COLS)
       for (int r = 0; r < BQ; r += OUT_ROWS)
-        out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, std::min(kpad, j0 + KEY_CHUNK), vg, P.dv, c0,
-                 o + (size_t)r * P.dv, j0 == 0);
+        out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, std::min({kpad, P.nk, j0 + KEY_CHUNK}), vg, P.dv, c0,
+                 o + (size_t)r * P.dv, j0 == 0);  // P is 0 beyond nk: V's rows there are never read
+  if (rows < BQ) std::copy(o, o + (size_t)rows * P.dv, o_rows);
 }
 
-}  // namespace
-
-// Layout in diffattn_tutorial/cpu_kernel.py. Returns 0; -1 for sizes it cannot take, -2 when out of memory.
-extern "C" int diff_attention_cpu_forward(const float* q, const float* kt, const float* v, const float* lam,
-                                          const float* mask, const long* mask_strides, float mask_scale,
-                                          float* out, const int* sizes, int causal, int n_threads) {
-  Problem P{q, kt, v, lam, mask, out,
-            sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8], sizes[9],
-            mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], mask_scale, causal != 0};
-  const int BQ = P.block_rows;
-  if (BQ <= 0 || BQ % SCORE_ROWS || BQ % OUT_ROWS || P.nq_pad % BQ || P.nk_pad % SCORE_COLS ||
-      P.dv % OUT_COLS || P.kv_heads <= 0 || P.heads % P.kv_heads || P.nk_pad < P.nk || P.nq_pad < P.nq)
-    return -1;
-  const long blocks = P.nq_pad / BQ, items = (long)P.batch * P.heads * blocks;
-  const int n_workers = (int)std::max(1L, std::min<long>(n_threads, items));
-  std::vector<std::vector<float>> scratch;  // two block_rows x nk_pad score buffers per thread, allocated here
-  try {                                     // so that running out of memory is an error code, not a crash
-    for (int t = 0; t < 2 * n_workers; ++t) scratch.emplace_back((size_t)BQ * P.nk_pad);
-  } catch (const std::bad_alloc&) {
-    return -2;
-  }
+// Runs item(t, i) for i in [0, items) on n_workers threads (t: the thread's index), handing items out through
+// one atomic counter. A thread that cannot be started leaves its share to the others.
+template <class Item>
+void run_items(long items, int n_workers, Item item) {
   std::atomic<long> next{0};
   auto worker = [&](int t) {
-    for (long it; (it = next.fetch_add(1)) < items;)
-      block(P, (int)(it / blocks / P.heads), (int)(it / blocks % P.heads), (int)(it % blocks * BQ),
-            scratch[2 * t].data(), scratch[2 * t + 1].data());
+    for (long i; (i = next.fetch_add(1)) < items;) item(t, i);
   };
   std::vector<std::thread> threads;
   for (int t = 1; t < n_workers; ++t) {
     try {
       threads.emplace_back(worker, t);
-    } catch (const std::system_error&) {  // no more threads: the ones running take the remaining items
+    } catch (const std::system_error&) {
       break;
     }
   }
   worker(0);
   for (auto& t : threads) t.join();
+}
+
+}  // namespace
+
+// q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and lam (B, H, nq) contiguous float32; the mask
+// (if any) float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv).
+// sizes: B, H, Hkv, nq, nk, d, dv, block_rows. Returns 0; -1 for sizes it cannot take; -2 when out of memory.
+extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
+                                          const float* mask, const long* mask_strides, float mask_scale,
+                                          float qk_scale, float* out, const int* sizes, int causal, int n_threads) {
+  Problem P{q, k, v, lam, mask, nullptr, out,
+            sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], qk_scale,
+            mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], mask_scale, causal != 0};
+  P.nk_pad = (P.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
+  const int BQ = P.block_rows;
+  if (BQ <= 0 || BQ % SCORE_ROWS || BQ % OUT_ROWS || P.dv % OUT_COLS || P.d <= 0 || P.nq < 0 || P.nk < 0 ||
+      P.kv_heads <= 0 || P.heads % P.kv_heads)
+    return -1;
+  const long key_maps = (long)P.batch * 2 * P.kv_heads, key_tiles = P.nk_pad / SCORE_COLS;
+  const long blocks = (P.nq + BQ - 1) / BQ, items = (long)P.batch * P.heads * blocks;
+  const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max(items, key_maps * key_tiles)));
+  std::vector<float> kt;
+  std::vector<Scratch> scratch;  // allocated here, so that running out of memory is an error code, not a crash
+  try {
+    kt.resize((size_t)key_maps * P.d * P.nk_pad);
+    for (int t = 0; t < n_workers; ++t) scratch.emplace_back(P);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  P.kt = kt.data();
+  run_items(key_maps * key_tiles, n_workers,
+            [&](int, long i) { transpose_keys(P, i / key_tiles, (int)(i % key_tiles) * SCORE_COLS); });
+  run_items(items, n_workers, [&](int t, long i) {
+    block(P, (int)(i / blocks / P.heads), (int)(i / blocks % P.heads), (int)(i % blocks) * BQ, scratch[t]);
+  });
   return 0;
 }
