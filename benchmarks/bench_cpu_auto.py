@@ -15,6 +15,9 @@ count. Candidates:
   ``[k1 | k2]`` per KV group, V as it is (GQA).
 * ``split_into_one``: ``sdpa_split`` writing its four products into one preallocated output.
 * ``chunked``: explicit maps over query chunks.
+* ``cpu_fused``: the fused C++ kernel (``diffattn_tutorial.cpu_kernel``): naive's arithmetic, one pass per block
+  of query rows, the maps kept in cache.
+* ``auto``: what ``diff_attention`` runs by default here (``cpu_fused`` where it builds, else ``sdpa_padded``).
 
 Time: ``rounds`` rounds, each timing every candidate once (so a burst of load from other programs hits all of
 them alike); the table shows the median over rounds and the spread (min-max) of the speed-up against naive.
@@ -89,7 +92,8 @@ def split_into_one(q, k, v, lam, causal=False):
 def candidates() -> dict:
     """Label -> ``fn(q, k, v, lam, causal=...)``."""
     library = {name: functools.partial(diff_attention, backend=name)
-               for name in ("naive", "sdpa_split", "sdpa_stacked", "sdpa_wide", "sdpa_padded", "chunked")}
+               for name in ("naive", "sdpa_split", "sdpa_stacked", "sdpa_wide", "sdpa_padded", "chunked", "cpu_fused",
+                            "auto")}
     return {**library, "padded_one_call": padded_one_call, "shared_keys_one_call": shared_keys_one_call,
             "split_into_one": split_into_one}
 

@@ -1,0 +1,182 @@
+"""The fused CPU kernel (``backend="cpu_fused"``, ``diffattn_tutorial.cpu_kernel``): exact against the paper's
+formula in float64, independent of the thread count and of input strides, chosen by ``auto`` only where it
+applies, and refused with a message that names the fix where it does not. Its speed is measured by
+``benchmarks/bench_cpu_auto.py``, not here."""
+
+import pytest
+import torch
+
+from diffattn_tutorial import cpu_kernel
+from diffattn_tutorial.functional import backend_status, diff_attention
+
+NO_COMPILER = cpu_kernel.compiler() is None
+needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler here: backend='auto' uses sdpa_padded "
+                                                        "(test_without_a_compiler checks that)")
+
+
+def inputs(B, H, Hkv, Nq, Nk, d, seed=0, lam_kind="head"):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g)
+    v = torch.randn(B, Hkv, Nk, 2 * d, generator=g)
+    lam = {"scalar": torch.tensor(0.4), "head": torch.rand(1, H, 1, 1, generator=g),
+           "token": torch.rand(B, H, Nq, 1, generator=g)}[lam_kind]
+    return q, k, v, lam
+
+
+def reference(q, k, v, lam, **kw):
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        kw["attn_mask"] = mask.double()
+    return diff_attention(q.double(), k.double(), v.double(), lam.double(), backend="naive", **kw)
+
+
+def fused(q, k, v, lam, **kw):
+    with torch.no_grad():
+        return diff_attention(q, k, v, lam, backend="cpu_fused", **kw)
+
+
+@needs_compiler
+@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,d", [
+    (1, 1, 1, 1, 1, 64),       # one query, one key
+    (2, 4, 2, 50, 70, 32),     # GQA, tails in rows (50 = 48 + 2) and keys (70 = 2 * 32 + 6)
+    (1, 2, 1, 100, 37, 64),    # Nq > Nk: causal leaves rows without keys
+    (1, 4, 4, 5, 33, 20),      # a head width the kernel pads (20 -> 32)
+    (2, 2, 1, 49, 1, 64),      # one key
+    (1, 2, 2, 24, 300, 128),   # exactly one 24-row block; wide heads
+    (1, 3, 1, 97, 97, 16),     # three heads per KV group
+])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lam_kind", ["scalar", "head", "token"])
+def test_matches_the_formula_in_float64(B, H, Hkv, Nq, Nk, d, causal, lam_kind):
+    q, k, v, lam = inputs(B, H, Hkv, Nq, Nk, d, lam_kind=lam_kind)
+    out = fused(q, k, v, lam, causal=causal)
+    assert out.shape == (B, H, Nq, 2 * d) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(q, k, v, lam, causal=causal), rtol=1e-5, atol=2e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("mask_kind", ["bool_2d", "bool_rows_fully_masked", "float_per_head", "finfo_min",
+                                       "key_padding"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_masks(mask_kind, causal):
+    B, H, Hkv, Nq, Nk = 2, 2, 1, 29, 41
+    q, k, v, lam = inputs(B, H, Hkv, Nq, Nk, 32, seed=1, lam_kind="token")
+    g = torch.Generator().manual_seed(2)
+    if mask_kind == "bool_2d":
+        mask = torch.rand(Nq, Nk, generator=g) > 0.3
+    elif mask_kind == "bool_rows_fully_masked":
+        mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
+        mask[0, :, 3] = False
+    elif mask_kind == "float_per_head":
+        mask = torch.randn(1, H, Nq, Nk, generator=g)
+    elif mask_kind == "finfo_min":  # Hugging Face's convention: finfo.min marks a masked key
+        mask = torch.zeros(B, 1, Nq, Nk).masked_fill(torch.rand(B, 1, Nq, Nk, generator=g) > 0.7,
+                                                     torch.finfo(torch.float32).min)
+    else:  # (B, 1, 1, Nk): one padding mask for every row, broadcast along queries
+        mask = (torch.arange(Nk) < torch.tensor([30, 41]).view(B, 1)).view(B, 1, 1, Nk)
+    out = fused(q, k, v, lam, causal=causal, attn_mask=mask)
+    expected = reference(q, k, v, lam, causal=causal, attn_mask=mask)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+    if mask_kind == "bool_rows_fully_masked":
+        assert out[0, :, 3].abs().max() == 0
+
+
+@needs_compiler
+def test_the_same_numbers_on_any_thread_count_and_for_any_strides():
+    """Each row is computed by one thread in a fixed order: the output does not depend on the thread count
+    (bit for bit), nor on whether q, k, v are views into a fused projection."""
+    B, H, N, d = 2, 4, 75, 64
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, N, 3 * 2 * H * d, generator=g)  # one fused projection, sliced as models do
+    q, k, vv = qkv.split(2 * H * d, dim=-1)
+    q, k = (t.unflatten(-1, (2 * H, d)).transpose(1, 2) for t in (q, k))
+    v = vv.unflatten(-1, (H, 2 * d)).transpose(1, 2)
+    assert not q.is_contiguous()
+    lam = torch.tensor(0.3)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(fused(q, k, v, lam, causal=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert torch.equal(outs[0], fused(q.contiguous(), k.contiguous(), v.contiguous(), lam, causal=True))
+    torch.testing.assert_close(outs[0].double(), reference(q, k, v, lam, causal=True), rtol=1e-5, atol=2e-6)
+
+
+@needs_compiler
+def test_half_precision_inputs_are_computed_in_float32():
+    q, k, v, lam = inputs(1, 2, 1, 30, 30, 32)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = fused(q.to(dtype), k.to(dtype), v.to(dtype), lam, causal=True)
+        assert out.dtype == dtype
+        expected = reference(q.to(dtype), k.to(dtype), v.to(dtype), lam, causal=True)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+@needs_compiler
+def test_auto_runs_it_for_float32_inference_and_sdpa_padded_for_training():
+    q, k, v, lam = inputs(1, 2, 1, 40, 40, 32)
+    assert backend_status()["auto"][1].startswith("-> cpu_fused for float32 inference, else sdpa_padded")
+    with torch.no_grad():
+        assert torch.equal(diff_attention(q, k, v, lam), diff_attention(q, k, v, lam, backend="cpu_fused"))
+    qg = q.clone().requires_grad_()
+    out = diff_attention(qg, k, v, lam)
+    assert out.grad_fn is not None
+    assert torch.equal(out.detach(), diff_attention(q, k, v, lam, backend="sdpa_padded"))
+    out.sum().backward()
+    assert qg.grad is not None and qg.grad.isfinite().all()
+
+
+@needs_compiler
+def test_what_it_cannot_do_is_refused_with_the_fix():
+    q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
+    with pytest.raises(ValueError, match="float32; for float64 use backend='naive'"):
+        fused(q.double(), k.double(), v.double(), lam)
+    with pytest.raises(ValueError, match="forward-only .* use backend='auto' or 'sdpa_padded'"):
+        diff_attention(q.requires_grad_(), k, v, lam, backend="cpu_fused")
+    with pytest.raises(ValueError, match="does not support attention dropout"):
+        diff_attention(q, k, v, lam, backend="cpu_fused", dropout_p=0.1)
+
+
+@needs_compiler
+def test_a_kernel_that_computes_wrong_numbers_is_never_used():
+    class Wrong:  # returns success without writing its output
+        @staticmethod
+        def diff_attention_cpu_forward(*args):
+            return 0
+
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="disagrees with the naive formula"):
+        cpu_kernel._self_check(Wrong())
+
+
+@needs_compiler
+def test_the_build_is_cached_per_source_compiler_and_cpu():
+    first = cpu_kernel.library_path()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernel.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+
+
+def test_without_a_compiler(monkeypatch, tmp_path):
+    """No compiler (most Windows machines): the status says why, auto uses sdpa_padded, the name alone fails
+    with the reason."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="could not be run"):
+        cpu_kernel.library_path()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"no C\+\+ compiler found .* use backend='sdpa_padded'"):
+        cpu_kernel.library_path()
+
+    def unavailable():
+        raise cpu_kernel.KernelUnavailable("no C++ compiler found (test)")
+
+    monkeypatch.setattr(cpu_kernel, "_kernel", unavailable)
+    assert backend_status()["cpu_fused"] == (False, "no C++ compiler found (test)")
+    q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
+    with torch.no_grad():
+        assert torch.equal(diff_attention(q, k, v, lam), diff_attention(q, k, v, lam, backend="sdpa_padded"))
+        with pytest.raises(RuntimeError, match="'cpu_fused' is unavailable here: no C\\+\\+ compiler found"):
+            diff_attention(q, k, v, lam, backend="cpu_fused")
