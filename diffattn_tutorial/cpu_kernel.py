@@ -43,7 +43,8 @@ SOURCE = "csrc/diff_attention_cpu.cpp"
 
 BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
-queries, 48 otherwise (fewer passes over K and V; about 5% faster at N=2048 on the machine of the benchmarks)."""
+queries (less padding), 48 otherwise (fewer passes over K and V; 1-2% faster than 24 at N=2048 on the
+machine of the benchmarks, within its noise)."""
 
 KEY_MULTIPLE = 32  # the kernel pads keys to the score tile's 32 columns
 VALUE_MULTIPLE = 64  # the value width to the output tile's 64 columns

@@ -509,7 +509,7 @@ def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: 
 
     This is the answer for any call. :func:`diff_attention` goes one step further on a CPU: for a float32 call
     that needs no gradient, ``"auto"`` runs the fused CPU kernel (``cpu_fused``, about 3x ``naive`` where
-    ``sdpa_padded`` is about 2x) wherever it builds (:func:`diffattn_tutorial.cpu_kernel.kernel_status`).
+    ``sdpa_padded`` is under 2x, ``benchmarks/bench_cpu_auto.py``) wherever it builds (:func:`diffattn_tutorial.cpu_kernel.kernel_status`).
     """
     if backend not in BACKENDS and backend != "auto":
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
