@@ -6,7 +6,12 @@ Config keys are the reference constructors' own names (the ``config`` dict in ea
 * timm ``DiffAttention(dim, num_heads, qkv_bias, qk_norm, proj_bias, depth, dual_lambda, ...)``
 * unilm V2 ``MultiheadFlashDiffV2(use_diff_v2, d_model, num_heads, num_kv_heads, head_dim)``
 * Hugging Face ``DiffLlamaAttention`` (``DiffLlamaConfig``: ``hidden_size``, ``num_attention_heads``,
-  ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``attention_bias``; ``layer_idx``)
+  ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``attention_bias``, ``attention_dropout``;
+  ``layer_idx``), or a whole config as transformers gives it (``config=model.config``,
+  ``**model.config.to_dict()``)
+
+A key none of these loaders knows is refused with the valid names (a misspelled key must not fall back to a
+default); errors about weights name the checkpoint's own keys (timm's fused ``qkv.weight`` with its rows).
 
 >>> layer = from_unilm(state_dict, embed_dim=64, num_heads=4, depth=2)   # doctest: +SKIP
 >>> to_unilm(layer).keys() == state_dict.keys()                          # doctest: +SKIP
@@ -14,7 +19,9 @@ Config keys are the reference constructors' own names (the ``config`` dict in ea
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import difflib
+import inspect
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -27,8 +34,7 @@ StateDict = Mapping[str, Tensor]
 _LAMBDA_VECS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
 
-_TIMM_NAMES = {"q_proj": "qkv (first third)", "k_proj": "qkv (second third)", "v_proj": "qkv (last third)",
-               "out_proj": "proj", "subln": "sub_norm"}
+_TIMM_NAMES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "out_proj": "proj", "subln": "sub_norm"}
 """This library's parameter prefixes -> timm ``DiffAttention``'s, for error messages that name the checkpoint."""
 
 
@@ -37,22 +43,46 @@ def _source_name(name: str, names: Mapping[str, str]) -> str:
     return f"{names[prefix]}.{rest}" if prefix in names else name
 
 
-def _load(module: torch.nn.Module, sd: dict[str, Tensor], source: str, names: Mapping[str, str] = {}) -> None:
+def _load(module: torch.nn.Module, sd: dict[str, Tensor], source: str, names: Mapping[str, str] = {},
+          shape_names: Mapping[str, str] = {}) -> None:
     """Load ``sd`` into ``module`` strictly; errors name the checkpoint's own keys (``names`` maps this
-    library's prefixes to the checkpoint's) and say which config to check."""
+    library's prefixes to the checkpoint's; ``shape_names`` names a part of a checkpoint tensor, such as
+    ``"qkv.weight rows 0:64 (q)"``, in shape errors) and say which config to check."""
     own = module.state_dict()
-    missing = sorted(_source_name(k, names) for k in own if k not in sd)
-    unexpected = sorted(_source_name(k, names) for k in sd if k not in own)
+    missing = sorted({_source_name(k, names) for k in own if k not in sd})
+    unexpected = sorted({_source_name(k, names) for k in sd if k not in own})
     if missing or unexpected:
         raise ValueError(f"{source} state_dict does not match this config: missing {missing}, unexpected "
                          f"{unexpected}; check the config (e.g. subln_affine, qk_norm, dual_lambda, biases) "
                          f"against the checkpoint")
-    wrong = [f"{_source_name(k, names)}: checkpoint {tuple(sd[k].shape)}, this config {tuple(v.shape)}"
-             for k, v in own.items() if sd[k].shape != v.shape]
+    wrong = [f"{shape_names.get(k, _source_name(k, names))}: checkpoint {tuple(sd[k].shape)}, this config "
+             f"{tuple(v.shape)}" for k, v in own.items() if sd[k].shape != v.shape]
     if wrong:
         raise ValueError(f"{source} state_dict has other shapes than this config: {'; '.join(wrong)}; check the "
                          f"sizes in the config (embed_dim / dim / d_model, num_heads, num_kv_heads, head_dim)")
     module.load_state_dict(sd, strict=True)
+
+
+def _module_options(cls: type, taken: tuple[str, ...]) -> list[str]:
+    """The keyword arguments of ``cls`` a caller may pass through a ``from_*`` loader (``taken``: those the
+    loader sets itself)."""
+    params = inspect.signature(cls.__init__).parameters
+    return [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n not in taken]
+
+
+def _check_options(loader: Callable, module_kwargs: Mapping[str, Any], cls: type, taken: tuple[str, ...]) -> None:
+    """Refuse keyword arguments that are neither the reference's config keys nor module options, naming the
+    valid keys (and the closest one: a misspelled key must not be dropped silently)."""
+    options = _module_options(cls, taken)
+    unknown = [k for k in module_kwargs if k not in options]
+    if not unknown:
+        return
+    params = inspect.signature(loader).parameters
+    config = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
+    hints = [f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k)
+             for k in unknown for close in [difflib.get_close_matches(k, config + options, n=1)]]
+    raise TypeError(f"{loader.__name__}() got unknown config key(s) {', '.join(hints)}; its config keys are "
+                    f"{', '.join(config)}, and the module options {', '.join(options)}")
 
 
 def _detached(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -66,6 +96,7 @@ def from_unilm(state_dict: StateDict, *, embed_dim: int, num_heads: int, depth: 
     Names match one to one (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``lambda_*``, ``subln``).
     Extra keyword arguments go to the module (e.g. ``backend``).
     """
+    _check_options(from_unilm, module_kwargs, MultiheadDiffAttn, ("depth", "num_kv_heads", "subln_affine"))
     layer = MultiheadDiffAttn(embed_dim, num_heads, depth=depth, num_kv_heads=num_kv_heads,
                               subln_affine=subln_affine, **module_kwargs)
     _load(layer, _detached(state_dict), "unilm")
@@ -95,22 +126,44 @@ def from_timm(state_dict: StateDict, *, dim: int, num_heads: int = 8, depth: int
     """
     if scale_norm:
         raise ValueError("timm's scale_norm=True (a norm before proj) is not supported; load with scale_norm=False")
+    taken = ("depth", "lambda_mode", "qk_norm", "qk_norm_eps", "subln_affine", "qkv_bias", "out_bias", "dropout")
+    _check_options(from_timm, module_kwargs, MultiheadDiffAttn, taken)
     layer = MultiheadDiffAttn(dim, num_heads, depth=depth, lambda_mode="dual" if dual_lambda else "paper",
                               qk_norm=qk_norm, qk_norm_eps=1e-6, subln_affine=True, qkv_bias=qkv_bias,
                               out_bias=proj_bias, dropout=attn_drop, **module_kwargs)
     sd = _detached(state_dict)
     out: dict[str, Tensor] = {}
+    shape_names: dict[str, str] = {}
     for suffix in ("weight", "bias"):
         if f"qkv.{suffix}" in sd:
-            q, k, v = sd.pop(f"qkv.{suffix}").chunk(3, dim=0)
-            out.update({f"q_proj.{suffix}": q, f"k_proj.{suffix}": k, f"v_proj.{suffix}": v})
+            parts = _split_timm_qkv(sd.pop(f"qkv.{suffix}"), suffix, layer, dim, num_heads)
+            for (p, (rows, t)) in zip("qkv", parts.items()):
+                out[f"{p}_proj.{suffix}"] = t
+                shape_names[f"{p}_proj.{suffix}"] = f"qkv.{suffix} rows {rows} ({p})"
         if f"proj.{suffix}" in sd:
             out[f"out_proj.{suffix}"] = sd.pop(f"proj.{suffix}")
     if "sub_norm.weight" in sd:
         out["subln.weight"] = sd.pop("sub_norm.weight")
     out.update(sd)  # lambda_*, q_norm.weight, k_norm.weight keep their names
-    _load(layer, out, "timm", _TIMM_NAMES)
+    _load(layer, out, "timm", _TIMM_NAMES, shape_names)
     return layer
+
+
+def _split_timm_qkv(t: Tensor, suffix: str, layer: MultiheadDiffAttn, dim: int, num_heads: int) -> dict[str, Tensor]:
+    """timm's fused ``qkv.weight`` ``(3 * dim, dim)`` (or ``qkv.bias``) as ``{"0:dim": q, "dim:2dim": k, ...}``,
+    the row ranges keyed as the checkpoint holds them; a row count other than this config's names the key, its
+    rows and the config to check (``torch.chunk`` would split it unevenly without a word)."""
+    widths = [layer.q_proj.out_features, layer.k_proj.out_features, layer.v_proj.out_features]
+    if t.shape[0] != sum(widths):
+        have = t.shape[0] // 3 if t.shape[0] % 3 == 0 else None
+        split = (f"rows 0:{have} (q), {have}:{2 * have} (k), {2 * have}:{3 * have} (v) for dim={have}"
+                 if have else "not three equal parts")
+        raise ValueError(f"timm state_dict qkv.{suffix} has {t.shape[0]} rows ({split}); this config "
+                         f"(dim={dim}, num_heads={num_heads}) needs {sum(widths)}: rows 0:{widths[0]} (q), "
+                         f"{widths[0]}:{widths[0] + widths[1]} (k), {widths[0] + widths[1]}:{sum(widths)} (v); "
+                         f"check dim against the checkpoint")
+    bounds = [0, widths[0], widths[0] + widths[1], sum(widths)]
+    return {f"{a}:{b}": t[a:b] for a, b in zip(bounds, bounds[1:])}
 
 
 def to_timm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
@@ -150,6 +203,7 @@ def from_unilm_v2(state_dict: StateDict, *, d_model: int, num_heads: int, num_kv
     if not use_diff_v2:
         raise ValueError("use_diff_v2=False is unilm's baseline layer: load it into "
                          "diffattn_tutorial.modules.MultiheadAttention instead")
+    _check_options(from_unilm_v2, module_kwargs, DiffAttnV2, ("num_kv_heads", "head_dim"))
     layer = DiffAttnV2(d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, **module_kwargs)
     _load(layer, _detached(state_dict), "unilm V2")
     return layer
@@ -185,13 +239,84 @@ def _permute_maps(t: Tensor, order: Tensor, width: int) -> Tensor:
     return t.unflatten(0, (-1, width))[order].flatten(0, 1)
 
 
-def from_diffllama(state_dict: StateDict, *, layer_idx: int, hidden_size: int, num_attention_heads: int,
-                   num_key_value_heads: Optional[int] = None, head_dim: Optional[int] = None,
-                   rms_norm_eps: float = 1e-5, attention_bias: bool = False,
-                   **module_kwargs) -> MultiheadDiffAttn:
+_DIFFLLAMA_LAYER_KEYS: dict[str, Any] = {
+    "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None,
+    "rms_norm_eps": 1e-5, "attention_bias": False, "attention_dropout": 0.0}
+"""The ``DiffLlamaConfig`` keys that shape one attention layer, with transformers' defaults (None: required, or
+derived as transformers derives it)."""
+
+_DIFFLLAMA_MODEL_KEYS = frozenset({
+    "vocab_size", "intermediate_size", "num_hidden_layers", "hidden_act", "max_position_embeddings",
+    "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+    "rope_theta", "rope_scaling", "rope_parameters", "lambda_std_dev", "model_type", "transformers_version",
+    "architectures", "torch_dtype", "_name_or_path"})
+"""``DiffLlamaConfig`` keys that concern the whole model, not one attention layer: accepted and ignored
+(``rope_*`` and ``max_position_embeddings`` set the RoPE tables the forward takes, ``lambda_std_dev`` only the
+initialisation)."""
+
+_DIFFLLAMA_TAKEN = ("depth", "num_kv_heads", "head_dim", "subln_affine", "subln_eps", "qkv_bias", "out_bias",
+                    "rope_interleaved", "dropout")
+"""The :class:`MultiheadDiffAttn` options :func:`from_diffllama` sets itself."""
+
+
+def diffllama_layer_config(config: Any = None, **kwargs) -> dict[str, Any]:
+    """The attention-layer keys of a DiffLlama config, with transformers' defaults filled in.
+
+    ``config``: a ``DiffLlamaConfig`` (anything with ``to_dict()``) or its dict; ``kwargs``: config keys given
+    one by one (``**config.to_dict()`` works too). Keys that concern the whole model are ignored; once the keys
+    come from a whole transformers config (``config=`` or a ``model_type`` key), so are transformers' generic
+    ones (``id2label``, ``return_dict``, ...). A key given loose that DiffLlamaConfig does not have is refused
+    with the valid names (a misspelled ``num_key_value_head`` must not fall back to the default). Module
+    options (``backend``, ``device``, ``dtype`` as a ``torch.dtype``) are left out here: see
+    :func:`from_diffllama`.
+    """
+    whole = {}
+    if config is not None:
+        if hasattr(config, "to_dict"):
+            whole = dict(config.to_dict())
+        elif isinstance(config, Mapping):
+            whole = dict(config)
+        else:
+            raise TypeError(f"config must be a DiffLlamaConfig (or anything with to_dict()) or its dict, got "
+                            f"{type(config).__name__}")
+    clash = [k for k in kwargs if k in whole and whole[k] != kwargs[k] and k in _DIFFLLAMA_LAYER_KEYS]
+    if clash:
+        raise ValueError(f"from_diffllama: {', '.join(f'{k}={kwargs[k]!r} contradicts config.{k}={whole[k]!r}' for k in clash)}; "
+                         f"give each key once")
+    model_type = kwargs.get("model_type", whole.get("model_type"))
+    if model_type not in (None, "diffllama"):
+        raise ValueError(f"this is a {model_type!r} config, not DiffLlama's (model_type 'diffllama'): "
+                         f"from_diffllama loads DiffLlamaAttention weights only")
+    from_transformers = config is not None or "model_type" in kwargs
+    unknown = [k for k in kwargs if k not in _DIFFLLAMA_LAYER_KEYS and k not in _DIFFLLAMA_MODEL_KEYS]
+    if unknown and not from_transformers:
+        valid = list(_DIFFLLAMA_LAYER_KEYS)
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k)
+                 for k in unknown for close in [difflib.get_close_matches(k, valid, n=1)]]
+        raise TypeError(f"from_diffllama() got unknown config key(s) {', '.join(hints)}; DiffLlamaConfig's keys for "
+                        f"one attention layer are {', '.join(valid)} (pass a whole config as config=model.config)")
+    merged = {**whole, **kwargs}
+    out = {k: merged.get(k, default) for k, default in _DIFFLLAMA_LAYER_KEYS.items()}
+    for k in ("rms_norm_eps", "attention_bias", "attention_dropout"):
+        out[k] = _DIFFLLAMA_LAYER_KEYS[k] if out[k] is None else out[k]
+    if out["hidden_size"] is None or out["num_attention_heads"] is None:
+        raise TypeError("from_diffllama needs hidden_size and num_attention_heads (DiffLlamaConfig's keys), or "
+                        "config=model.config")
+    if out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    if out["head_dim"] is None:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    return out
+
+
+def from_diffllama(state_dict: StateDict, *, layer_idx: int, config: Any = None, **kwargs) -> MultiheadDiffAttn:
     """A :class:`MultiheadDiffAttn` from Hugging Face ``DiffLlamaAttention`` weights, exactly.
 
-    Config keys are ``DiffLlamaConfig``'s, with its defaults; ``layer_idx`` is 0-based as in transformers.
+    The config comes as transformers gives it: ``config=model.config`` (a ``DiffLlamaConfig``, or its
+    ``to_dict()``), ``**model.config.to_dict()``, or the layer's keys one by one (``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``attention_bias``,
+    ``attention_dropout``), with DiffLlamaConfig's defaults; keys that concern the whole model are ignored
+    (:func:`diffllama_layer_config`). ``layer_idx`` is 0-based as in transformers.
     DiffLlama counts single maps: ``num_attention_heads`` H gives ``H/2`` differential heads and
     ``num_key_value_heads`` Hkv gives ``Hkv/2`` KV pairs (both even). Its map ``i`` pairs with map ``i + H/2``;
     the rows of ``q_proj``, ``k_proj`` and ``v_proj`` are reordered into this library's adjacent pairs, so
@@ -200,15 +325,20 @@ def from_diffllama(state_dict: StateDict, *, layer_idx: int, hidden_size: int, n
     ``(cos[0, :, :head_dim // 2], sin[0, :, :head_dim // 2])`` or ``rope_cos_sin(N, head_dim, base=rope_theta)``;
     RoPE is applied in DiffLlama's half-split layout. DiffLlama's eager additive mask ``(B, 1, N, N)`` (0 or
     ``finfo.min``, causal merged in) can be passed as ``attn_mask`` as it is. The sub-norm is DiffLlama's ``groupnorm``
-    (RMSNorm over ``2 * head_dim``, eps ``rms_norm_eps``, no weight). Extra keyword arguments go to the module
-    (e.g. ``backend``).
+    (RMSNorm over ``2 * head_dim``, eps ``rms_norm_eps``, no weight); ``attention_dropout`` drops attention
+    weights in training, as DiffLlama's eager path does. Other keyword arguments are module options
+    (``backend``, ``device``, a ``torch.dtype`` as ``dtype``; a config's own ``dtype`` string is ignored).
 
     Pass one attention layer's weights (``q_proj.weight``, ..., ``lambda_k2``): from a whole model's
     state_dict take the keys under ``model.layers.{layer_idx}.self_attn.``.
     """
-    num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-    head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
-    H, Hkv = num_attention_heads, num_key_value_heads
+    options = _module_options(MultiheadDiffAttn, _DIFFLLAMA_TAKEN)
+    module_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
+                     if k in options and not (k == "dtype" and isinstance(kwargs[k], str))}
+    kwargs.pop("dtype", None)  # transformers' own dtype string ("float32"): the state_dict's tensors carry theirs
+    cfg = diffllama_layer_config(config, **kwargs)
+    hidden_size, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     if H <= 0 or Hkv <= 0 or H % 2 or Hkv % 2 or H % Hkv:
         raise ValueError(f"DiffLlama needs even num_attention_heads={H} and num_key_value_heads={Hkv}, the first a "
                          f"multiple of the second (both count single maps: H/2 differential heads, Hkv/2 KV pairs)")
@@ -218,8 +348,9 @@ def from_diffllama(state_dict: StateDict, *, layer_idx: int, hidden_size: int, n
         raise ValueError(f"state_dict keys start with {prefix!r}: pass one attention layer's weights, e.g. "
                          f"{{k.removeprefix({prefix!r}): v for k, v in sd.items() if k.startswith({prefix!r})}}")
     layer = MultiheadDiffAttn(hidden_size, H // 2, depth=layer_idx, num_kv_heads=Hkv // 2, head_dim=head_dim,
-                              subln_affine=False, subln_eps=rms_norm_eps, qkv_bias=attention_bias,
-                              out_bias=attention_bias, rope_interleaved=False, **module_kwargs)
+                              subln_affine=False, subln_eps=cfg["rms_norm_eps"], qkv_bias=cfg["attention_bias"],
+                              out_bias=cfg["attention_bias"], rope_interleaved=False,
+                              dropout=cfg["attention_dropout"], **module_kwargs)
     sd = _detached(state_dict)
     q_order, kv_order = _diffllama_order(H), _diffllama_order(Hkv)
     out: dict[str, Tensor] = {}

@@ -62,3 +62,29 @@ def test_functional_matches_spec(backend):
                            causal=case["causal"], backend=backend)
     # the golden fp64 output agrees with ours to ~1e-7 (its generator kept some float32 arithmetic)
     torch.testing.assert_close(out64, case["out_fp64"], rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_config_keys_are_refused_with_the_valid_names():
+    case = golden.load("unilm_v1_mha")
+    with pytest.raises(TypeError, match=r"'num_kv_head' \(did you mean 'num_kv_heads'\?\).*embed_dim, num_heads"):
+        interop.from_unilm(case["state_dict"], **case["config"], num_kv_head=2)
+    timm = golden.load("timm_v1_paper_lambda")
+    with pytest.raises(TypeError, match=r"'qkv_bais' \(did you mean 'qkv_bias'\?\).*module options"):
+        interop.from_timm(timm["state_dict"], **timm["config"], qkv_bais=True)
+    v2 = golden.load("unilm_v2_mha")
+    with pytest.raises(TypeError, match="from_unilm_v2.*'dmodel'"):
+        interop.from_unilm_v2(v2["state_dict"], **{**v2["config"], "dmodel": 64})
+
+
+def test_timm_errors_name_the_checkpoints_own_keys_and_rows():
+    case = golden.load("timm_v1_paper_lambda")  # dim 64: qkv.weight (192, 64)
+    sd, cfg = case["state_dict"], case["config"]
+    with pytest.raises(ValueError, match=r"qkv.weight has 192 rows \(rows 0:64 \(q\), 64:128 \(k\), 128:192 \(v\) "
+                                         r"for dim=64\); this config \(dim=32, num_heads=4\) needs 96: rows 0:32 \(q\)"):
+        interop.from_timm(sd, **{**cfg, "dim": 32})
+    narrow = {**sd, "qkv.weight": sd["qkv.weight"][:, :32]}
+    with pytest.raises(ValueError, match=r"qkv.weight rows 0:64 \(q\): checkpoint \(64, 32\), this config \(64, 64\)"):
+        interop.from_timm(narrow, **cfg)
+    with pytest.raises(ValueError, match=r"missing \['qkv.bias'\]") as e:
+        interop.from_timm(sd, **{**cfg, "qkv_bias": True})
+    assert "third" not in str(e.value)

@@ -123,3 +123,66 @@ def test_diffllamas_own_additive_mask_can_be_passed_as_it_is():
     layer = from_diffllama(case["state_dict"], **case["config"])
     torch.testing.assert_close(layer(case["x"], rope=tuple(case["rope"]), attn_mask=hf_mask), case["out"],
                                rtol=RTOL, atol=ATOL)
+
+
+def full_config_dict(cfg: dict) -> dict:
+    """What ``DiffLlamaConfig(...).to_dict()`` returns for the attention keys of ``cfg`` (written out by hand from
+    transformers' ``configuration_diffllama.py`` and ``PreTrainedConfig.to_dict``, so transformers is not needed):
+    the model's keys, the base class's generic ones, and the layer's."""
+    layer = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                  "rms_norm_eps", "attention_bias")}
+    return {
+        "vocab_size": 32000, "max_position_embeddings": 2048, "intermediate_size": 4 * cfg["hidden_size"],
+        "num_hidden_layers": 4, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+        "rope_theta": 10000.0, "rope_scaling": None, "attention_dropout": 0.0, "lambda_std_dev": 0.1, **layer,
+        "return_dict": True, "output_hidden_states": False, "output_attentions": False, "torchscript": False,
+        "dtype": "float32", "pruned_heads": {}, "tie_word_embeddings": False, "chunk_size_feed_forward": 0,
+        "is_encoder_decoder": False, "is_decoder": False, "cross_attention_hidden_size": None,
+        "add_cross_attention": False, "tie_encoder_decoder": False, "architectures": ["DiffLlamaForCausalLM"],
+        "finetuning_task": None, "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+        "task_specific_params": None, "problem_type": None, "tokenizer_class": None, "prefix": None,
+        "bos_token_id": 1, "pad_token_id": None, "eos_token_id": 2, "sep_token_id": None,
+        "decoder_start_token_id": None, "_name_or_path": "kajuma/DiffLlama-0.3B-handcut",
+        "transformers_version": "4.57.1", "model_type": "diffllama"}
+
+
+class FakeDiffLlamaConfig:
+    """Stands in for a ``DiffLlamaConfig`` object: attributes and ``to_dict()``."""
+
+    def __init__(self, values: dict) -> None:
+        self.__dict__.update(values)
+        self._values = values
+
+    def to_dict(self) -> dict:
+        return dict(self._values)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_whole_diffllama_config_is_accepted_as_transformers_gives_it(name):
+    """``from_diffllama(sd, **model.config.to_dict(), layer_idx=L)`` and ``config=model.config`` load the same exact
+    layer as the layer's own keys (the keys that do not concern one attention layer are ignored)."""
+    case = load(name)
+    full, layer_idx = full_config_dict(case["config"]), case["config"]["layer_idx"]
+    for layer in (from_diffllama(case["state_dict"], **full, layer_idx=layer_idx, backend="naive"),
+                  from_diffllama(case["state_dict"], config=FakeDiffLlamaConfig(full), layer_idx=layer_idx),
+                  from_diffllama(case["state_dict"], config=full, layer_idx=layer_idx)):
+        assert_reproduces_golden_case(layer, case, to_diffllama)
+
+
+def test_a_diffllama_config_is_checked_not_guessed():
+    case = load("gqa_bias_padding")
+    cfg, sd = case["config"], case["state_dict"]
+    loose = {k: v for k, v in cfg.items() if k != "num_key_value_heads"}
+    with pytest.raises(TypeError, match=r"'num_key_value_head' \(did you mean 'num_key_value_heads'\?\).*hidden_size"):
+        from_diffllama(sd, **loose, num_key_value_head=4)  # misspelled: must not fall back to the MHA default
+    full = full_config_dict(cfg)
+    with pytest.raises(ValueError, match="'llama' config, not DiffLlama's"):
+        from_diffllama(sd, config={**full, "model_type": "llama"}, layer_idx=3)
+    with pytest.raises(ValueError, match="head_dim=4 contradicts config.head_dim=8"):
+        from_diffllama(sd, config=full, layer_idx=3, head_dim=4)
+    with pytest.raises(TypeError, match="DiffLlamaConfig"):
+        from_diffllama(sd, config=42, layer_idx=3)
+    with pytest.raises(TypeError, match="needs hidden_size and num_attention_heads"):
+        from_diffllama(sd, layer_idx=3)
+    layer = from_diffllama(sd, config={**full, "attention_dropout": 0.25}, layer_idx=3)
+    assert layer.dropout == 0.25  # DiffLlama's attention dropout is the layer's (training only)
