@@ -41,10 +41,16 @@ Supported: scalar and per-token/per-head ``lam``; ``causal`` (bottom-right align
 tiles skipped); an ``attn_mask`` (bool or additive float, broadcastable to ``(B, H, Nq, Nk)``, read tile
 by tile; additive entries ``<= torch.finfo(dtype).min``, the Hugging Face convention, count as masked);
 GQA/MQA; any ``Nq``, ``Nk`` (edge tiles masked); head dims 1..128 (padded to a power of two >= 16);
-float32/float16/bfloat16 inputs with float32 accumulation; any strides (a tensor whose last dim is not
-contiguous, such as a slice of a fused qkv projection, is copied once with ``.contiguous()``). Fully masked
-query rows give zeros and zero gradients; NaN inputs give NaN outputs. Not supported: attention dropout,
-float64 (use the ``naive`` or ``chunked`` backends).
+float32/float16/bfloat16 inputs with float32 accumulation. Any layout: the kernels read q, k, v, lam and the
+mask through their own strides (views with gaps such as slices of a fused qkv projection, strided slices,
+``expand()``ed tensors with stride 0, transposes, storage offsets), and write every gradient into a fresh dense
+buffer through **that buffer's** strides (:func:`_grad_buffer`); autograd's view backward then scatters or sums
+it into the caller's layout. One case is copied: a q, k or v whose **last** dim is not contiguous (such as
+``qkv.unflatten(-1, (heads, d, 3))[..., 0]``) is made contiguous once, costing one extra read and write of that
+tensor in the forward and of its gradient in the backward (the kernels load rows as 16-byte vectors). The mask
+gets no gradient (a mask that requires one is refused). Fully masked query rows give zeros and zero gradients;
+NaN inputs give NaN outputs. Not supported: attention dropout, float64 (use the ``naive`` or ``chunked``
+backends).
 
 Where it runs: on a CUDA GPU (block sizes autotuned over a few configurations per kernel, each checked to
 compile without register spills and onto Hopper's ``wgmma`` by :mod:`diffattn_tutorial.triton_compile`), or
@@ -517,6 +523,8 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
                         stride_gb, stride_gh, stride_gm,
                         stride_lb, stride_lh, stride_lm,
                         stride_mb, stride_mh, stride_mm, stride_mn,
+                        stride_dkb, stride_dkh, stride_dkn,  # the gradients' own strides (not k's, v's)
+                        stride_dvb, stride_dvh, stride_dvn,
                         H, Hkv, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
@@ -525,7 +533,8 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
                         BLOCK_N: tl.constexpr):
     """One program: one key tile of one (batch, KV group); it sums over the ``GROUP`` differential heads that
     share the group, so each dK/dV row has one writer. ``DV_OUT``: accumulate dV; ``DK_MAPS``: dK of map 1
-    (1), map 2 (2), both (3) or none (0)."""
+    (1), map 2 (2), both (3) or none (0). ``DK``, ``DV`` are written with their own strides: a gradient buffer
+    is dense even where k or v is a view with gaps, overlaps (``expand``) or a storage offset."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_n = tl.cdiv(Nk, BLOCK_N)
     pid = tl.program_id(0)
@@ -572,14 +581,15 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
                                     BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN,
                                     DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
 
+    dk_off = offs_n[:, None] * stride_dkn + offs_d[None, :]
+    DK1 = DK + b64 * stride_dkb + (2 * g64) * stride_dkh + n64 * stride_dkn
     if DK_MAPS == 1 or DK_MAPS == 3:
-        tl.store(DK + b64 * stride_kb + (2 * g64) * stride_kh + n64 * stride_kn + k_off,
-                 (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+        tl.store(DK1 + dk_off, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
     if DK_MAPS == 2 or DK_MAPS == 3:
-        tl.store(DK + b64 * stride_kb + (2 * g64 + 1) * stride_kh + n64 * stride_kn + k_off,
-                 (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+        tl.store(DK1 + stride_dkh + dk_off, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
     if DV_OUT:
-        tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=v_mask)
+        dv_off = b64 * stride_dvb + g64 * stride_dvh + n64 * stride_dvn + offs_n[:, None] * stride_dvn + offs_dv[None, :]
+        tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -633,13 +643,14 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
                       stride_gb, stride_gh, stride_gm,
                       stride_lb, stride_lh, stride_lm,
                       stride_mb, stride_mh, stride_mm, stride_mn,
+                      stride_dqb, stride_dqh, stride_dqm,  # dQ's own strides (not q's)
                       H, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
                       DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: one query tile of one (batch, differential head); dQ of map 1 (``DQ_MAPS`` 1), map 2 (2)
-    or both (3)."""
+    or both (3), written with ``DQ``'s own strides."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_m = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -690,11 +701,12 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
                            DOT_PRECISION, UPCAST)
 
-    DQ1 = DQ + b64 * stride_qb + (2 * h64) * stride_qh + m64 * stride_qm
+    DQ1 = DQ + b64 * stride_dqb + (2 * h64) * stride_dqh + m64 * stride_dqm
+    dq_off = offs_m[:, None] * stride_dqm + offs_d[None, :]
     if DQ_MAPS != 2:
-        tl.store(DQ1 + q_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+        tl.store(DQ1 + dq_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
     if DQ_MAPS != 1:
-        tl.store(DQ1 + stride_qh + q_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+        tl.store(DQ1 + stride_dqh + dq_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # ============================================================================================
@@ -952,7 +964,8 @@ def _mask_args(mask: Optional[Tensor], shape4: tuple[int, int, int, int], q: Ten
 
 def _unit_last_stride(t: Tensor) -> Tensor:
     """The kernels read the last dim with unit stride (16-byte vector loads). A tensor whose last dim is
-    strided, such as ``qkv.unflatten(-1, (heads, d, 3))[..., 0]`` of a fused projection, is copied once."""
+    strided, such as ``qkv.unflatten(-1, (heads, d, 3))[..., 0]`` of a fused projection, is copied once (one
+    read and one write of it; every other layout is read in place)."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
@@ -990,10 +1003,13 @@ def _alloc(*shape: int, like: Tensor, dtype: Optional[torch.dtype] = None) -> Te
     return torch.empty(shape, device=like.device, dtype=dtype)
 
 
-def _alloc_like(t: Tensor) -> Tensor:
-    """A gradient buffer with ``t``'s shape and strides (uninitialised, or NaN when poisoning)."""
-    out = torch.empty_like(t)
-    return out.fill_(float("nan")) if _poison() else out
+def _grad_buffer(t: Tensor, written: bool) -> Tensor:
+    """A dense, contiguous gradient buffer of ``t``'s shape, whatever ``t``'s strides: the kernels write it with
+    its own strides, never ``t``'s. (``torch.empty_like`` keeps the strides of a dense ``t`` only; writing a
+    gradient of a view with gaps, of a strided slice or of an ``expand()``ed tensor with the input's strides
+    went past the buffer or left it partly unwritten.) ``written``: a kernel writes every element (uninitialised
+    or NaN-poisoned), else zeros."""
+    return _alloc(*t.shape, like=t) if written else torch.zeros(t.shape, device=t.device, dtype=t.dtype)
 
 
 def _lam4(lam: Tensor, B: int, H: int, Nq: int) -> Tensor:
@@ -1043,7 +1059,7 @@ class _DiffAttnFn(torch.autograd.Function):
         if m is None:
             m = q
         runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
-        dq, dk, dv = ((_alloc_like(t) if runs else torch.zeros_like(t)) for t in (q, k, v))
+        dq, dk, dv = (_grad_buffer(t, runs) for t in (q, k, v))
         delta = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32) if runs else q.new_zeros(B, H, 2, Nq,
                                                                                          dtype=torch.float32)
         if runs:
@@ -1058,14 +1074,15 @@ class _DiffAttnFn(torch.autograd.Function):
                     if not (dv_out and ctx.needs_input_grad[2]) and not (dk_maps and ctx.needs_input_grad[1]):
                         continue
                     _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
-                            (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, H, Hkv, Nq, Nk, scale * LOG2E,
-                             scale, n_bucket), dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), blocks, interpret,
-                            q.dtype, cap)
+                            (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, *dk.stride()[:3],
+                             *dv.stride()[:3], H, Hkv, Nq, Nk, scale * LOG2E, scale, n_bucket),
+                            dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), blocks, interpret, q.dtype, cap)
             if ctx.needs_input_grad[0]:
                 for dq_maps in plan.dq_maps:
                     _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
-                            (q, k, v, lam4, m, dout, lse, delta, dq, *common, H, Nq, Nk, scale * LOG2E, scale,
-                             n_bucket), dict(consts, DQ_MAPS=dq_maps), blocks, interpret, q.dtype, cap)
+                            (q, k, v, lam4, m, dout, lse, delta, dq, *common, *dq.stride()[:3], H, Nq, Nk,
+                             scale * LOG2E, scale, n_bucket), dict(consts, DQ_MAPS=dq_maps), blocks, interpret,
+                            q.dtype, cap)
         dlam = None
         if ctx.needs_input_grad[3]:
             # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
@@ -1102,6 +1119,10 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
                          f"{2 * MAX_HEAD_DIM}), got d={d}; use backend='sdpa' or 'naive'")
     if blocks is not None and (len(blocks) != 2 or min(blocks) < 16 or any(b & (b - 1) for b in blocks)):
         raise ValueError(f"blocks must be two powers of two >= 16 (BLOCK_M, BLOCK_N), got {blocks}")
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("backend='triton' gives no gradient for attn_mask (the kernels never form the N x N "
+                         "score gradient); pass attn_mask.detach() if the mask is not learned, or use "
+                         "backend='naive' for a learned additive bias")
     if plan not in ("auto", *PLANS):
         raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
     block_d = max(16, triton.next_power_of_2(d))
