@@ -81,6 +81,47 @@ def test_masks(mask_kind, causal):
         assert out[0, :, 3].abs().max() == 0
 
 
+HUGE_MASKS = {  # additive masks with entries beyond about 2.4e38, where base-2 units (x LOG2E) overflow
+    "huge positive on some keys": lambda m: m[:, ::5].fill_(3.0e38),
+    "huge negative on every key of a row": lambda m: m[3].fill_(-3.0e38),
+    "both in one row": lambda m: (m[:, 0].fill_(3.3e38), m[:, 1].fill_(-3.3e38)),
+    "float32's largest": lambda m: m[:, 2].fill_(torch.finfo(torch.float32).max),
+}
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", HUGE_MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_additive_masks_anywhere_in_float32s_range_give_naives_answer(kind, causal):
+    """The kernel gave zeros or a NaN row where float32 naive gives normal values: it scaled the mask to base-2
+    units before adding it. Scores and mask now stay in natural units, as naive's."""
+    q, k, v, lam = inputs(1, 2, 1, 29, 41, 32, seed=4, lam_kind="token")
+    mask = torch.randn(29, 41, generator=torch.Generator().manual_seed(5))
+    HUGE_MASKS[kind](mask)
+    with torch.no_grad():
+        expected = diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, backend="naive")
+    out = fused(q, k, v, lam, causal=causal, attn_mask=mask)
+    assert expected.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_contiguous_float32_inputs_reach_the_kernel_uncopied():
+    """The docstring's promise: no input copies for contiguous float32 with a head width that is a multiple of
+    32 (``F.pad(t, (0, 0))`` copied q, k and v on every call). A width the kernel pads is copied, once."""
+    seen = {}
+
+    class Recorder:  # stands in for the compiled library: notes the pointers it is given
+        @staticmethod
+        def diff_attention_cpu_forward(q, k, v, *rest):
+            seen.update(q=q, k=k, v=v)
+            return 0
+
+    for d, copied in ((64, False), (32, False), (20, True)):
+        q, k, v, lam = inputs(1, 2, 1, 40, 40, d)
+        cpu_kernel._forward(Recorder(), q, k, v, lam, None, False, d ** -0.5)
+        assert (seen == {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr()}) != copied
+
+
 @needs_compiler
 def test_the_same_numbers_on_any_thread_count_and_for_any_strides():
     """Each row is computed by one thread in a fixed order: the output does not depend on the thread count

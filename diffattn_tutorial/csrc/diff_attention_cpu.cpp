@@ -6,14 +6,18 @@
 // memory (B * 2H * Nq * Nk floats). This kernel keeps naive's arithmetic and keeps the maps in cache:
 //
 //   for each work item (batch b, head h, block of BQ query rows), on one thread:
-//     S1 = q1 . k1^T, S2 = q2 . k2^T        score tiles, all keys the block may see (BQ x Nk, in L2)
-//     S += mask; P_m = exp2(S_m - rowmax)     base-2 softmax numerators, row sums l1, l2
+//     S1 = q1 . k1^T s, S2 = q2 . k2^T s    score tiles, all keys the block may see (BQ x Nk, in L2)
+//     S += mask; P_m = exp2((S_m - rowmax) * LOG2E)   softmax numerators e^(S - max), row sums l1, l2
 //     P = P1 / l1 - lam * P2 / l2             the differential map, in place of P1
 //     O = P . V                               V applied once, in chunks of JV keys kept in L1
 //
 // Work items go to threads through one atomic counter, so a core that another program keeps busy simply
 // takes fewer items (no thread waits for another at a barrier). Each row is computed by one thread in a
 // fixed order, so the output does not depend on the thread count.
+//
+// The scores and the mask stay in natural units, as naive's (S + mask, then S - rowmax): an additive mask
+// anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
+// about 2.4e38); only the difference to the row's maximum is multiplied by LOG2E, for exp2.
 //
 // The Python side (diffattn_tutorial/cpu_kernel.py) passes contiguous float32 q, k, v (a head width that is
 // a multiple of 32, zero-padded there if need be), lam expanded to (B, H, Nq), the mask (if any) as float32
@@ -104,18 +108,17 @@ inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, in
     for (int x = 0; x < 4; ++x) store(o + (size_t)r * dv + c0 + VL * x, acc[r][x]);
 }
 
-// One row of base-2 scores: add the mask row (natural-log units, times mask_scale = LOG2E; key stride 0 or
-// 1), replace s[j] by exp2(s[j] - max) for the nvis visible keys and by 0 up to npad. Returns the row sum;
+// One row of scores: add the mask row (key stride 0 or 1), replace s[j] by exp2((s[j] - max) * exp_scale)
+// (exp_scale = LOG2E: e^(s[j] - max)) for the nvis visible keys and by 0 up to npad. Returns the row sum;
 // 0 when every visible score is -inf (the caller then writes a zero row).
 inline float softmax_numerators(float* s, int nvis, int npad, const float* mask, long mask_key_stride,
-                                float mask_scale) {
+                                float exp_scale) {
   const int nv = nvis / VL * VL;
   if (mask && mask_key_stride == 1) {
-    const v16 ms = splat(mask_scale);
-    for (int j = 0; j < nv; j += VL) store(s + j, load(s + j) + load(mask + j) * ms);
-    for (int j = nv; j < nvis; ++j) s[j] += mask[j] * mask_scale;
+    for (int j = 0; j < nv; j += VL) store(s + j, load(s + j) + load(mask + j));
+    for (int j = nv; j < nvis; ++j) s[j] += mask[j];
   } else if (mask) {
-    for (int j = 0; j < nvis; ++j) s[j] += mask[0] * mask_scale;
+    for (int j = 0; j < nvis; ++j) s[j] += mask[0];
   }
   v16 mv = splat(-INFINITY);
   for (int j = 0; j < nv; j += VL) { const v16 x = load(s + j); mv = x > mv ? x : mv; }
@@ -123,10 +126,11 @@ inline float softmax_numerators(float* s, int nvis, int npad, const float* mask,
   for (int j = nv; j < nvis; ++j) m = s[j] > m ? s[j] : m;
   if (m == -INFINITY) return 0.0f;
   mv = splat(m);
+  const v16 es = splat(exp_scale);
   v16 sum = {};
-  for (int j = 0; j < nv; j += VL) { const v16 e = exp2_neg(load(s + j) - mv); store(s + j, e); sum += e; }
+  for (int j = 0; j < nv; j += VL) { const v16 e = exp2_neg((load(s + j) - mv) * es); store(s + j, e); sum += e; }
   float total = hsum(sum);
-  for (int j = nv; j < nvis; ++j) { s[j] = std::exp2(s[j] - m); total += s[j]; }
+  for (int j = nv; j < nvis; ++j) { s[j] = std::exp2((s[j] - m) * exp_scale); total += s[j]; }
   for (int j = nvis; j < npad; ++j) s[j] = 0.0f;
   return total;
 }
@@ -136,9 +140,9 @@ struct Problem {
   float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys
   float* out;
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
-  float qk_scale;                       // the softmax scale times LOG2E: scores in base-2 units
+  float qk_scale;                       // the softmax scale: scores in natural units, as naive's
   long mask_b, mask_h, mask_q, mask_k;  // element strides of the (B, H, Nq, Nk) mask view (0 where broadcast)
-  float mask_scale;
+  float exp_scale;                      // LOG2E: exp2((s - max) * exp_scale) = e^(s - max)
   bool causal;                          // bottom-right aligned: row i sees keys j <= i + nk - nq
 };
 
@@ -193,8 +197,8 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
     const float* mrow = P.mask && row < P.nq ? P.mask + b * P.mask_b + h * P.mask_h + row * P.mask_q : nullptr;
     float* p1 = s1 + (size_t)r * P.nk_pad;
     float* p2 = s2 + (size_t)r * P.nk_pad;
-    const float l1 = softmax_numerators(p1, nvis, kpad, mrow, P.mask_k, P.mask_scale);
-    const float l2 = softmax_numerators(p2, nvis, kpad, mrow, P.mask_k, P.mask_scale);
+    const float l1 = softmax_numerators(p1, nvis, kpad, mrow, P.mask_k, P.exp_scale);
+    const float l2 = softmax_numerators(p2, nvis, kpad, mrow, P.mask_k, P.exp_scale);
     if (l1 == 0.0f || l2 == 0.0f) { std::memset(p1, 0, sizeof(float) * kpad); continue; }
     const v16 a1 = splat(1.0f / l1), a2 = splat((row < P.nq ? lam[r] : 0.0f) / l2);
     for (int j = 0; j < kpad; j += VL) store(p1 + j, load(p1 + j) * a1 - load(p2 + j) * a2);
@@ -231,13 +235,14 @@ void run_items(long items, int n_workers, Item item) {
 
 // q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and lam (B, H, nq) contiguous float32; the mask
 // (if any) float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv).
-// sizes: B, H, Hkv, nq, nk, d, dv, block_rows. Returns 0; -1 for sizes it cannot take; -2 when out of memory.
+// exp_scale: LOG2E; qk_scale: the softmax scale. sizes: B, H, Hkv, nq, nk, d, dv, block_rows.
+// Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
-                                          const float* mask, const long* mask_strides, float mask_scale,
+                                          const float* mask, const long* mask_strides, float exp_scale,
                                           float qk_scale, float* out, const int* sizes, int causal, int n_threads) {
   Problem P{q, k, v, lam, mask, nullptr, out,
             sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], qk_scale,
-            mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], mask_scale, causal != 0};
+            mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
   P.nk_pad = (P.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   const int BQ = P.block_rows;
   if (BQ <= 0 || BQ % SCORE_ROWS || BQ % OUT_ROWS || P.dv % OUT_COLS || P.d <= 0 || P.nq < 0 || P.nk < 0 ||
