@@ -24,9 +24,14 @@ Backends (all exact, they differ in speed and memory):
 
 Fully masked query rows (every key masked by ``causal`` and/or ``attn_mask``) have no softmax; every
 backend defines their output as **zero** (and their gradients as zero), never NaN. In an additive mask,
-entries ``<= torch.finfo(dtype).min`` (the Hugging Face convention) count as masked, like ``-inf``.
-A NaN in q, k or v reaches exactly the output rows that read it (the rows of its query, the rows that may
-attend to its key position) in every backend, and no other row.
+entries ``<= torch.finfo(dtype).min`` (the Hugging Face convention) count as masked, like ``-inf``; any other
+finite entry, however large, gives the naive formula's answer. An empty problem (``Nq = 0``, ``B = 0`` or
+``H = 0``) gives an empty output; ``Nk = 0`` (no keys at all) gives zeros, as fully masked rows do.
+A NaN or an infinity in q, k or v makes exactly the output rows that read it NaN (the rows of its query, the
+rows that may attend to its key position) in every backend, and no other row: a key the mask hides never
+influences the output, whatever it holds.
+An additive mask that requires grad (a learned bias) gets its gradient: ``"auto"`` then picks a backend with
+autograd, and the forward-only ones refuse it by name.
 """
 
 from __future__ import annotations
@@ -162,25 +167,25 @@ def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optiona
         valid = mask.any(-1, keepdim=True)
     else:
         valid = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
-    if bool(valid.all()):
+    if not torch.compiler.is_compiling() and bool(valid.all()):  # compiled: no data-dependent branch, always fix
         return mask, None
     if mask.dtype == torch.bool:
         return mask | ~valid, valid
     return torch.where(valid, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)), valid
 
 
-def _rows_reading_nan(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
-    """Bool ``(B, H, Nq, 1)``: the output rows that read a NaN, through their own query (either map) or a key
-    position they may attend to (a NaN in either key map or the value of their KV group there).
+def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+    """Bool ``(B, H, Nq, 1)``: the output rows that read a NaN or an infinity, through their own query (either
+    map) or a key position they may attend to (in either key map or the value of their KV group there).
 
     ``mask`` is a 4-D bool/additive mask or None; ``causal`` adds the bottom-right causal mask (used only
     with ``mask=None``: a combined mask already holds it). O(N d), plus O(Nq Nk) where a mask is given.
     """
-    q_nan = torch.isnan(q).any(-1)  # (B, 2H, Nq)
+    q_nan = ~torch.isfinite(q).all(-1)  # (B, 2H, Nq)
     rows = q_nan[:, 0::2] | q_nan[:, 1::2]  # (B, H, Nq)
     H, nq, nk = rows.shape[1], q.shape[2], k.shape[2]
-    k_nan = torch.isnan(k).any(-1)  # (B, 2Hkv, Nk)
-    key_nan = k_nan[:, 0::2] | k_nan[:, 1::2] | torch.isnan(v).any(-1)  # (B, Hkv, Nk)
+    k_nan = ~torch.isfinite(k).all(-1)  # (B, 2Hkv, Nk)
+    key_nan = k_nan[:, 0::2] | k_nan[:, 1::2] | ~torch.isfinite(v).all(-1)  # (B, Hkv, Nk)
     key_nan = key_nan.repeat_interleave(H // v.shape[1], dim=1)  # (B, H, Nk)
     if mask is not None:
         visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
@@ -193,22 +198,22 @@ def _rows_reading_nan(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], c
     return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
 
 
-def _may_hold_nan(*tensors: Tensor) -> bool:
-    """False when none of ``tensors`` holds a NaN: on a CPU one summing pass each (a NaN anywhere makes the
-    total NaN; an overflow to ``inf - inf`` only sends the call down the careful path). On other devices
-    always True, so that no call waits for the device to answer, and under ``torch.compile`` (a ``.item()`` would
-    break the graph)."""
+def _may_hold_nonfinite(*tensors: Tensor) -> bool:
+    """False when every entry of ``tensors`` is finite: on a CPU one summing pass each (a NaN or an infinity
+    anywhere makes the total non-finite; a sum that merely overflows only sends the call down the careful
+    path). On other devices always True, so that no call waits for the device to answer, and under
+    ``torch.compile`` (a ``.item()`` would break the graph)."""
     if tensors[0].device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent branch in a graph
         return True
     with torch.no_grad():
-        return bool(torch.isnan(sum(t.sum(dtype=torch.float32) for t in tensors)))
+        return not bool(torch.isfinite(sum(t.sum(dtype=torch.float32) for t in tensors)))
 
 
-def _zero_nan(t: Tensor) -> Tensor:
-    """``t`` with NaN entries zeroed. Applied to k and v where a mask hides keys, so that a hidden NaN cannot
-    reach a row through ``-inf + NaN`` or ``0 * NaN`` (the rows that do read it get NaN from
-    :func:`_rows_reading_nan`)."""
-    return torch.where(torch.isnan(t), torch.zeros((), dtype=t.dtype, device=t.device), t)
+def _zero_nonfinite(t: Tensor) -> Tensor:
+    """``t`` with NaN and infinite entries zeroed. Applied to k and v where a mask hides keys, so that a hidden
+    one cannot reach a row through ``-inf + NaN``, ``inf - inf`` or ``0 * inf`` (the rows that do read it get
+    NaN from :func:`_rows_reading_nonfinite`)."""
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,6 +322,12 @@ def check_diff_inputs(
         raise ValueError(f"k has {k.shape[1]} heads, an odd number: it needs 2Hkv key heads, two per KV group")
     if k.shape[3] != d:
         raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
+    if d == 0:
+        raise ValueError("q and k have head dim d = 0: give them at least one feature, q (B, 2H, Nq, d) and "
+                         "k (B, 2Hkv, Nk, d) with d >= 1")
+    if k.shape[1] == 0:
+        raise ValueError("k has no heads (Hkv = 0): pass at least one KV group, k (B, 2Hkv, Nk, d) and "
+                         "v (B, Hkv, Nk, 2d) with Hkv >= 1")
     if v.shape[1] * 2 != k.shape[1]:
         raise ValueError(f"v has {v.shape[1]} heads and k {k.shape[1]}: v must carry Hkv = {k.shape[1] // 2} "
                          f"heads of width 2d (one value head per pair of key heads)")
@@ -413,7 +424,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor
         lm = lam[:, :, s:e] if lam.ndim == 4 and lam.shape[2] == nq else lam
         diff_map = torch.addcmul(attn[:, :, 0], lm, attn[:, :, 1], value=-1.0)  # A1 - lam * A2
         outs.append(diff_map @ v[:, :, :kmax])
-    return torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, v.shape[-1])
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
@@ -508,7 +519,7 @@ def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: 
     dropout, ``"auto"`` and ``"sdpa"`` mean ``sdpa_wide``.
 
     This is the answer for any call. :func:`diff_attention` goes one step further on a CPU: for a float32 call
-    that needs no gradient, ``"auto"`` runs the fused CPU kernel (``cpu_fused``, about 3x ``naive`` where
+    that needs no gradient (to q, k, v, lam or a learned mask), ``"auto"`` runs the fused CPU kernel (``cpu_fused``, about 3x ``naive`` where
     ``sdpa_padded`` is under 2x, ``benchmarks/bench_cpu_auto.py``) wherever it builds (:func:`diffattn_tutorial.cpu_kernel.kernel_status`).
     """
     if backend not in BACKENDS and backend != "auto":
@@ -523,8 +534,8 @@ def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: 
     return backend
 
 
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _cpu_kernel_status() -> tuple[bool, str]:
@@ -533,14 +544,22 @@ def _cpu_kernel_status() -> tuple[bool, str]:
     return kernel_status()
 
 
-def _fused_cpu_fits(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> bool:
-    """Whether ``"auto"`` may run this CPU call on the fused kernel: float32, no gradient, not being compiled
-    (a ctypes call would break the graph), and the kernel builds here."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and not _needs_grad(q, k, v, lam)
+def _fused_cpu_fits(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]) -> bool:
+    """Whether ``"auto"`` may run this CPU call on the fused kernel: float32, no gradient (to q, k, v, lam or a
+    learned mask), not being compiled (a ctypes call would break the graph), and the kernel builds here."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and not _needs_grad(q, k, v, lam, mask)
             and not torch.compiler.is_compiling() and _cpu_kernel_status()[0])
 
 
-def _check_cpu_fused(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> None:
+def _check_mask_grad(name: str, mask: Optional[Tensor]) -> None:
+    """The fused kernels give no gradient to an additive mask: refuse one that needs it, naming the fix."""
+    if _needs_grad(mask):
+        raise ValueError(f"attn_mask requires grad (a learned bias?), but backend {name!r} gives a mask no "
+                         f"gradient; use backend='auto', 'sdpa_padded' or 'naive' for it, or pass "
+                         f"attn_mask.detach() if it is not to be learned")
+
+
+def _check_cpu_fused(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]) -> None:
     """``backend="cpu_fused"`` asked for by name: say what it cannot do, and what to use instead."""
     if q.device.type != "cpu":
         raise ValueError(f"backend 'cpu_fused' runs on the CPU, the inputs are on {q.device}; use backend='auto'")
@@ -549,6 +568,7 @@ def _check_cpu_fused(q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> None:
     if _needs_grad(q, k, v, lam):
         raise ValueError("backend 'cpu_fused' is forward-only (no autograd); to train use backend='auto' or "
                          "'sdpa_padded', or call it under torch.no_grad()")
+    _check_mask_grad("cpu_fused", mask)
     ok, why = _cpu_kernel_status()
     if not ok:
         raise RuntimeError(f"backend 'cpu_fused' is unavailable here: {why}")
@@ -575,7 +595,8 @@ def diff_attention(
         lam: a number, a 0-dim tensor, or a tensor broadcastable to ``(B, H, Nq, 1)`` (per head/token).
         causal: causal mask aligned bottom-right (query ``i`` sees keys ``j <= i + Nk - Nq``).
         attn_mask: bool (True = may attend) or additive float, broadcastable to ``(B, H, Nq, Nk)``;
-            combined with ``causal``. Fully masked rows give zeros.
+            combined with ``causal``. Fully masked rows give zeros. An additive mask that requires grad
+            (a learned bias) gets its gradient (``cpu_fused`` and ``triton`` refuse it by name).
         scale: softmax scale, default ``1/sqrt(d)``.
         dropout_p: dropout on the attention maps (training only; ``naive``/``chunked``/``sdpa_wide``).
             ``cpu_fused`` is forward-only and float32-or-narrower (it computes in float32).
@@ -590,20 +611,24 @@ def diff_attention(
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
     name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
-    if name == "sdpa_padded" and backend == "auto" and _fused_cpu_fits(q, k, v, lam_t):
+    if name == "sdpa_padded" and backend == "auto" and _fused_cpu_fits(q, k, v, lam_t, mask):
         name = "cpu_fused"
     elif name == "cpu_fused":
-        _check_cpu_fused(q, k, v, lam_t)
+        _check_cpu_fused(q, k, v, lam_t, mask)
+    elif name == "triton":
+        _check_mask_grad("triton", mask)
+    if Nk == 0 or q.numel() == 0:  # nothing to compute: an empty output, or zeros (no key to attend to)
+        name = "naive"
     # the kernels' own causal masking is bottom-right aligned, like ours; SDPA's is_causal (top-left) is used
     # only where the two agree: Nq == Nk, no other mask
     is_causal = causal and (name == "triton" or (mask is None and (name == "cpu_fused" or
                                                                    (Nq == Nk and name in _SDPA_IMPLS))))
     full = None if is_causal and mask is None else _combine_masks(mask, causal, Nq, Nk, q.device)
-    if not _may_hold_nan(q, k, v):
+    if not _may_hold_nonfinite(q, k, v):
         return _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
-    nan_rows = _rows_reading_nan(q, k, v, full, is_causal)
+    nan_rows = _rows_reading_nonfinite(q, k, v, full, is_causal)
     if is_causal or full is not None:  # hidden keys must stay harmless, whatever they hold
-        k, v = _zero_nan(k), _zero_nan(v)
+        k, v = _zero_nonfinite(k), _zero_nonfinite(v)
     out = _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
     return out.masked_fill(nan_rows, float("nan"))  # the fused CPU kernels turn a NaN query row into numbers
 
@@ -672,6 +697,10 @@ def _check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], w
         raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[3] != d:
         raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
+    if d == 0:
+        raise ValueError("q and k have head dim d = 0: give them at least one feature (d >= 1)")
+    if k.shape[1] == 0:
+        raise ValueError("k and v have no heads (Hkv = 0): pass at least one KV head")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share heads and length")
     if Hq % k.shape[1]:

@@ -56,15 +56,16 @@ def key_mask(kind, nq, nk):
 
 
 def rows_reading(q, k, v, mask, causal):
-    """Independent of the library: ``(H, Nq)`` True where an output row reads a NaN (batch 1, H == Hkv)."""
+    """Independent of the library: ``(H, Nq)`` True where an output row reads a NaN or an infinity (batch 1,
+    H == Hkv)."""
     nq, nk = q.shape[2], k.shape[2]
     visible = torch.ones(nq, nk, dtype=torch.bool)
     if mask is not None:
         visible &= mask if mask.dtype == torch.bool else mask > float("-inf")
     if causal:
         visible &= causal_mask(nq, nk)
-    q_nan = q[0].isnan().any(-1).view(-1, 2, nq).any(1)  # (H, Nq): either map's query
-    key_nan = k[0].isnan().any(-1).view(-1, 2, nk).any(1) | v[0].isnan().any(-1)  # (H, Nk)
+    q_nan = ~q[0].isfinite().all(-1).view(-1, 2, nq).all(1)  # (H, Nq): either map's query
+    key_nan = ~k[0].isfinite().all(-1).view(-1, 2, nk).all(1) | ~v[0].isfinite().all(-1)  # (H, Nk)
     return q_nan | (visible[None] & key_nan[:, None, :]).any(-1)
 
 
@@ -84,6 +85,27 @@ def test_nan_reaches_exactly_the_rows_that_read_it(backend, where, causal, mask_
     assert torch.equal(out[0].isnan().any(-1), expected_nan), f"NaN rows differ from the rows that read a NaN"
     assert not out[0][~expected_nan].isnan().any(), "a row mixes NaN and numbers"
     clean = [t.nan_to_num(0.0) for t in (q, k, v)]
+    ref = reference(*clean, 0.4, causal=causal, attn_mask=mask)[0]
+    torch.testing.assert_close(out[0][~expected_nan].double(), ref[~expected_nan], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "causal"])
+def test_an_infinity_makes_exactly_the_rows_that_read_it_nan(backend, value, mask_kind):
+    """Masked keys never influence the output, whatever they hold: a hidden key holding +-inf in k and in v
+    gave NaN everywhere with auto, cpu_fused and the SDPA forms (naive too, for v). A visible one makes the rows
+    that read it NaN (as a NaN does), in every backend alike, and the other rows are the finite answer."""
+    q, k, v = inputs(H=2, Hkv=2, Nq=8, Nk=8)
+    k[0, 0, 5, 0] = v[0, 1, 5, 2] = value  # key 5: hidden from every row by the masks, from rows < 5 by causal
+    q[0, 3, 6, 1] = value  # head 1 (map 2), row 6
+    causal = mask_kind == "causal"
+    mask = None if causal else key_mask(mask_kind, 8, 8)
+    out = diff_attention(q, k, v, 0.4, causal=causal, attn_mask=mask, backend=backend)
+    expected_nan = rows_reading(q, k, v, mask, causal)
+    assert torch.equal(out[0].isnan().any(-1), expected_nan), "NaN rows differ from the rows that read an inf"
+    assert out[0][~expected_nan].isfinite().all(), "a row mixes NaN and numbers, or holds an inf"
+    clean = [t.nan_to_num(0.0, posinf=0.0, neginf=0.0) for t in (q, k, v)]
     ref = reference(*clean, 0.4, causal=causal, attn_mask=mask)[0]
     torch.testing.assert_close(out[0][~expected_nan].double(), ref[~expected_nan], rtol=1e-4, atol=1e-5)
 

@@ -252,3 +252,63 @@ def test_padded_inference_subtracts_in_place_but_grad_flows():
         grads[backend] = [t.grad for t in leaves] + [lam.grad]
     for a, b in zip(grads["naive"], grads["sdpa_padded"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a learned additive mask, and empty problems (issue 24, item 4 b and d)
+# ---------------------------------------------------------------------------------------------------------
+
+GRAD_BACKENDS = [b for b in CPU_BACKENDS if b not in FORWARD_ONLY]
+
+
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_a_learned_additive_mask_gets_its_gradient(backend):
+    """A mask that requires grad (a learned bias) must make the call differentiable: ``auto`` picked the
+    forward-only fused kernel for float32 and the gradient was lost."""
+    q, k, v, lam, _ = make(2, 2, 1, 5, 7, 8, lam_kind="token")
+    bias = torch.randn(1, 2, 5, 7, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out = diff_attention(q, k, v, lam, attn_mask=bias, backend=backend)
+    assert out.requires_grad
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * g).sum(), bias)
+    bias64 = bias.detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad((reference(q, k, v, lam, attn_mask=bias64) * g.double()).sum(), bias64)
+    torch.testing.assert_close(grad.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu_fused", "triton"])
+def test_backends_that_give_a_mask_no_gradient_refuse_a_learned_one(backend):
+    q, k, v, lam, _ = make(1, 2, 1, 4, 4, 32)
+    bias = torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=f"attn_mask requires grad .* backend '{backend}' gives a mask no gradient; "
+                                         r"use backend='auto', 'sdpa_padded' or 'naive' .* attn_mask\.detach\(\)"):
+        diff_attention(q, k, v, lam, attn_mask=bias, backend=backend)
+
+
+EMPTY = {  # (B, H, Hkv, Nq, Nk)
+    "Nq = 0": (2, 2, 1, 0, 5),
+    "Nk = 0": (2, 2, 1, 4, 0),
+    "B = 0": (0, 2, 1, 4, 5),
+    "H = 0": (1, 0, 1, 4, 5),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("auto",))
+@pytest.mark.parametrize("case", EMPTY)
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_problems_give_an_empty_output_or_zeros(backend, case, causal):
+    """Nq = 0 raised in chunked; every backend now gives the (B, H, Nq, 2d) output, zeros where Nk = 0 (no key
+    to attend to, as a fully masked row), with gradients (zero) where the backend has autograd."""
+    B, H, Hkv, Nq, Nk = EMPTY[case]
+    q, k, v, lam, _ = make(B, H, Hkv, Nq, Nk, 8)
+    mask = torch.ones(Nq, Nk, dtype=torch.bool)
+    grad = backend not in FORWARD_ONLY
+    q.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        for attn_mask in (None, mask):
+            out = diff_attention(q, k, v, lam, causal=causal, attn_mask=attn_mask, backend=backend)
+            assert out.shape == (B, H, Nq, 16) and out.dtype == q.dtype
+            assert not out.any()
+    if grad:
+        (dq,) = torch.autograd.grad(out.sum(), q, allow_unused=True)
+        assert dq is None or not dq.any()

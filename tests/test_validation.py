@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from diffattn_tutorial import interop
-from diffattn_tutorial.functional import diff_attention, softmax_attention
+from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention
 from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn
 from diffattn_tutorial.rope import apply_rope, rope_cos_sin
 
@@ -27,6 +27,10 @@ BAD_FUNCTIONAL = [
     ("q/k dim", dict(k=torch.randn(B, 2 * HKV, N, D + 2)), {}, ValueError, "head dims differ"),
     ("k/v length", dict(v=torch.randn(B, HKV, N + 1, 2 * D)), {}, ValueError, "sequence lengths differ"),
     ("batch", dict(k=torch.randn(B + 1, 2 * HKV, N, D)), {}, ValueError, "batch sizes differ"),
+    ("d = 0", dict(q=torch.randn(B, 2 * H, N, 0), k=torch.randn(B, 2 * HKV, N, 0), v=torch.randn(B, HKV, N, 0)),
+     {}, ValueError, "head dim d = 0: give them at least one feature"),
+    ("Hkv = 0", dict(k=torch.randn(B, 0, N, D), v=torch.randn(B, 0, N, 2 * D)), {}, ValueError,
+     r"k has no heads \(Hkv = 0\): pass at least one KV group"),
     ("dtype", dict(k=torch.randn(B, 2 * HKV, N, D, dtype=torch.float64)), {}, TypeError, r"k\.to\(q\.dtype\)"),
     ("int input", dict(q=torch.ones(B, 2 * H, N, D, dtype=torch.long)), {}, TypeError, "floating-point"),
     ("backend", {}, dict(backend="flash"), ValueError, "unknown backend 'flash'"),
@@ -52,6 +56,16 @@ def test_diff_attention_rejects_bad_input(case):
 def test_softmax_attention_rejects_bad_gqa():
     with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
         softmax_attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+
+
+def test_plain_attention_rejects_zero_head_dim_and_zero_kv_heads():
+    """They raised ZeroDivisionError (``0 ** -0.5``, ``Hq % 0``)."""
+    with pytest.raises(ValueError, match="head dim d = 0"):
+        softmax_attention(torch.randn(1, 2, 4, 0), torch.randn(1, 2, 4, 0), torch.randn(1, 2, 4, 8))
+    with pytest.raises(ValueError, match=r"no heads \(Hkv = 0\)"):
+        softmax_attention(torch.randn(1, 2, 4, 8), torch.randn(1, 0, 4, 8), torch.randn(1, 0, 4, 8))
+    with pytest.raises(ValueError, match=r"no heads \(Hkv = 0\)"):
+        diff_attention_v2(torch.randn(1, 4, 4, 8), torch.randn(1, 0, 4, 8), torch.randn(1, 0, 4, 8), 0.5)
 
 
 @pytest.mark.parametrize("make, msg", [
