@@ -19,21 +19,34 @@ torch.Size([2, 10, 32])
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from diffattn_tutorial.functional import diff_attention_maps, diff_attention_v2, expand_kv_groups, softmax_attention
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
+from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm, StaticKVCache
 from diffattn_tutorial.rope import rope_cos_sin
 
 Tensor = torch.Tensor
 
 ATTENTIONS: tuple[str, ...] = ("baseline", "diff", "diff_v2")
 """The attention kinds :class:`TinyLM` can be built with."""
+
+CACHES: tuple[Optional[str], ...] = ("static", "dynamic", None)
+"""The ``cache`` choices of :meth:`TinyLM.generate`: preallocated and written in place, grown by concatenation,
+or none (recompute the whole sequence every step)."""
+
+STATIC_CACHE_MULTIPLE = 64
+"""``generate(cache="static")`` preallocates the prompt plus the new tokens rounded up to a multiple of this
+(at most ``max_len``), so calls of similar lengths share one buffer shape, and a compiled step compiles once
+for all of them. The positions not written yet are masked."""
+
+Cache = Union[KVCache, StaticKVCache]
 
 
 @dataclass(frozen=True)
@@ -124,8 +137,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden or 2 * cfg.d_model)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Optional[KVCache] = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope=rope, causal=True, cache=cache)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Optional[Cache] = None,
+                attn_mask: Optional[Tensor] = None) -> Tensor:
+        """Causal over ``x``'s tokens (after the cached ones), or ``attn_mask`` instead (a static cache's). One new
+        token after a cache sees every cached key, so it needs no causal mask (``causal=False``, the same result)."""
+        causal = attn_mask is None and x.shape[1] > 1
+        x = x + self.attn(self.attn_norm(x), rope=rope, causal=causal, attn_mask=attn_mask, cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -174,46 +191,104 @@ class TinyLM(nn.Module):
             raise ValueError(f"idx must be a (B, N) tensor of token ids (torch.long), got "
                              f"{tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__}")
 
-    def forward(self, idx: Tensor, *, caches: Optional[list[KVCache]] = None) -> Tensor:
+    def forward(self, idx: Tensor, *, caches: Optional[Sequence[Cache]] = None,
+                positions: Optional[Tensor] = None) -> Tensor:
         """``idx (B, N)`` token ids -> logits ``(B, N, vocab)``.
 
-        With ``caches`` (one :class:`KVCache` per layer) the tokens continue the cached sequence: their
-        positions start at the cache length, and their keys/values are appended.
+        With ``caches`` (one per layer) the tokens continue the cached sequence and their keys/values are stored.
+        :class:`KVCache` (grows by concatenation): the positions start at the cache length. :class:`StaticKVCache`
+        (preallocated, written in place): pass ``positions``, the ``(N,)`` long tensor of the tokens' positions.
         """
         self._check_idx(idx)
-        if caches is not None and len(caches) != len(self.blocks):
+        if caches is None:
+            return self._logits(idx, self._rope(0, idx.shape[1]), [None] * len(self.blocks))
+        if len(caches) != len(self.blocks):
             raise ValueError(f"pass one KVCache per layer ({len(self.blocks)}), got {len(caches)}")
-        offset = 0 if caches is None else caches[0].seq_len
-        rope = self._rope(offset, idx.shape[1])
+        if not isinstance(caches[0], StaticKVCache):
+            if positions is not None:
+                raise ValueError("positions= is for StaticKVCache caches; a KVCache continues at its own length")
+            return self._logits(idx, self._rope(caches[0].seq_len, idx.shape[1]), caches)
+        if positions is None:
+            raise ValueError("a StaticKVCache needs positions=: the (N,) long tensor of the tokens' positions, "
+                             "e.g. torch.arange(N) for a prompt, torch.tensor([t]) for the token at t")
+        for cache in caches:
+            cache.seek(positions)
+        rope = (self.rope_cos[positions], self.rope_sin[positions])
+        return self._logits(idx, rope, caches, caches[0].attn_mask())
+
+    def _logits(self, idx: Tensor, rope: tuple[Tensor, Tensor], caches: Sequence[Optional[Cache]],
+                attn_mask: Optional[Tensor] = None) -> Tensor:
         x = self.embed(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope, None if caches is None else caches[i])
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, rope, cache, attn_mask)
         return self.head(self.norm(x))
 
-    @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, *, use_cache: bool = True) -> Tensor:
-        """Greedy decoding: ``idx (B, N) -> (B, N + max_new_tokens)``.
+    def _next_logits(self, idx: Tensor, caches: Optional[Sequence[Cache]] = None,
+                     positions: Optional[Tensor] = None) -> Tensor:
+        """The logits of the token after ``idx``: ``(B, vocab)``. The one-token decode step (what is compiled)."""
+        return self(idx, caches=caches, positions=positions)[:, -1]
 
-        With ``use_cache`` the prompt is run once and each new token costs one step over the KV cache;
-        without it every step recomputes the whole sequence (the same tokens, slower).
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, *, cache: Optional[str] = "dynamic",
+                 compile: Union[bool, str, Callable] = False, temperature: float = 0.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, use_cache: Optional[bool] = None) -> Tensor:
+        """Decode ``max_new_tokens`` tokens after ``idx (B, N)``: returns ``(B, N + max_new_tokens)``.
+
+        Args:
+            cache: how the keys and values of past tokens are kept (see :data:`CACHES`). ``"dynamic"``: a
+                :class:`KVCache` per layer, grown by ``torch.cat`` each step (a new allocation and new shapes per
+                token). ``"static"``: a :class:`StaticKVCache` per layer, preallocated for ``N + max_new_tokens``
+                positions (rounded up to a multiple of :data:`STATIC_CACHE_MULTIPLE`) and written in place, so
+                every step has the same shapes. ``None``: no cache, every step recomputes the whole sequence.
+                All three give the same tokens.
+            compile: compile the decode step with ``torch.compile`` once and reuse it for every token (True: the
+                default ``"inductor"`` backend; otherwise the backend to use, a name such as ``"aot_eager"`` or a
+                backend function). With the static cache the step is one graph of fixed shapes
+                (``fullgraph=True``), compiled once per buffer size; with the dynamic cache or none its shapes
+                grow every token, so it is compiled with ``dynamic=True`` (symbolic lengths, compiled once). The
+                prompt runs eagerly (it runs once). Compiled steps are kept by ``torch.compile`` itself (per
+                process; a new model configuration compiles again, up to ``torch._dynamo.config.recompile_limit``).
+            temperature: 0 (default) picks the most likely token (greedy); above 0 samples from
+                ``softmax(logits / temperature)`` (see :func:`next_token`).
+            top_k: sample among the ``top_k`` most likely tokens only (None: all).
+            generator: the ``torch.Generator`` to sample with (None: torch's global one).
+            use_cache: the older switch, kept for existing calls: True means ``cache="dynamic"``, False ``cache=None``.
         """
         self._check_idx(idx)
-        if max_new_tokens <= 0:
+        cache = _resolve_cache(cache, use_cache)
+        _check_sampling(temperature, top_k, generator)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+        total = idx.shape[1] + max_new_tokens
+        if idx.shape[1] == 0 or total > self.cfg.max_len:
+            raise ValueError(f"the prompt ({idx.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) must be "
+                             f"1..max_len={self.cfg.max_len} tokens; generate fewer, or build the model with a "
+                             f"larger LMConfig(max_len=...)")
+        if max_new_tokens == 0:
             return idx
-        if not use_cache:
+        pick = functools.partial(next_token, temperature=temperature, top_k=top_k, generator=generator)
+        step = _compiled(self._next_logits, compile, cache)
+        if cache is None:
             for _ in range(max_new_tokens):
-                nxt = self(idx)[:, -1].argmax(-1, keepdim=True)
-                idx = torch.cat([idx, nxt], dim=1)
+                idx = torch.cat([idx, pick(step(idx))], dim=1)
             return idx
-        caches = [KVCache() for _ in self.blocks]
-        logits = self(idx, caches=caches)
+        caches, positions = self._prefill_caches(cache, idx.shape[1], total, idx.device)
+        logits = self._next_logits(idx, caches, positions)
         out = [idx]
-        for step in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(nxt)
-            if step + 1 < max_new_tokens:
-                logits = self(nxt, caches=caches)
+        for t in range(max_new_tokens):
+            out.append(pick(logits))
+            if t + 1 < max_new_tokens:
+                positions = None if positions is None else positions[-1:] + 1
+                logits = step(out[-1], caches, positions)
         return torch.cat(out, dim=1)
+
+    def _prefill_caches(self, cache: str, n: int, total: int,
+                        device: torch.device) -> tuple[list[Cache], Optional[Tensor]]:
+        """Empty caches of kind ``cache`` for ``total`` positions, and the positions of an ``n``-token prompt."""
+        if cache == "dynamic":
+            return [KVCache() for _ in self.blocks], None
+        size = min(self.cfg.max_len, -(-total // STATIC_CACHE_MULTIPLE) * STATIC_CACHE_MULTIPLE)
+        return [StaticKVCache(size) for _ in self.blocks], torch.arange(n, device=device)
 
     @torch.no_grad()
     def probe(self, idx: Tensor) -> list[AttentionProbe]:
@@ -236,6 +311,59 @@ class TinyLM(nn.Module):
         """Parameter count (of the whole model, or of its attention layers only)."""
         mods = [b.attn for b in self.blocks] if attention_only else [self]
         return sum(p.numel() for m in mods for p in m.parameters())
+
+
+def _resolve_cache(cache: Optional[str], use_cache: Optional[bool]) -> Optional[str]:
+    """``cache`` checked, or the older ``use_cache`` switch translated (True: ``"dynamic"``, False: None)."""
+    if use_cache is not None:
+        if cache != "dynamic":
+            raise ValueError(f"pass either cache= or the older use_cache=, not both (got cache={cache!r}, "
+                             f"use_cache={use_cache!r}); use_cache=False is cache=None")
+        return "dynamic" if use_cache else None
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+    return cache
+
+
+def _check_sampling(temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a whole number >= 1 (the tokens to sample among) or None, got {top_k!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
+                        f"got {type(generator).__name__}")
+
+
+def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: Optional[int] = None,
+               generator: Optional[torch.Generator] = None) -> Tensor:
+    """The next token from ``logits (B, vocab)``: ``(B, 1)`` token ids.
+
+    ``temperature == 0``: the most likely token (greedy). Otherwise one draw (``torch.multinomial`` with
+    ``generator``) from ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely tokens when
+    given (ties at the ``top_k``-th value are kept); ``top_k`` at or above the vocabulary keeps every token.
+    """
+    _check_sampling(temperature, top_k, generator)
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    scaled = logits.float() / temperature if logits.dtype != torch.float64 else logits / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+
+
+def _compiled(step, compile: Union[bool, str, Callable], cache: Optional[str]):
+    """``step`` as :meth:`TinyLM.generate` runs it: as it is, or compiled once (see its ``compile`` argument)."""
+    if compile is False:
+        return step
+    if compile is not True and not isinstance(compile, str) and not callable(compile):
+        raise TypeError(f"compile must be True, False or a torch.compile backend (a name such as 'inductor' or "
+                        f"'aot_eager', or a backend function), got {compile!r}")
+    backend = "inductor" if compile is True else compile
+    if cache == "static":  # fixed shapes: one graph, compiled once
+        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    return torch.compile(step, backend=backend, dynamic=True)  # lengths grow each token: symbolic shapes
 
 
 def _probe_layer(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor]) -> AttentionProbe:
@@ -302,5 +430,5 @@ def attention_costs(attention: str, *, d_model: int, n_heads: int, n_kv_heads: O
     return {"params": params, "proj_flops": proj, "attn_flops": attn, "kv_bytes": kv}
 
 
-__all__ = ["ATTENTIONS", "LMConfig", "TinyLM", "AttentionProbe", "SwiGLU", "Block", "make_attention",
-           "build_model", "parameter_counts", "attention_costs"]
+__all__ = ["ATTENTIONS", "CACHES", "STATIC_CACHE_MULTIPLE", "LMConfig", "TinyLM", "next_token", "AttentionProbe",
+           "SwiGLU", "Block", "make_attention", "build_model", "parameter_counts", "attention_costs"]

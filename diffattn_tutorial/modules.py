@@ -5,8 +5,9 @@
 * :class:`DiffAttnV2`: DIFF V2 (2H query heads, per-token ``sigmoid`` lambda, no sub-norm).
 
 All take ``x`` of shape ``(B, N, embed_dim)`` and return the same shape. Optional keywords:
-``context`` ``(B, M, kdim)`` for cross-attention (V1 and baseline) and ``cache`` (a :class:`KVCache`) for
-step-by-step decoding, which equals the full causal forward.
+``context`` ``(B, M, kdim)`` for cross-attention (V1 and baseline) and ``cache`` (a :class:`KVCache`, which grows
+by concatenation, or a :class:`StaticKVCache`, preallocated and written in place) for step-by-step decoding, which
+equals the full causal forward.
 """
 
 from __future__ import annotations
@@ -67,12 +68,71 @@ class KVCache:
         if self.k is not None and (self.k.shape[:2] != k.shape[:2] or self.k.shape[3] != k.shape[3]):
             raise ValueError(f"this cache holds keys of shape {tuple(self.k.shape)}, the new ones are "
                              f"{tuple(k.shape)}: use one KVCache per layer and batch")
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        # a tensor of its own from the first update on, contiguous like every concatenation (not a view of the
+        # projection): a compiled step then meets the same kind of tensor every token and compiles once
+        own = torch.contiguous_format
+        self.k = k.clone(memory_format=own) if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v.clone(memory_format=own) if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
     def reset(self) -> None:
         self.k = self.v = None
+
+
+class StaticKVCache:
+    """Keys and values preallocated for ``max_len`` positions, ``(B, heads, max_len, dim)`` each, written in place.
+
+    Every step has the same shapes (what ``torch.compile`` needs to compile a decode step once): the layer
+    attends over the whole buffer, and the mask from :meth:`attn_mask` hides the positions not written yet.
+    Before each step, :meth:`seek` says where its tokens go (a ``(N,)`` long tensor: a tensor, not a Python
+    number, so that a compiled step does not specialise on the position)::
+
+        cache.seek(torch.tensor([t]))
+        layer(x_t, rope=..., attn_mask=cache.attn_mask(), cache=cache)
+
+    The buffers are allocated by the first update (zeros, in the new keys' dtype and device). Positions must be
+    written in order from 0: a query at position ``p`` sees every key at ``0..p``.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be a positive whole number (positions to hold), got {max_len!r}")
+        self.max_len = max_len
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+        self.positions: Optional[Tensor] = None
+
+    def seek(self, positions: Tensor) -> None:
+        """The positions the next update writes, ``(N,)`` long (one per new token, on the cache's device)."""
+        if not isinstance(positions, Tensor) or positions.ndim != 1 or positions.dtype != torch.long:
+            raise ValueError("positions must be a 1-D torch.long tensor, one position per new token, e.g. "
+                             "torch.tensor([t])")
+        self.positions = positions
+
+    def attn_mask(self) -> Tensor:
+        """Bool ``(N, max_len)``: the keys each of the current tokens may attend to (written, and not after it)."""
+        if self.positions is None:
+            raise ValueError("call seek(positions) first: the mask depends on where the tokens sit")
+        keys = torch.arange(self.max_len, device=self.positions.device)
+        return keys[None, :] <= self.positions[:, None]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``/``v`` (new tokens on dim 2) at the positions of :meth:`seek`; return the whole buffers."""
+        if self.positions is None or self.positions.shape[0] != k.shape[2]:
+            raise ValueError(f"call seek(positions) with one position per new token ({k.shape[2]}) before the "
+                             f"layer writes to this StaticKVCache")
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.max_len, k.shape[3])
+            self.v = v.new_zeros(*v.shape[:2], self.max_len, v.shape[3])
+        elif self.k.shape[:2] != k.shape[:2] or self.k.shape[3] != k.shape[3] or self.v.shape[3] != v.shape[3]:
+            raise ValueError(f"this cache holds keys of shape {tuple(self.k.shape)}, the new ones are "
+                             f"{tuple(k.shape)}: use one StaticKVCache per layer and batch")
+        self.k.index_copy_(2, self.positions, k)
+        self.v.index_copy_(2, self.positions, v)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        self.k = self.v = self.positions = None
 
 
 def _check_backend(backend: str, allowed: tuple[str, ...]) -> str:

@@ -1,9 +1,12 @@
-"""Cached step-by-step decoding equals the full causal forward, for every module and GQA setting."""
+"""Cached step-by-step decoding equals the full causal forward, for every module and GQA setting, with the dynamic
+and the static cache; ``TinyLM.generate`` gives the same tokens with every cache, compiled or not, greedy or seeded
+sampling, and refuses bad arguments by name."""
 
 import pytest
 import torch
 
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn
+from diffattn_tutorial.model import ATTENTIONS, CACHES, build_model, next_token
+from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
 from diffattn_tutorial.rope import rope_cos_sin
 
 LAYERS = {
@@ -70,3 +73,178 @@ def test_module_backends_agree(backend):
     x = torch.randn(2, 7, 64, dtype=torch.float64)
     mask = torch.rand(2, 1, 7, 7) > 0.3
     torch.testing.assert_close(layer(x, causal=True, attn_mask=mask), ref(x, causal=True, attn_mask=mask))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the static cache: preallocated, written in place, the positions not written yet masked
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.parametrize("prefill", [0, 3])
+def test_static_cache_decoding_equals_full_forward(name, prefill):
+    torch.manual_seed(0)
+    layer = LAYERS[name]().double().eval()
+    x = torch.randn(2, 9, 64, dtype=torch.float64)
+    cos, sin = rope_cos_sin(16, layer.head_dim, dtype=torch.float64)  # tables for the cache's 16 positions
+    full = layer(x, rope=(cos[:9], sin[:9]), causal=True)
+    cache, outs = StaticKVCache(16), []
+    chunks = ([torch.arange(prefill)] if prefill else []) + [torch.tensor([t]) for t in range(prefill, 9)]
+    for pos in chunks:
+        cache.seek(pos)
+        outs.append(layer(x[:, pos], rope=(cos[pos], sin[pos]), attn_mask=cache.attn_mask(), cache=cache))
+    assert cache.k.shape[2] == 16 and not cache.k[:, :, 9:].any()  # fixed size; nothing past the last token
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_static_cache_mask_and_refusals():
+    cache = StaticKVCache(5)
+    cache.seek(torch.tensor([2]))
+    assert cache.attn_mask().tolist() == [[True, True, True, False, False]]
+    cache.seek(torch.arange(2))  # a prompt: causal among its tokens
+    assert cache.attn_mask().tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+    k = torch.zeros(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="one position per new token"):
+        cache.update(k[:, :, :1], k[:, :, :1])
+    cache.update(k, k)
+    with pytest.raises(ValueError, match="one StaticKVCache per layer"):
+        cache.seek(torch.tensor([2]))
+        cache.update(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
+    with pytest.raises(ValueError, match="torch.long"):
+        cache.seek(torch.tensor([2.0]))
+    with pytest.raises(ValueError, match="max_len"):
+        StaticKVCache(0)
+    with pytest.raises(ValueError, match="seek"):
+        StaticKVCache(4).attn_mask()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TinyLM.generate: sampling, compiling the decode step, refusals
+# --------------------------------------------------------------------------------------------------------------
+
+VOCAB = 40
+
+
+def lm(kind, dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    return build_model(kind, VOCAB, max_len=40, **kw).to(dtype).eval()
+
+
+def prompt(b=2, n=4):
+    return torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_seeded_sampling_gives_the_same_tokens_with_every_cache(kind):
+    m, p = lm(kind, n_kv_heads=2), prompt()
+    draw = {c: m.generate(p, 12, cache=c, temperature=0.9, top_k=8, generator=torch.Generator().manual_seed(3))
+            for c in CACHES}
+    for cache, tokens in draw.items():
+        assert torch.equal(tokens, draw["dynamic"]), cache
+    other = m.generate(p, 12, temperature=0.9, top_k=8, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(other, draw["dynamic"])  # the generator decides: another seed, other tokens
+    assert not torch.equal(draw["dynamic"], m.generate(p, 12))  # it sampled, not the greedy tokens
+
+
+def test_next_token_greedy_top_k_and_temperature():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB, generator=g, dtype=torch.float64)
+    greedy = logits.argmax(-1, keepdim=True)
+    assert torch.equal(next_token(logits), greedy)
+    assert torch.equal(next_token(logits, temperature=5.0, top_k=1, generator=g), greedy)  # one candidate left
+    top3 = logits.topk(3, dim=-1).indices
+    draws = torch.cat([next_token(logits, temperature=2.0, top_k=3, generator=g) for _ in range(200)], dim=1)
+    for row in range(3):
+        assert set(draws[row].tolist()) == set(top3[row].tolist())  # only the top 3, and each of them
+    many = torch.cat([next_token(logits, temperature=1.0, top_k=VOCAB + 5, generator=g) for _ in range(300)], 1)
+    assert len(set(many[0].tolist())) > 3  # top_k beyond the vocabulary keeps every token
+    a = next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(7)))
+
+
+def test_float32_decode_step_runs_the_fused_cpu_kernel(monkeypatch):
+    """In float32 inference ``backend="auto"`` sends DIFF's one-query steps to the fused CPU kernel (where it
+    builds), with either cache, and the tokens agree with recomputation."""
+    from diffattn_tutorial import cpu_kernel
+
+    if not cpu_kernel.kernel_status()[0]:
+        pytest.skip(f"the fused CPU kernel is unavailable here: {cpu_kernel.kernel_status()[1]}")
+    calls = []
+    real = cpu_kernel.fused_diff_attention
+    monkeypatch.setattr(cpu_kernel, "fused_diff_attention", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    m, p = lm("diff", torch.float32, n_kv_heads=2), prompt()
+    for cache in ("static", "dynamic"):
+        calls.clear()
+        assert torch.equal(m.generate(p, 6, cache=cache), m.generate(p, 6, cache=None))
+        one_query = [s for s in calls if s[2] == 1]
+        assert len(one_query) == 5 * len(m.blocks), cache  # every decode step of every layer
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def counting_backend(name):
+    """A ``torch.compile`` backend that compiles with ``name`` and records each compilation: the set of
+    ``(frame, compile)`` ids it was called for (a restarted analysis calls it again under the same id)."""
+    compiles = set()
+
+    def backend(gm, example_inputs):
+        cid = torch._guards.CompileContext.current_compile_id()
+        compiles.add((cid.frame_id, cid.frame_compile_id))
+        return torch._dynamo.lookup_backend(name)(gm, example_inputs)
+
+    return backend, compiles
+
+
+def test_compiled_static_step_compiles_once_and_gives_the_same_tokens(fresh_dynamo):
+    m, p = lm("diff", n_kv_heads=2), prompt()
+    backend, compiles = counting_backend("aot_eager")
+    assert torch.equal(m.generate(p, 10, cache="static", compile=backend), m.generate(p, 10, cache=None))
+    assert len(compiles) == 1  # one compilation for all 9 steps: no recompilation per token
+    m.generate(p, 20, cache="static", compile=backend)  # 24 positions: the same 64-position buffer
+    assert len(compiles) == 1
+    sampled = m.generate(p, 10, cache="static", compile=backend, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, m.generate(p, 10, temperature=0.8, generator=torch.Generator().manual_seed(0)))
+    assert len(compiles) == 1
+
+
+@pytest.mark.slow  # compiles 9 decode steps with inductor (C++ code generation: about a minute)
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_compiled_steps_give_the_same_tokens_for_every_kind_and_cache(kind, fresh_dynamo):
+    m, p = lm(kind, n_kv_heads=2), prompt()
+    want = m.generate(p, 9, cache=None)
+    for cache in CACHES:
+        backend, compiles = counting_backend("inductor")
+        assert torch.equal(m.generate(p, 9, cache=cache, compile=backend), want), cache
+        assert torch.equal(m.generate(p, 12, cache=cache, compile=backend)[:, :13], want), cache
+        assert len(compiles) == 1, (cache, compiles)  # once, for both calls and every token
+
+
+def test_generate_refusals_name_the_fix():
+    m, p = lm("baseline"), prompt()
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 0"):
+        m.generate(p, -1)
+    with pytest.raises(ValueError, match="top_k must be a whole number >= 1"):
+        m.generate(p, 3, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        m.generate(p, 3, temperature=-0.5)
+    with pytest.raises(ValueError, match="max_len=40"):
+        m.generate(p, 37)
+    assert m.generate(p, 36).shape == (2, 40)  # exactly max_len is fine
+    with pytest.raises(ValueError, match="cache must be one of"):
+        m.generate(p, 3, cache="paged")
+    with pytest.raises(ValueError, match="either cache= or the older use_cache="):
+        m.generate(p, 3, cache="static", use_cache=True)
+    with pytest.raises(TypeError, match="compile must be True, False or a torch.compile backend"):
+        m.generate(p, 3, compile=3)
+    with pytest.raises(TypeError, match="torch.Generator"):
+        m.generate(p, 3, temperature=1.0, generator=0)
+    with pytest.raises(ValueError, match="positions="):
+        m(p, caches=[StaticKVCache(8) for _ in m.blocks])
+    with pytest.raises(ValueError, match="positions= is for StaticKVCache"):
+        m(p, caches=[KVCache() for _ in m.blocks], positions=torch.arange(4))
+    assert torch.equal(m.generate(p, 0), p)

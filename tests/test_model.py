@@ -4,8 +4,8 @@ import pytest
 import torch
 from einops import rearrange
 
-from diffattn_tutorial.model import ATTENTIONS, LMConfig, TinyLM, build_model, parameter_counts
-from diffattn_tutorial.modules import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
+from diffattn_tutorial.model import ATTENTIONS, CACHES, LMConfig, TinyLM, build_model, parameter_counts
+from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
 
 V = 40
 
@@ -54,16 +54,22 @@ def test_causal(kind):
 def test_cached_generation_equals_recomputing(kind, kv):
     m = model(kind, n_kv_heads=kv)
     prompt = torch.randint(0, V, (3, 5))
-    fast = m.generate(prompt, 9)
-    slow = m.generate(prompt, 9, use_cache=False)
+    tokens = {cache: m.generate(prompt, 9, cache=cache) for cache in CACHES}
+    fast = tokens["dynamic"]
     assert fast.shape == (3, 14) and torch.equal(fast[:, :5], prompt)
-    assert torch.equal(fast, slow)
-    # and the cached logits equal the full forward's at every step
-    from diffattn_tutorial.modules import KVCache
-
+    for cache in ("static", None):
+        assert torch.equal(tokens[cache], fast), cache
+    assert torch.equal(m.generate(prompt, 9, use_cache=False), fast)  # the older switch still works
+    assert torch.equal(m.generate(prompt, 9, use_cache=True), fast)
+    # and the cached logits equal the full forward's at every step, with either cache
+    full = m(fast)
     caches = [KVCache() for _ in m.blocks]
     steps = [m(fast[:, :5], caches=caches)] + [m(fast[:, t:t + 1], caches=caches) for t in range(5, 14)]
-    torch.testing.assert_close(torch.cat(steps, 1), m(fast), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
+    static = [StaticKVCache(16) for _ in m.blocks]
+    steps = [m(fast[:, :5], caches=static, positions=torch.arange(5))]
+    steps += [m(fast[:, t:t + 1], caches=static, positions=torch.tensor([t])) for t in range(5, 14)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ATTENTIONS)
