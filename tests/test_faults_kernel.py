@@ -10,7 +10,6 @@ the thread and process races use the real one.
 """
 
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -52,6 +51,8 @@ def child(code, cache, timeout=120, limit_bytes=None, **env):
     full_env = {**os.environ, "DIFFATTN_CACHE": str(cache), "OMP_NUM_THREADS": "1", **env}
 
     def limit():
+        import resource  # POSIX only
+
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
@@ -303,13 +304,25 @@ def test_a_hanging_compiler_is_stopped(tmp_path):
     assert line.startswith("STATUS False") and "timed out after 1.0 seconds" in line
 
 
-def test_a_full_disk_falls_back_and_a_later_process_builds(tmp_path):
+def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch, fresh_state):
     """A file-size limit stands in for a full disk: the source (13 kB) or the library (40 kB) cannot be written.
-    The process falls back; nothing half-written is loaded later."""
+    The call falls back (the compiler, killed by SIGXFSZ, or Python's own write failing); nothing half-written
+    is loaded later. In this process: nothing is built or loaded before the limit is lifted."""
+    import resource  # POSIX only
+
+    monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     for limit, words in ((5_000, "cannot be written"), (30_000, "did not compile")):
-        line = status_line(child(CALL, tmp_path / "cache", limit_bytes=limit))
-        assert line.startswith("STATUS False") and words in line, line
-    assert status_line(child(CALL, tmp_path / "cache")).startswith("STATUS True")
+        cpu_kernel._FAILED.clear()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            why = falls_back()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert words in why, why
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+    cpu_kernel._FAILED.clear()  # as a new process would
+    assert cpu_kernel.kernel_status()[0]
 
 
 def test_a_compiler_given_with_arguments(tmp_path, monkeypatch, fresh_state):
