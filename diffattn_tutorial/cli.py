@@ -4,6 +4,8 @@
     diffattn-tutorial bench [options]     time and peak memory of every backend, side by side
     diffattn-tutorial check NOTEBOOK      run your exercise notebook and print a scorecard
     diffattn-tutorial train [options]     train a TinyLM (python -m diffattn_tutorial.train; torchrun for many processes)
+
+Bad input ends with one line on stderr naming the fix, and exit code 2: no traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import argparse
 import importlib
 import platform
 import sys
-from typing import Callable, Optional
+import tempfile
+from typing import Callable, NoReturn, Optional
 
 import torch
 
@@ -22,6 +25,37 @@ def _version(module: str) -> str:
         return getattr(importlib.import_module(module), "__version__", "installed")
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return "not installed"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (the message, then where the help is),
+    exit code 2. Its subcommands' parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class CommandError(Exception):
+    """A command that cannot run with these options here; ``main`` prints the message as one line, exit code 2."""
+
+
+def cache_report() -> str:
+    """One line on the cache folder (``experiments.cache_dir``: trained models, compiled kernels): where it is
+    and whether this process can write there, with the fix when not."""
+    from diffattn_tutorial.experiments import CACHE_ENV, cache_dir
+
+    folder = cache_dir()
+    if folder is None:
+        return f"cache: off ({CACHE_ENV}=0): notebooks retrain, kernels compile again in every process"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".doctor-"):
+            pass
+    except OSError as e:
+        return (f"cache: {folder} is not writable ({e.strerror or e}); set {CACHE_ENV} to a folder you can write "
+                f"to, or {CACHE_ENV}=0 to switch the cache off")
+    return f"cache: {folder} (writable; {CACHE_ENV} moves it)"
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -42,6 +76,7 @@ def doctor(args: argparse.Namespace) -> int:
         devices.append("cuda")
     else:
         print("GPU: none (every notebook runs on the CPU; GPU-only cells skip themselves)")
+    print(cache_report())
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         print("MPS: available, but the course uses the CPU on Apple silicon (not every op is exact on MPS)")
     for device in devices:
@@ -82,21 +117,53 @@ def _backend_list(text: str) -> list[str]:
     return names
 
 
+def _bench_device(text: str) -> torch.device:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (what ``bench`` can time and measure)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: bench measures on 'cpu' or 'cuda' (or 'cuda:N')")
+    return device
+
+
+def _bench_device_here(device: Optional[torch.device]) -> torch.device:
+    """The device to bench on, refused with the fix when this machine does not have it."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda, but no CUDA GPU is visible to torch here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                           f"numbered from 0")
+    return device
+
+
 def bench(args: argparse.Namespace) -> int:
     """Time every backend side by side and print a Markdown table (ratios against naive)."""
     from diffattn_tutorial import bench as B
+    from diffattn_tutorial.functional import backend_status
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _bench_device_here(args.device)
     backends = list(args.backends or B.DEFAULT_BACKENDS)
     if device.type == "cuda" and "triton" not in backends and not args.backends:
         backends.append("triton")
+    if args.backends:
+        status = backend_status(device)
+        unusable = [f"{name} ({status[name][1]})" for name in backends if name in status and not status[name][0]]
+        if unusable:
+            raise CommandError(f"--backends: {'; '.join(unusable)} cannot run on {device.type} here; leave it out")
     dtype = getattr(torch, args.dtype)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"diff_attention, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
           f"{' causal' if args.causal else ''}, inference; device: {where}; torch {torch.__version__}")
-    rows = B.run(device, lengths=args.lengths, backends=backends, b=args.batch, h=args.heads, d=args.head_dim,
-                 causal=args.causal, dtype=dtype, reps=args.reps, memory=not args.no_memory,
-                 progress=(lambda s: print("  " + s, file=sys.stderr, flush=True)) if args.verbose else None)
+    try:
+        rows = B.run(device, lengths=args.lengths, backends=backends, b=args.batch, h=args.heads, d=args.head_dim,
+                     causal=args.causal, dtype=dtype, reps=args.reps, memory=not args.no_memory,
+                     progress=(lambda s: print("  " + s, file=sys.stderr, flush=True)) if args.verbose else None)
+    except (ValueError, TypeError) as e:  # a backend that refuses these options (e.g. a dtype it does not take)
+        raise CommandError(f"{e} (--backends and --dtype choose what runs)") from None
     print(B.format_table(rows))
     return 0
 
@@ -109,7 +176,7 @@ def check(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="diffattn-tutorial", description="The differential attention course's helper command.")
+    ap = OneLineParser(prog="diffattn-tutorial", description="The differential attention course's helper command.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="versions, devices and usable attention backends")
     p.set_defaults(func=doctor)
@@ -122,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive_int, default=64, help="q/k head dim d (V has 2d)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", type=_bench_device, default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed calls per backend (median)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("-v", "--verbose", action="store_true", help="print progress to stderr")
@@ -137,13 +204,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command: returns the exit code (2 after a one-line error naming the fix, 130 after Ctrl-C)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the training entry point parses its own options
         from diffattn_tutorial.train import main as train_main
 
-        return train_main(argv[1:])
+        return train_main(argv[1:], prog="diffattn-tutorial train")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CommandError as e:
+        print(f"diffattn-tutorial {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"diffattn-tutorial {args.command}: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

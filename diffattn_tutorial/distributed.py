@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 Tensor = torch.Tensor
+T = TypeVar("T")
 
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2")
 """Data-parallel strategies :func:`wrap` knows."""
@@ -93,9 +95,9 @@ def shutdown(ctx: DistContext) -> None:
     (rank 0 writing the last log line, say) can abort at exit with ``terminate called without an active
     exception`` (SIGABRT): measured here in 2 of 20 two-process runs on a loaded 2-core machine without it."""
     if ctx.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
-        dist.barrier()
 
 def micro_batch_rows(micro_step: int, rank: int, per_rank: int, world_size: int) -> range:
     """Rows of the global batch that ``rank`` reads at accumulation ``micro_step``.
@@ -181,6 +183,42 @@ def mean_over_ranks(value: Tensor, ctx: DistContext) -> float:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value = value / ctx.world_size
     return value.item()
+
+
+def on_main(fn: Callable[[], T], ctx: DistContext) -> T:
+    """``fn()`` run on rank 0 only, its result handed to every rank; an exception it raises is raised on every
+    rank (rank 0's own, the others' a copy of its type and message), so no rank waits for one that failed.
+
+    For the work one process must do alone, such as preparing a run folder or choosing a checkpoint.
+    """
+    outcome: tuple = ("ok", None)
+    if ctx.is_main:
+        try:
+            outcome = ("ok", fn())
+        except Exception as e:
+            if not ctx.distributed:
+                raise
+            outcome = ("error", e)
+    if ctx.distributed:
+        box = [_picklable(outcome)]
+        dist.broadcast_object_list(box, src=0)
+        if not ctx.is_main:
+            outcome = box[0]
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1]
+
+
+def _picklable(outcome: tuple) -> tuple:
+    """An ``("error", exception)`` outcome whose exception may not survive pickling becomes a ``RuntimeError``."""
+    if outcome[0] != "error":
+        return outcome
+    e = outcome[1]
+    try:
+        pickle.loads(pickle.dumps(e))
+        return outcome
+    except Exception:  # noqa: BLE001 - an exception class that cannot be rebuilt from its arguments
+        return ("error", RuntimeError(f"{type(e).__name__}: {e}"))
 
 
 def gather_ints(value: int, ctx: DistContext) -> list[int]:
@@ -269,5 +307,5 @@ def _kill_tree(pid: int) -> None:
 
 
 __all__ = ["STRATEGIES", "DistContext", "init", "shutdown", "micro_batch_rows", "fsdp_local_shard", "wrap",
-           "gradient_sync", "mean_over_ranks", "gather_ints", "local_numel", "free_port", "torchrun_command",
+           "gradient_sync", "mean_over_ranks", "on_main", "gather_ints", "local_numel", "free_port", "torchrun_command",
            "launch"]

@@ -9,7 +9,8 @@ rank 0 only:
   after optimizer step ``n`` (1-based), ``loss`` the mean over the whole global batch;
 * ``{"event": "end", "step": n, "seconds": ...}`` when it stops.
 
-A resumed run first drops the lines after its checkpoint's step, so the log always reads as one run.
+A resumed run first drops the lines after its checkpoint's step (and a last line a killed process left
+unfinished), so the log always reads as one run; Ctrl-C adds ``{"event": "interrupted", "step": n, ...}``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,26 @@ class MetricsLog:
 
 
 def read_records(path: PathLike) -> list[dict]:
-    """Every record of a metrics log, in order."""
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a metrics log, in order.
+
+    A last line without its newline is a write still going on (or cut short by a killed process) and is left
+    out; any other line that is not a JSON object is a ``ValueError`` naming the file and the line.
+    """
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or (number == len(lines) and not text.endswith("\n")):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record = e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {number}, is not a JSON record of a metrics log; delete that line "
+                             f"(or start the run again with --overwrite)")
+        records.append(record)
+    return records
 
 
 def read_steps(path: PathLike) -> list[dict]:

@@ -1,5 +1,9 @@
 """The diffattn-tutorial command: doctor reports the backends, bench measures real time and memory side by side."""
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -76,3 +80,111 @@ def test_train_subcommand_is_the_training_entry_point(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["train", "--help"])
     assert exit_info.value.code == 0 and "--strategy" in capsys.readouterr().out
+
+
+SWEEP_DRIVER = r"""
+import contextlib, io, json, sys, traceback
+from diffattn_tutorial.cli import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:  # what the console script would print as a traceback
+            traceback.print_exc()
+            code = "escaped"
+    results.append([argv, code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_path):
+    """Each subcommand of ``diffattn-tutorial --help`` with bad values: a non-zero exit and one line on stderr.
+
+    The cases run through the CLI's ``main`` in one fresh Python process (without ``TRITON_INTERPRET``, as a
+    learner's shell has it), each as the console script runs it: an exception escaping ``main`` is the traceback
+    the user would see."""
+    import subprocess
+    import sys
+
+    from diffattn_tutorial.cli import build_parser
+
+    a_file, text = tmp_path / "a_file", tmp_path / "notes.txt"
+    a_file.write_text("")
+    text.write_text("not a notebook")
+    (tmp_path / "corrupt.ipynb").write_text('{"cells": [')
+    (tmp_path / "list.ipynb").write_text("[]")
+    (tmp_path / "no_tasks.ipynb").write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4,
+                                                         "nbformat_minor": 5}))
+    broken = tmp_path / "broken_run"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")
+    (broken / "checkpoints" / "step_000001").mkdir(parents=True)
+    train = ["train", "--d-model", "16", "--steps", "2", "--global-batch", "2", "--batch-size", "2", "--no-progress"]
+    out = ["--out", str(tmp_path / "run")]
+    cases = {
+        "": [[], ["frobnicate"], ["--bogus"]],
+        "doctor": [["doctor", "--bogus"], ["doctor", "extra"]],
+        "bench": [["bench", "--device", "tpu"], ["bench", "--device", "meta"], ["bench", "--device", "cuda:x"],
+                  ["bench", "--backends", "nope"], ["bench", "--backends", ","], ["bench", "--lengths", "0"],
+                  ["bench", "--lengths", "x"], ["bench", "--reps", "-1"], ["bench", "--dtype", "int8"],
+                  ["bench", "--batch", "0"], ["bench", "--heads", "1.5"], ["bench", "--head-dim", "nan"],
+                  ["bench", "--backends", "cpu_fused", "--dtype", "float64", "--lengths", "8", "--reps", "1",
+                   "--no-memory", "--device", "cpu"]],
+        "check": [["check"], ["check", str(tmp_path / "missing.ipynb")], ["check", str(text)],
+                  ["check", str(tmp_path / "corrupt.ipynb")], ["check", str(tmp_path / "list.ipynb")],
+                  ["check", str(tmp_path / "no_tasks.ipynb")], ["check", str(tmp_path)],
+                  ["check", str(text), "--timeout", "0"]],
+        "train": [[*train, "--out", str(a_file / "x")], [*train, "--out", str(a_file)],
+                  [*train, *out, "--attn-backend", "triton"], [*train, *out, "--attn-backend", "cpu_fused"],
+                  [*train, *out, "--compile", "--compile-backend", "foo"], [*train, *out, "--lr", "1e30"],
+                  [*train, *out, "--lr", "nan"], [*train, *out, "--lr", "inf"], [*train, *out, "--lr", "-1"],
+                  [*train, *out, "--weight-decay", "nan"], [*train, *out, "--weight-decay", "-1"],
+                  [*train, *out, "--clip", "inf"], [*train, *out, "--clip", "-1"], [*train, *out, "--steps", "0"],
+                  [*train, *out, "--strategy", "zero3"], [*train, *out, "--device", "tpu"],
+                  [*train, *out, "--seed", "-1"], [*train, *out, "--threads", "0"], [*train, *out, "--resume"],
+                  [*train, "--out", str(broken), "--resume"], [*train, *out, "--global-batch", "3"],
+                  [*train, *out, "--stop-at", "9"], [*train, *out, "--resume", "--overwrite"],
+                  [*train, *out, "--bogus"]],
+    }
+    if torch.cuda.is_available():
+        cases["train"].remove([*train, *out, "--attn-backend", "triton"])
+    else:
+        cases["bench"] += [["bench", "--device", "cuda"], ["bench", "--backends", "triton", "--device", "cpu"]]
+    if Path("/proc").is_dir():
+        cases["train"].append([*train, "--out", "/proc/diffattn-cannot-be-here"])
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert commands <= set(cases) and "train" in commands, "a new subcommand needs bad values here"
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argvs = [argv for group in cases.values() for argv in group]
+    proc = subprocess.run([sys.executable, "-c", SWEEP_DRIVER, json.dumps(argvs)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    problems = []
+    for argv, code, err in json.loads(proc.stdout.strip().splitlines()[-1]):
+        lines = err.strip().splitlines()
+        if code == "escaped" or "Traceback" in err:
+            problems.append(f"{argv}: traceback\n{err[-1500:]}")
+        elif not isinstance(code, int) or code == 0:
+            problems.append(f"{argv}: exit code {code!r}")
+        elif len(lines) != 1:
+            problems.append(f"{argv}: {len(lines)} lines on stderr:\n{err}")
+    assert not problems, "\n".join(problems)
+    assert not (tmp_path / "run").exists()  # every refusal came before anything was written
+
+
+def test_doctor_reports_an_unwritable_cache_folder_and_still_runs(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "a_file" / "cache"))  # under a file: cannot be created
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("cache:"))
+    assert "is not writable" in line and "set DIFFATTN_CACHE to a folder you can write to" in line
+    monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
+    assert main(["doctor"]) == 0
+    assert f"cache: {tmp_path / 'cache'} (writable" in capsys.readouterr().out

@@ -139,9 +139,10 @@ def test_compiled_blocks_train_the_same_model(runs, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["compile"] is True
 
 
-@pytest.mark.parametrize("attention", ["baseline", "diff", "diff_v2"])
-def test_the_sdpa_path_compiles_without_graph_breaks(attention):
-    assert graph_breaks(attention, "auto") == 0
+@pytest.mark.parametrize("attention, backend", [("baseline", "auto"), ("diff", "auto"), ("diff_v2", "auto"),
+                                                ("diff", "naive"), ("diff", "chunked")])
+def test_the_sdpa_path_and_the_pure_pytorch_backends_compile_without_graph_breaks(attention, backend):
+    assert graph_breaks(attention, backend) == 0
 
 
 def test_text_corpus_run(tmp_path):
@@ -165,12 +166,22 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     (["--strategy", "zero3"], "--strategy: invalid choice"),
     (["--steps", "4", "--stop-at", "9"], "stop_at must lie in 1..steps=4"),
     (["--attention", "baseline", "--attn-backend", "sdpa_split"], "takes 'auto', 'naive' or 'sdpa'"),
-    (["--lr", "-1"], "need lr > 0"),
+    (["--lr", "-1"], "lr must lie in (0, 1.0], got -1.0"),
+    (["--lr", "1e30"], "lr must lie in (0, 1.0], got 1e+30"),
+    (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
+    (["--clip", "inf"], "argument --clip: 'inf' is not a finite number"),
+    (["--clip", "0"], "clip (the gradient-norm limit) must be > 0"),
+    (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
+    (["--weight-decay", "1e9"], "below 1/lr"),
+    (["--attn-backend", "cpu_fused"], "'cpu_fused' is forward-only"),
+    (["--compile", "--compile-backend", "foo"], "compile_backend 'foo' is not a torch.compile backend"),
+    (["--resume", "--overwrite"], "give one of the two"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and err.startswith("usage: python -m diffattn_tutorial.train")
+    assert message in err and err.startswith("python -m diffattn_tutorial.train: error: ")
+    assert err.count("\n") == 1 and err.rstrip().endswith("(see python -m diffattn_tutorial.train --help)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of bf16")
@@ -204,3 +215,16 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_a_metrics_log_cut_short_by_a_killed_process_still_reads(tmp_path):
+    from diffattn_tutorial.runlog import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "start", "step": 0}\n{"event": "step", "step": 1}\n{"event": "step", "st')
+    assert [r["event"] for r in read_records(path)] == ["start", "step"]  # the unfinished write is left out
+    MetricsLog(path).truncate_after(1)
+    assert path.read_text().endswith('"step": 1}\n')
+    path.write_text('{"event": "start", "step": 0}\ngarbage\n{"event": "step", "step": 1}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2, is not a JSON record"):
+        read_records(path)
