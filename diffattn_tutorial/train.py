@@ -41,7 +41,8 @@ What the script does, and where each piece lives:
 * **Output** (``--out DIR``, a new or empty folder; ``--resume`` continues the run in it, ``--overwrite`` clears
   it first): ``config.json``, ``metrics.jsonl`` (JSON lines, :mod:`diffattn_tutorial.runlog`, plotted by
   :func:`~diffattn_tutorial.runlog.plot_loss_curves`), ``checkpoints/step_NNNNNN/``; a ``tqdm`` bar on rank 0.
-  Ctrl-C stops with "stopped at step N" and exit code 130; bad options exit with 2 and one line naming the fix.
+  Ctrl-C stops a run with "stopped at step N" and the checkpoint to resume from, exit code 130 (under ``torchrun``,
+  torchrun reports its workers' end); bad options exit with 2 and one line naming the fix.
 """
 
 from __future__ import annotations
