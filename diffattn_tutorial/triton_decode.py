@@ -1,0 +1,326 @@
+"""Flash-decoding for differential attention: a split-K Triton kernel for a few query tokens over a long KV cache.
+
+While a model generates, every step has **one** query token per sequence (``Nq = 1``) against the whole cache.
+The forward kernel of :mod:`diffattn_tutorial.triton_diff` parallelises over query tiles, so it would run one
+program per (sequence, head), each walking every cached key alone: a handful of programs on a GPU with over a
+hundred multiprocessors, and the cache read at the speed of a few of them. Flash-decoding (Dao, Haziza, Massa and
+Sizov, 2023) splits the **keys** instead, in two kernels:
+
+1. :func:`_decode_partial`, one program per (sequence, KV group, split): the query rows of every differential
+   head of the group (``GROUP = H // Hkv`` heads x ``Nq`` queries, padded to ``BLOCK_M >= 16`` rows for
+   ``tl.dot``) against the keys of its split, both maps at once (each ``k1``, ``k2``, ``v`` tile is loaded once
+   for the whole group: GQA read once, as the cache's bytes are what decoding costs). Two online softmaxes, as
+   in the flash kernel; it stores, per map and query row, the split's normalised output ``o_s`` (float32, width
+   ``2d``) and its base-2 log-sum-exp ``lse_s`` (``-inf`` for a split with no visible key).
+2. :func:`_decode_combine`, one program per (sequence, head, query): per map, the weights
+   ``w_s = 2^(lse_s - max lse)`` and ``o = sum w_s o_s / sum w_s``; then ``out = o1 - lam * o2``.
+
+Every cached key and value is read once per step for both maps. Layout as
+:func:`~diffattn_tutorial.functional.diff_attention`: q ``(B, 2H, Nq, d)`` (maps of head ``i`` at ``2i``,
+``2i+1``), k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``; differential head ``i`` uses KV group
+``i // (H // Hkv)`` for both maps; lam a number or broadcastable to ``(B, H, Nq, 1)`` (per head, per token).
+``lengths`` says how many keys of each sequence are valid (a static cache's fill level; the rest of the buffer
+is never read), and with ``causal`` query ``i`` sees keys ``j <= length - Nq + i`` (bottom-right aligned, as the
+library's masks). A query that sees no key gives zeros, as every backend does.
+
+:func:`split_k_reference` is the same algorithm in PyTorch (the partial results, then the combine), next to it
+for reading and for tests. Both run on a CUDA GPU, or on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``
+set before triton is imported: exact but slow).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from diffattn_tutorial.functional import LOG2E, check_diff_inputs
+from diffattn_tutorial.triton_diff import (
+    INTERPRETER_BLOCK,
+    MAX_HEAD_DIM,
+    _alloc,
+    _dot,
+    _dot_precision,
+    _interpret_mode,
+    _online_softmax_step,
+    triton_available,
+)
+
+Tensor = torch.Tensor
+
+MAX_QUERY_ROWS = 128
+"""Query rows one program holds: ``(H // Hkv) * Nq`` (GQA heads of a group x query tokens) may not exceed it."""
+BLOCK_KEYS = 64
+"""Keys per tile on a GPU (:data:`~diffattn_tutorial.triton_diff.INTERPRETER_BLOCK` in the interpreter)."""
+PROGRAMS_PER_SM = 2
+"""The default split count aims at this many partial programs per multiprocessor (flash-decoding's heuristic)."""
+MAX_SPLITS = 64
+
+
+# ============================================================================================
+# kernels
+# ============================================================================================
+
+
+@triton.jit
+def _split_lse(m, l_sum):
+    """Base-2 log-sum-exp of a row of one split; ``-inf`` where the split has no visible key (weight 0)."""
+    return tl.where(l_sum == 0.0, float("-inf"), m + tl.math.log2(tl.where(l_sum == 0.0, 1.0, l_sum)))
+
+
+@triton.jit
+def _decode_partial(Q, K, V, LENS, O_PART, LSE_PART,
+                    stride_qb, stride_qh, stride_qm,
+                    stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn,
+                    H, Hkv, Nq, Nk, qk_scale, keys_per_split,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: the ``GROUP * Nq`` query rows of KV group ``g`` of sequence ``b``, both maps, against the keys
+    ``[split * keys_per_split, (split + 1) * keys_per_split)`` that are valid (below the sequence's length)."""
+    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b = pid // Hkv
+    g = pid % Hkv
+    length = tl.minimum(tl.maximum(tl.load(LENS + b), 0), Nk)  # clamped: never a read past the buffer
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
+
+    # query rows: r = (head within the group) * Nq + query, so the group's rows are consecutive in (H, Nq)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < GROUP * Nq
+    head = g64 * GROUP + offs_m // Nq
+    query = offs_m % Nq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_off = b64 * stride_qb + (2 * head[:, None]) * stride_qh + query[:, None] * stride_qm + offs_d[None, :]
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q1 = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    q2 = tl.load(Q + stride_qh + q_off, mask=q_mask, other=0.0)
+    last = tl.zeros([BLOCK_M], tl.int32) + length - 1  # the last key each row may see
+    if CAUSAL:
+        last = length - Nq + query  # bottom-right aligned: the newest query sees the newest key
+
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l2 = tl.zeros([BLOCK_M], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
+    V = V + b64 * stride_vb + g64 * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]  # a k tile loaded transposed, (d, BLOCK_N)
+    v_off = offs_n[:, None] * stride_vn + offs_dv[None, :]
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, length)
+    for start_n in range(lo, hi, BLOCK_N):
+        n64 = tl.cast(start_n, tl.int64)
+        cols = start_n + offs_n
+        col_ok = cols < hi
+        kt_mask = d_ok[:, None] & col_ok[None, :]
+        v = tl.load(V + n64 * stride_vn + v_off, mask=col_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM), other=0.0)
+        visible = col_ok[None, :] & (cols[None, :] <= last[:, None])
+        kt1 = tl.load(K1 + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
+        s1 = tl.where(visible, _dot(q1, kt1, None, DOT_PRECISION, UPCAST) * qk_scale, float("-inf"))
+        acc1, m1, l1 = _online_softmax_step(acc1, m1, l1, s1, v, DOT_PRECISION, UPCAST)
+        kt2 = tl.load(K1 + stride_kh + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
+        s2 = tl.where(visible, _dot(q2, kt2, None, DOT_PRECISION, UPCAST) * qk_scale, float("-inf"))
+        acc2, m2, l2 = _online_softmax_step(acc2, m2, l2, s2, v, DOT_PRECISION, UPCAST)
+
+    # partial results, float32: O_PART (2, B*H*Nq, n_splits, 2d), LSE_PART (2, B*H*Nq, n_splits)
+    rows = (b64 * H + g64 * GROUP) * Nq + offs_m  # this group's rows in (B, H, Nq) order
+    n_rows = tl.num_programs(0) // Hkv * H * Nq
+    part = rows * n_splits + split
+    o_off = part[:, None] * BLOCK_DV + offs_dv[None, :]
+    tl.store(O_PART + o_off, acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None], mask=row_ok[:, None])
+    tl.store(O_PART + n_rows * n_splits * BLOCK_DV + o_off, acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None],
+             mask=row_ok[:, None])
+    tl.store(LSE_PART + part, _split_lse(m1, l1), mask=row_ok)
+    tl.store(LSE_PART + n_rows * n_splits + part, _split_lse(m2, l2), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(O_PART, LSE_PART, row, n_splits, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One map's output for one query row from its splits: ``sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``
+    (0 where no split saw a key)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_splits
+    lse = tl.load(LSE_PART + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = tl.load(O_PART + (row * n_splits + offs_s[:, None]) * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None],
+                other=0.0)
+    den = tl.sum(w, 0)
+    return tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
+
+
+@triton.jit
+def _decode_combine(O_PART, LSE_PART, LAM, OUT, n_splits,
+                    stride_lb, stride_lh, stride_lm,
+                    stride_ob, stride_oh, stride_om,
+                    H, Nq,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per query row ``(b, h, i)`` (in that order): both maps merged, ``out = o1 - lam * o2``."""
+    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+    row = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0)
+    b = row // (H * Nq)
+    h = (row // Nq) % H
+    i = row % Nq
+    o1 = _merge_splits(O_PART, LSE_PART, row, n_splits, BLOCK_DV, BLOCK_S)
+    o2 = _merge_splits(O_PART + n_rows * n_splits * BLOCK_DV, LSE_PART + n_rows * n_splits, row, n_splits,
+                       BLOCK_DV, BLOCK_S)
+    lam = tl.load(LAM + b * stride_lb + h * stride_lh + i * stride_lm).to(tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_om + offs_dv, (o1 - lam * o2).to(OUT.dtype.element_ty),
+             mask=offs_dv < 2 * HEAD_DIM)
+
+
+# ============================================================================================
+# host side
+# ============================================================================================
+
+
+def _lengths(lengths: Union[None, int, Tensor], B: int, Nk: int, device: torch.device) -> Tensor:
+    """``(B,)`` int32 valid-key counts on ``device``. Tensors are taken as they are (the kernel clamps each count to
+    ``[0, Nk]``, so no value reads outside the buffer); Python numbers are checked here."""
+    if lengths is None:
+        lengths = Nk
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        if not 0 <= lengths <= Nk:
+            raise ValueError(f"lengths={lengths} must be between 0 and the cache size Nk={Nk}")
+        return torch.full((B,), lengths, dtype=torch.int32, device=device)
+    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool \
+            or lengths.shape not in ((B,), ()):
+        raise ValueError(f"lengths must be None, an int, or an integer tensor of shape (B,) = ({B},) (valid keys per "
+                         f"sequence), got {lengths!r}")
+    if lengths.device != device:
+        raise ValueError(f"lengths is on {lengths.device} but q is on {device}; move it with lengths.to(q.device)")
+    return lengths.expand(B).to(torch.int32).contiguous()
+
+
+def default_splits(batch_kv: int, nk: int, block_n: int, device: torch.device) -> int:
+    """How many key splits: enough programs for :data:`PROGRAMS_PER_SM` per multiprocessor (at least one tile
+    per split, at most :data:`MAX_SPLITS`). In the interpreter: up to 4, so a test walks several splits."""
+    tiles = max(1, triton.cdiv(nk, block_n))
+    if device.type != "cuda":
+        return min(4, tiles)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, tiles, triton.cdiv(PROGRAMS_PER_SM * sms, batch_kv)))
+
+
+def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
+    ok, why = triton_available()
+    if not ok:
+        raise RuntimeError(f"the Triton decode kernel cannot run here: {why}")
+    if q.dtype == torch.float64:
+        raise ValueError("the Triton decode kernel computes in float32 at most; for float64 use "
+                         "diff_attention(..., backend='naive')")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is above the kernel's {MAX_HEAD_DIM}; use diff_attention(..., backend='sdpa')")
+    if group * nq > MAX_QUERY_ROWS:
+        raise ValueError(f"(H // Hkv) * Nq = {group} * {nq} query rows per KV group exceed {MAX_QUERY_ROWS}: this "
+                         f"kernel decodes a few tokens; for long queries use diff_attention(..., backend='triton')")
+    if not _interpret_mode() and q.device.type != "cuda":
+        raise ValueError(f"the Triton decode kernel runs on a CUDA GPU (or in the interpreter), q is on {q.device}")
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor], *,
+                     lengths: Union[None, int, Tensor] = None, causal: bool = True, scale: Optional[float] = None,
+                     num_splits: Optional[int] = None, block_n: Optional[int] = None) -> Tensor:
+    """Differential attention of a few query tokens over a KV cache, split over the keys (flash-decoding).
+
+    Args:
+        q: ``(B, 2H, Nq, d)``, a few query tokens (``(H // Hkv) * Nq <= MAX_QUERY_ROWS``); k ``(B, 2Hkv, Nk, d)``;
+            v ``(B, Hkv, Nk, 2d)`` (a static cache's whole buffers may be passed: see ``lengths``).
+        lam: a number, or a tensor broadcastable to ``(B, H, Nq, 1)``.
+        lengths: valid keys per sequence (an int, or a ``(B,)`` integer tensor); keys from there on are never
+            read. Default: all ``Nk``.
+        causal: query ``i`` sees keys ``j <= length - Nq + i`` (the last query the last valid key); otherwise
+            every valid key. With one query token the two agree.
+        scale: softmax scale, default ``1/sqrt(d)``.
+        num_splits: key splits (default :func:`default_splits`); block_n: keys per tile (default
+            :data:`BLOCK_KEYS`, :data:`~diffattn_tutorial.triton_diff.INTERPRETER_BLOCK` in the interpreter).
+
+    Returns:
+        ``(B, H, Nq, 2d)`` in q's dtype, equal to ``diff_attention(q, k[..., :length, :], ...)`` per sequence.
+    """
+    lam_t, _, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam)
+    group = H // Hkv
+    _check_decode(q, group, Nq, d)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a whole number >= 1 or None, got {num_splits!r}")
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16 or None, got {block_n!r}")
+    lens = _lengths(lengths, B, Nk, q.device)
+    scale = d ** -0.5 if scale is None else float(scale)
+    block_n = block_n or (INTERPRETER_BLOCK if _interpret_mode() else BLOCK_KEYS)
+    splits = num_splits or default_splits(B * Hkv, Nk, block_n, q.device)
+    keys_per_split = triton.cdiv(triton.cdiv(max(Nk, 1), splits), block_n) * block_n
+    splits = max(1, triton.cdiv(Nk, keys_per_split))  # no split that starts past the buffer
+    block_d = max(16, triton.next_power_of_2(d))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o_part = _alloc(2, B * H * Nq, splits, 2 * block_d, like=q, dtype=torch.float32)
+    lse_part = _alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
+    upcast = _interpret_mode() and q.dtype == torch.bfloat16
+    _decode_partial[(B * Hkv, splits)](
+        q, k, v, lens, o_part, lse_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        H, Hkv, Nq, Nk, scale * LOG2E, keys_per_split,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+        UPCAST=upcast, BLOCK_M=max(16, triton.next_power_of_2(group * Nq)), BLOCK_N=block_n)
+    out = torch.empty(B, H, Nq, 2 * d, dtype=q.dtype, device=q.device)
+    lam4 = lam_t.reshape((1,) * (4 - lam_t.ndim) + tuple(lam_t.shape)).expand(B, H, Nq, 1)
+    _decode_combine[(B * H * Nq,)](
+        o_part, lse_part, lam4, out, splits, *lam4.stride()[:3], *out.stride()[:3], H, Nq,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits))
+    return out
+
+
+# ============================================================================================
+# the same algorithm in PyTorch
+# ============================================================================================
+
+
+def split_k_reference(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor], *,
+                      lengths: Union[None, int, Tensor] = None, causal: bool = True, scale: Optional[float] = None,
+                      num_splits: int = 4) -> Tensor:
+    """:func:`decode_attention` in PyTorch, step by step: per split of the keys and per map, the split's softmax
+    output and log-sum-exp; then the splits merged with weights ``exp(lse_s - max)``. Same arguments and result
+    (computed in q's dtype, float32 at least); for reading, and as the kernel's test oracle next to ``naive``."""
+    lam_t, _, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam)
+    lens = _lengths(lengths, B, Nk, q.device).long().clamp(0, Nk)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scale = d ** -0.5 if scale is None else float(scale)
+    group = H // Hkv
+    kh = k.to(dtype).unflatten(1, (Hkv, 2)).repeat_interleave(group, dim=1)  # (B, H, 2, Nk, d): head i's group
+    keys = torch.arange(Nk, device=q.device)
+    valid = (keys[None, :] < lens[:, None])[:, None, :, None]  # (B, 1, Nk, 1): past the length is never read
+    vh = torch.where(valid, v.to(dtype), 0.0).repeat_interleave(group, dim=1)  # (B, H, Nk, 2d)
+    scores = (q.to(dtype).unflatten(1, (H, 2)) * scale) @ kh.transpose(-1, -2)  # (B, H, 2, Nq, Nk)
+    last = lens[:, None] - 1 + ((torch.arange(Nq, device=q.device) - (Nq - 1)) if causal else 0)  # (B, Nq)
+    visible = (keys[None, None, :] < lens[:, None, None]) & (keys[None, None, :] <= last[:, :, None])
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    chunk = -(-max(Nk, 1) // num_splits)
+    parts, lses = [], []
+    for lo in range(0, max(Nk, 1), chunk):  # each split on its own: its softmax and its log-sum-exp
+        s = scores[..., lo:lo + chunk]
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf where the split sees no key
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse))
+        parts.append(p @ vh[:, :, None, lo:lo + chunk])  # (B, H, 2, Nq, 2d)
+        lses.append(lse)
+    lse = torch.stack(lses)  # (S, B, H, 2, Nq, 1)
+    top = lse.amax(0)
+    w = torch.exp(lse - torch.where(torch.isinf(top), 0.0, top))
+    o = (w * torch.stack(parts)).sum(0) / w.sum(0).clamp_min(torch.finfo(dtype).tiny)  # (B, H, 2, Nq, 2d)
+    return (o[:, :, 0] - lam_t.to(dtype) * o[:, :, 1]).to(q.dtype)
+
+
+__all__ = ["MAX_QUERY_ROWS", "BLOCK_KEYS", "decode_attention", "default_splits", "split_k_reference"]

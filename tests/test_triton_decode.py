@@ -1,0 +1,151 @@
+"""The split-K decode kernel (flash-decoding, ``diffattn_tutorial.triton_decode``) equals ``naive``.
+
+The kernels run in Triton's CPU interpreter in a **subprocess** (``TRITON_INTERPRET=1`` set before triton is
+imported there; a crash in the interpreter fails these tests instead of killing pytest), once for all cases,
+each case a test of its own. The cases cover MHA, GQA and MQA, one to more splits than key tiles, cache lengths
+that are not a multiple of the tile (and differ per sequence, as in a batch of static caches), a few query tokens
+with and without the causal mask (a query that sees no key gives zeros), every lambda form, padded head dims,
+16-bit inputs, non-finite garbage past the valid length (never read), strided views, and an empty cache. The
+PyTorch version of the same algorithm (``split_k_reference``) and the refusals are checked in this process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from diffattn_tutorial.functional import diff_attention  # noqa: E402
+from diffattn_tutorial.triton_decode import MAX_QUERY_ROWS, decode_attention, split_k_reference  # noqa: E402
+
+BASE = dict(B=2, H=2, Hkv=2, Nq=1, Nk=37, d=16, splits=None, lengths=[37, 20], causal=True, lam="token",
+            dtype="float32", garbage=False, strided=False)
+CASES = {
+    "mha_one_split": dict(splits=1),
+    "mha_three_splits": dict(splits=3),
+    "gqa_four_splits": dict(H=4, Hkv=2, splits=4, lengths=[37, 5]),
+    "mqa_more_splits_than_tiles": dict(H=4, Hkv=1, splits=8, lengths=[33, 1]),
+    "three_queries_causal": dict(H=4, Hkv=2, Nq=3, splits=2, lengths=[37, 2]),  # seq 2: query 0 sees no key
+    "three_queries_not_causal": dict(Nq=3, causal=False, splits=2, lengths=[30, 17]),
+    "head_dim_24_padded": dict(d=24, splits=2),
+    "head_dim_8": dict(d=8, H=4, Hkv=1, splits=3),
+    "lambda_scalar": dict(lam="scalar", splits=2),
+    "lambda_per_head": dict(lam="head", H=4, Hkv=2, splits=2),
+    "length_as_int": dict(lengths=29, splits=2),
+    "empty_cache": dict(lengths=[0, 0], splits=2),
+    "garbage_past_length": dict(garbage=True, H=4, Hkv=2, splits=3, lengths=[21, 36]),
+    "strided_views": dict(strided=True, H=4, Hkv=2, splits=2),
+    "float16": dict(dtype="float16", H=4, Hkv=2, splits=3),
+    "bfloat16": dict(dtype="bfloat16", H=4, Hkv=2, splits=3),
+    "long_cache": dict(Nk=161, lengths=[161, 100], H=4, Hkv=2),  # the default split count
+}
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from diffattn_tutorial.functional import diff_attention
+    from diffattn_tutorial.triton_decode import decode_attention, split_k_reference
+
+    def inputs(c, g):
+        B, H, Hkv, Nq, Nk, d = (c[n] for n in ("B", "H", "Hkv", "Nq", "Nk", "d"))
+        dtype = getattr(torch, c["dtype"])
+        r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+        q, k, v = r(B, 2 * H, Nq, d), r(B, 2 * Hkv, Nk, d), r(B, Hkv, Nk, 2 * d)
+        if c["strided"]:  # every other head / key / column of larger buffers
+            q = r(B, 4 * H, Nq, d)[:, ::2]
+            k = r(B, 2 * Hkv, 2 * Nk, d)[:, :, ::2]
+            v = r(B, Hkv, Nk, 4 * d)[..., 1::2]
+        lam = {"token": lambda: torch.rand(B, H, Nq, 1, generator=g),
+               "head": lambda: 0.2 + torch.rand(H, 1, 1, generator=g),
+               "scalar": lambda: torch.tensor(0.37)}[c["lam"]]().to(dtype)
+        return q, k, v, lam
+
+    def naive(q, k, v, lam, c, lengths):
+        Nq, Nk = q.shape[2], k.shape[2]
+        keys, queries = torch.arange(Nk), torch.arange(Nq)
+        last = lengths[:, None] - 1 + ((queries - (Nq - 1)) if c["causal"] else 0)
+        mask = (keys < lengths[:, None, None]) & (keys <= last[:, :, None])
+        k0, v0 = (torch.where(mask.any(1)[:, None, :, None], t, 0) for t in (k, v))  # naive reads every key
+        return diff_attention(q.double(), k0.double(), v0.double(), lam.double(), attn_mask=mask[:, None],
+                              backend="naive")
+
+    results = {}
+    for name, c in json.loads(sys.stdin.read()).items():
+        q, k, v, lam = inputs(c, torch.Generator().manual_seed(0))
+        lengths = torch.tensor(c["lengths"]) if isinstance(c["lengths"], list) else torch.tensor([c["lengths"]] * c["B"])
+        if c["garbage"]:  # what an unfilled static cache may hold: never read
+            for t in (k, v):
+                for b, n in enumerate(lengths.tolist()):
+                    t[b, :, n:] = float("nan") if b else float("inf")
+        kw = dict(lengths=c["lengths"] if isinstance(c["lengths"], int) else lengths, causal=c["causal"])
+        out = decode_attention(q, k, v, lam, num_splits=c["splits"], **kw)
+        ref = split_k_reference(q, k, v, lam, num_splits=c["splits"] or 3, **kw)
+        want = naive(q, k, v, lam, c, lengths)
+        results[name] = {"kernel": (out.double() - want).abs().max().item(), "reference":
+                         (ref.double() - want).abs().max().item(), "finite": bool(torch.isfinite(out).all()),
+                         "shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch.")}
+    print(json.dumps(results))
+''')
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Every case through the kernel in one interpreter subprocess: ``{case: errors}``."""
+    cases = {name: {**BASE, **c} for name, c in CASES.items()}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps(cases), capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, f"the interpreter run failed (exit {run.returncode}):\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)  # all cases in one interpreter run: a few seconds
+def test_decode_kernel_equals_naive(interpreted, case):
+    c = {**BASE, **CASES[case]}
+    got = interpreted[case]
+    assert got["finite"], "NaN or inf in the output (a read past the valid length, or an empty split's weight)"
+    assert got["shape"] == [c["B"], c["H"], c["Nq"], 2 * c["d"]] and got["dtype"] == c["dtype"]
+    assert got["kernel"] <= TOLERANCE[c["dtype"]], got
+    assert got["reference"] <= TOLERANCE[c["dtype"]], got
+
+
+def make(B=2, H=4, Hkv=2, Nq=2, Nk=45, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, 2 * H, Nq, d, generator=g, dtype=dtype), torch.randn(B, 2 * Hkv, Nk, d, generator=g, dtype=dtype)
+    return q, k, torch.randn(B, Hkv, Nk, 2 * d, generator=g, dtype=dtype), torch.rand(B, H, Nq, 1, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 50])
+def test_split_k_reference_equals_naive_in_float64(splits):
+    q, k, v, lam = make()
+    for length in (45, 31, 1):  # the whole cache, part of it, one key: the last query sees exactly these
+        ref = diff_attention(q, k[:, :, :length], v[:, :, :length], lam, causal=True, backend="naive")
+        got = split_k_reference(q, k, v, lam, lengths=length, num_splits=splits)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split_k_reference(q, k, v, lam, lengths=0, num_splits=splits), torch.zeros_like(ref))
+
+
+def test_refusals_name_the_fix():
+    q, k, v, lam = make(dtype=torch.float32)
+    with pytest.raises(ValueError, match="backend='naive'"):
+        decode_attention(*make())
+    with pytest.raises(ValueError, match="num_splits must be a whole number >= 1"):
+        decode_attention(q, k, v, lam, num_splits=0)
+    with pytest.raises(ValueError, match="between 0 and the cache size"):
+        decode_attention(q, k, v, lam, lengths=46)
+    with pytest.raises(ValueError, match=r"shape \(B,\)"):
+        decode_attention(q, k, v, lam, lengths=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q, k, v, lam, block_n=24)
+    many = torch.zeros(1, 2 * MAX_QUERY_ROWS, 2, 8)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        decode_attention(many, k[:1, :2], v[:1, :1], 0.5)
+    with pytest.raises(ValueError, match="v must carry Hkv"):  # the library's own input checks
+        decode_attention(q, k, v[:, :1], lam)
