@@ -129,14 +129,13 @@ def test_interop_rejects_mismatched_checkpoints_and_exports():
 
 def test_interop_errors_name_the_checkpoints_own_keys_and_shapes():
     timm_sd = interop.to_timm(MultiheadDiffAttn(64, 4, qkv_bias=False, out_bias=True))
-    with pytest.raises(ValueError, match=r"missing \['qkv \(first third\)\.bias', 'qkv \(last third\)\.bias', "
-                                         r"'qkv \(second third\)\.bias'\]"):
+    with pytest.raises(ValueError, match=r"missing \['qkv\.bias'\]"):  # the checkpoint's own key, once
         interop.from_timm(timm_sd, dim=64, num_heads=4, qkv_bias=True)
     no_sub = {k: v for k, v in timm_sd.items() if k != "sub_norm.weight"}
     with pytest.raises(ValueError, match=r"missing \['sub_norm\.weight'\]"):
         interop.from_timm(no_sub, dim=64, num_heads=4)
-    with pytest.raises(ValueError, match=r"proj\.weight: checkpoint \(64, 64\), this config \(96, 96\).*num_heads"):
-        interop.from_timm(timm_sd, dim=96, num_heads=4)
+    with pytest.raises(ValueError, match=r"qkv\.weight has 192 rows .*this config \(dim=96, num_heads=4\) needs 288"):
+        interop.from_timm(timm_sd, dim=96, num_heads=4)  # the fused key, its rows and the config to check
     unilm_sd = MultiheadDiffAttn(64, 4).state_dict()
     with pytest.raises(ValueError, match=r"lambda_q1: checkpoint \(8,\), this config \(16,\)"):
         interop.from_unilm(unilm_sd, embed_dim=64, num_heads=2, depth=0)  # wrong head count: not a RuntimeError
