@@ -88,7 +88,8 @@ def ratio(*, finite="drop", signed=False, reduce="median", per_layer=False):
         else:
             x = torch.cat([lg.flatten() for lg in logits])
         a = x if signed else x.abs()
-        return (a.max() / (a.median() if reduce == "median" else a.mean())).item()
+        middle = {"median": a.median, "mean": a.mean, "interpolated": lambda: torch.quantile(a, 0.5)}[reduce]()
+        return (a.max() / middle).item()
 
     return fn
 
@@ -104,6 +105,7 @@ def test_logit_outlier_ratio_library_passes(capsys):
     ({"finite": "zero"}, "as zeros"),
     ({"signed": True}, "signed logits"),
     ({"reduce": "mean"}, "mean instead of the median"),
+    ({"reduce": "interpolated"}, "mean of the two middle values"),
     ({"per_layer": True}, "averaged the per-layer ratios"),
 ])
 def test_logit_outlier_ratio_mistakes(knobs, match):
@@ -122,7 +124,8 @@ def v2(*, sigmoid=True, lam_layout="right", pairs="interleaved", sign=-1.0, subl
         if pairs == "blocked":
             q = rearrange(q, "b (two h) n d -> b (h two) n d", two=2)
         out = softmax_attention(q, k, v, causal=causal and causal_mode == "right")
-        o = out[:, 0::2] + sign * lam * out[:, 1::2]
+        h = q.shape[1] // 2
+        o = out[:, :h] + sign * lam * out[:, h:] if pairs == "halves" else out[:, 0::2] + sign * lam * out[:, 1::2]
         return rms_norm(o, None, 1e-5) if subln else o
 
     return fn
@@ -139,6 +142,7 @@ def test_diff_v2_library_passes(capsys):
     ({"sigmoid": False}, "without its sigmoid"),
     ({"lam_layout": "reshape"}, "axes are mixed up"),
     ({"pairs": "blocked"}, "blocked"),
+    ({"pairs": "halves"}, "head i with head i \\+ H"),
     ({"sign": 1.0}, "sign is flipped"),
     ({"subln": True}, "sub-norm"),
     ({"causal_mode": "none"}, "causal mask is missing"),

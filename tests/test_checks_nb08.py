@@ -107,7 +107,7 @@ def test_flops_check():
     check_sdpa_split_flops(lambda b, h, n, d, causal=False: 16 * b * h * n * n * d * (0.5 if causal else 1))
     cases = [
         (lambda b, h, n, d, causal=False: 12 * b * h * n * n * d * (0.5 if causal else 1), "each map once"),
-        (lambda b, h, n, d, causal=False: 8 * b * h * n * n * d * (0.5 if causal else 1), "half the answer"),
+        (lambda b, h, n, d, causal=False: 8 * b * h * n * n * d * (0.5 if causal else 1), "four calls, not two"),
         (lambda b, h, n, d, causal=False: 32 * b * h * n * n * d * (0.5 if causal else 1), "not 2H"),
         (lambda b, h, n, d, causal=False: 24 * b * h * n * n * d * (0.5 if causal else 1), "width d"),
         (lambda b, h, n, d, causal=False: 16 * b * h * n * n * d, "counts half"),

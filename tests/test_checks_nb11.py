@@ -83,7 +83,7 @@ def test_unattempted_stub_is_not_attempted():
 
 # --- TASK 3 -----------------------------------------------------------------------------------------------------
 
-def make_four_calls(*, rule="groups", causal=True):
+def make_four_calls(*, rule="groups", causal=True, keys="k1 k2", halves="va vb"):
     def fn(q, k, v, lam):
         rep = q.shape[1] // k.shape[1]
         if rule == "repeat_kv":  # vasqu: repeat the interleaved key heads in place
@@ -94,8 +94,10 @@ def make_four_calls(*, rule="groups", causal=True):
         else:
             k1, k2 = k[:, 0::2].repeat_interleave(rep, 1), k[:, 1::2].repeat_interleave(rep, 1)
             v = v.repeat_interleave(rep, 1)
+        k1, k2 = ({"k1": k1, "k2": k2}[name] for name in keys.split())
         q1, q2 = q[:, 0::2], q[:, 1::2]
         va, vb = v.chunk(2, dim=-1)
+        va, vb = ({"va": va, "vb": vb}[name] for name in halves.split())
         sdpa = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa
         return torch.cat([sdpa(q1, k1, va), sdpa(q1, k1, vb)], -1) - lam * torch.cat([sdpa(q2, k2, va),
                                                                                      sdpa(q2, k2, vb)], -1)
@@ -108,7 +110,9 @@ def test_four_calls_gqa(capsys):
     check_four_calls_gqa(lambda q, k, v, lam: diff_attention(q, k, v, lam, causal=True, backend="sdpa_split"))
     assert capsys.readouterr().out.count("PASSED") == 2
     for kwargs, match in [({"rule": "repeat_kv"}, "same key map"), ({"rule": "tile"}, "tiled"),
-                          ({"causal": False}, "causal mask is missing")]:
+                          ({"causal": False}, "causal mask is missing"), ({"keys": "k2 k1"}, "k1 and k2 are swapped"),
+                          ({"keys": "k1 k1"}, "both maps read k1"), ({"keys": "k2 k2"}, "both maps read k2"),
+                          ({"halves": "vb va"}, "V halves are swapped")]:
         with pytest.raises(CheckFailed, match=match):
             check_four_calls_gqa(make_four_calls(**kwargs))
 
@@ -129,6 +133,8 @@ def test_diffllama_rows():
         (lambda w, maps, hd: interleaved_to_half_split(w, hd), "inside each map"),
         (lambda w, maps, hd: rearrange(w, "(h two d) ... -> (two h d) ...", two=2, d=hd), "inverse order"),
         (lambda w, maps, hd: w, "unchanged"),
+        (lambda w, maps, hd: rearrange(w, "(two r) ... -> (r two) ...", two=2), "single rows"),
+        (lambda w, maps, hd: rearrange(w, "(two h d) ... -> (h d two) ...", two=2, d=hd), "channels"),
         (lambda w, maps, hd: w[: maps * hd // 2], "shape"),
     ]:
         with pytest.raises(CheckFailed, match=match):

@@ -150,13 +150,15 @@ def check_sdpa_split_flops(fn: Callable[..., float]) -> None:
             wrong["causal attention counts half of the (query, key) pairs."] = 2 * expected
         wrong[("you counted each map once (12 B H N^2 d, the least V1 work); sdpa_split computes every q.k map twice, "
                "once per V half: four calls, each 2 N^2 d (q k^T) + 2 N^2 d (P v of width d) per head.")] = 6 * unit
-        wrong[("that is half the answer: a product (m, k) @ (k, n) costs 2 m k n FLOPs (a multiply and an add), "
-               "or you left out the P v products.")] = 4 * unit
+        wrong[("that is half the answer: sdpa_split makes four calls, not two (map 1 and map 2 each meet both V "
+               "halves); or a product (m, k) @ (k, n) was counted as m k n instead of 2 m k n FLOPs (a multiply and "
+               "an add); or the P v products were left out.")] = 4 * unit
         wrong["q1 and q2 have H heads each, not 2H: count four calls over H heads."] = 16 * unit
         wrong[("the P v products have width d in sdpa_split (V halves), not 2d: each call costs 2 N^2 d + 2 N^2 d "
                "per head.")] = 12 * unit
         for hint, value in wrong.items():
             if math.isclose(got, value, rel_tol=1e-9):
                 fail(f"{what} returned {got:.6g}, expected {expected:.6g}. Likely mistake: {hint}")
-        fail(f"{what} returned {got:.6g}, expected {expected:.6g} (= 16 B H N^2 d, halved when causal).")
+        fail(f"{what} returned {got:.6g}, expected {expected:.6g}. Count every product of the four calls: each "
+             f"q k^T and each P v, 2 m k n FLOPs for (m, k) @ (k, n), halved when causal.")
     passed("sdpa_split_flops counts 16 B H N^2 d: four calls, every q.k map computed twice (causal: half).")

@@ -71,6 +71,10 @@ def check_diff_v2(fn: Callable) -> None:
                     out[:, 1::2] - lam * out[:, 0::2],
                 "paired the heads blocked (i with i + H): the pairs are adjacent query heads, 2i and 2i+1":
                     lib(q_=blocked),
+                "paired query head i with head i + H (the first half of the heads minus the second half): a pair "
+                "is two adjacent query heads, 2i and 2i+1, inside one GQA group; a blocked pair reads two different "
+                "KV groups, so what its maps share does not cancel (notebook 10, section 3)":
+                    out[:, :H] - lam * out[:, H:],
                 "a V1 sub-norm is applied: DIFF V2 has no per-head normalisation (it destabilised late "
                 "pre-training)": rms_norm(lib(), None, 1e-5),
                 "the two heads are combined before attention: DIFF V2 runs one ordinary attention over all 2H query "

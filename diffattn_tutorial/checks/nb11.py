@@ -190,7 +190,21 @@ def check_four_calls_gqa(fn: Callable) -> None:
                 "the groups are tiled (repeat): differential head i reads group i // (H / Hkv), so each group is "
                 "repeated in place (repeat_interleave)": _tiled_groups(q, k, v, lam),
             })
+        k1, k2 = k[:, 0::2], k[:, 1::2]
+        va, vb = v.chunk(2, dim=-1)
+
+        def keys(first: Tensor, second: Tensor) -> Tensor:
+            return rearrange(torch.stack([first, second], 2), "b g two n d -> b (g two) n d")
+
         wrong.update({
+            "k1 and k2 are swapped: map 1 (query heads 0::2) reads the key heads 0::2 (k1), map 2 (1::2) reads "
+            "the key heads 1::2 (k2)": diff_attention(q, keys(k2, k1), v, lam, causal=True, backend="naive"),
+            "both maps read k1: map 2 reads the key heads 1::2 (k2)":
+                diff_attention(q, keys(k1, k1), v, lam, causal=True, backend="naive"),
+            "both maps read k2: map 1 reads the key heads 0::2 (k1)":
+                diff_attention(q, keys(k2, k2), v, lam, causal=True, backend="naive"),
+            "the V halves are swapped: each map's output is [A va | A vb], the first half of V first":
+                diff_attention(q, k, torch.cat([vb, va], -1), lam, causal=True, backend="naive"),
             "the causal mask is missing: vasqu's variants are causal (is_causal=True)":
                 diff_attention(q, k, v, lam, backend="naive"),
             "the second map is added: it is map 1 minus lambda times map 2":
@@ -219,6 +233,9 @@ def check_diffllama_rows(fn: Callable) -> None:
             "result is DiffLlama's map i and map 2i + 1 is map i + maps/2": _permute_maps(w, torch.argsort(order), hd),
             "the rows are unchanged: DiffLlama's map i pairs with map i + maps/2, which must become adjacent":
                 w,
+            "single rows (channels) were interleaved, row r with row r + rows/2, so the channels of map i and map "
+            "i + maps/2 alternate: pairing reorders whole maps, blocks of head_dim rows, each map's rows kept "
+            "together": rearrange(w, "(two r) ... -> (r two) ...", two=2),
         }
         expect(got, expected, what=what, wrong={h: c for h, c in wrong.items() if c.shape == expected.shape
                                                  and not torch.equal(c, expected)})
