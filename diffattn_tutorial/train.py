@@ -740,6 +740,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
                "params_per_rank": D.gather_ints(D.local_numel(model), ctx), "config": cfg.to_json(),
                **({"resumed_from": Path(run.checkpoint).name} if run.checkpoint else {}),
                **({"skipped_checkpoints": list(run.skipped)} if run.skipped else {})})
+    _mixed_precision(cfg, ctx)  # its refusals (a precision this device lacks) come before the run folder is touched
     losses, t0 = [], time.perf_counter()
     tokens = sum(cfg.global_batch * source.row_len(s) for s in range(start))
     bar = tqdm(range(start, stop), desc=f"{cfg.attention} x{ctx.world_size}", disable=not (cfg.progress and ctx.is_main),
@@ -928,7 +929,9 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutor
         code = _error(parser, "stopped before the first step", 130, main_only=not ctx.is_main, label="")
     except ValueError as e:
         code = _error(parser, e, 2)
-    except (FloatingPointError, OSError, CheckpointSaveError) as e:
+    except FloatingPointError as e:
+        code = _error(parser, f"{e}; then start again with --overwrite (the settings are part of the run)", 1)
+    except (OSError, CheckpointSaveError) as e:
         code = _error(parser, e, 1)
     finally:
         D.shutdown(ctx)

@@ -178,6 +178,13 @@ def test_a_broken_config_json_is_named(content, message, tmp_path, capsys):
     assert f"{tmp_path / 'config.json'}" in err and message in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of bf16")
+def test_a_run_refused_for_this_device_leaves_its_folder_untouched(tmp_path, capsys):
+    assert run(tmp_path / "run", "--precision", "bf16") == 2
+    assert "needs a CUDA GPU" in one_line_error(capsys)
+    assert not (tmp_path / "run").exists()  # so the corrected command needs no --overwrite
+
+
 def test_stop_at_before_the_checkpoint_is_refused(tmp_path, capsys):
     assert run(tmp_path, "--stop-at", "3") == 0
     assert run(tmp_path, "--resume", "--stop-at", "2") == 2
@@ -187,7 +194,8 @@ def test_stop_at_before_the_checkpoint_is_refused(tmp_path, capsys):
 def test_a_diverging_loss_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(T, "retrieval_loss", lambda model, batch: model(batch.tokens).sum() * float("nan"))
     assert run(tmp_path) == 1
-    assert "step 1: the loss is nan; lower --lr or raise --warmup" in one_line_error(capsys)
+    assert "step 1: the loss is nan; lower --lr or raise --warmup; then start again with --overwrite" in \
+        one_line_error(capsys)
 
 
 def test_ctrl_c_stops_with_the_step_and_how_to_resume(tmp_path):
