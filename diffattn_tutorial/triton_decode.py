@@ -50,8 +50,14 @@ from diffattn_tutorial.triton_diff import (
 
 Tensor = torch.Tensor
 
-MAX_QUERY_ROWS = 128
-"""Query rows one program holds: ``(H // Hkv) * Nq`` (GQA heads of a group x query tokens) may not exceed it."""
+MAX_ROWS_X_DIM = 4096
+"""``BLOCK_M x BLOCK_D`` at most: the query rows one program holds (``(H // Hkv) * Nq``, padded to a power of two
+>= 16) times the padded head dim. Its two float32 accumulators are ``BLOCK_M x 2 BLOCK_D``; up to this size every
+configuration compiled for sm_90a and sm_80 without register spills (``ptxas -v``, Triton 3.9, 8 warps from
+:data:`WIDE_TILE` on): 128 rows at d <= 32, 64 at d = 64, 32 at d = 128; twice as many spilled."""
+WIDE_TILE = 2048
+"""From this ``BLOCK_M x BLOCK_D`` on the partial kernel runs 8 warps instead of 4 (d = 128 with 16 rows spilled
+40 bytes at 4 warps on sm_90a, none at 8)."""
 BLOCK_KEYS = 64
 """Keys per tile on a GPU (:data:`~diffattn_tutorial.triton_diff.INTERPRETER_BLOCK` in the interpreter)."""
 PROGRAMS_PER_SM = 2
@@ -217,6 +223,11 @@ def default_splits(batch_kv: int, nk: int, block_n: int, device: torch.device) -
     return max(1, min(MAX_SPLITS, tiles, triton.cdiv(PROGRAMS_PER_SM * sms, batch_kv)))
 
 
+def tile_shape(group: int, nq: int, d: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_D)`` of the partial kernel: query rows and head dim, padded to powers of two >= 16."""
+    return max(16, triton.next_power_of_2(group * nq)), max(16, triton.next_power_of_2(d))
+
+
 def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
     ok, why = triton_available()
     if not ok:
@@ -226,11 +237,18 @@ def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
                          "diff_attention(..., backend='naive')")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is above the kernel's {MAX_HEAD_DIM}; use diff_attention(..., backend='sdpa')")
-    if group * nq > MAX_QUERY_ROWS:
-        raise ValueError(f"(H // Hkv) * Nq = {group} * {nq} query rows per KV group exceed {MAX_QUERY_ROWS}: this "
-                         f"kernel decodes a few tokens; for long queries use diff_attention(..., backend='triton')")
+    block_m, block_d = tile_shape(group, nq, d)
+    if block_m * block_d > MAX_ROWS_X_DIM:
+        raise ValueError(f"(H // Hkv) * Nq = {group} * {nq} query rows per KV group at head dim {d} exceed the "
+                         f"kernel's {MAX_ROWS_X_DIM // block_d} rows: it decodes a few tokens; for more queries use "
+                         f"diff_attention(..., backend='triton')")
     if not _interpret_mode() and q.device.type != "cuda":
         raise ValueError(f"the Triton decode kernel runs on a CUDA GPU (or in the interpreter), q is on {q.device}")
+
+
+def _warps(tile: int) -> dict:
+    """Launch options of the partial kernel for a ``BLOCK_M x BLOCK_D`` tile (none in the interpreter)."""
+    return {} if _interpret_mode() else {"num_warps": 8 if tile >= WIDE_TILE else 4, "num_stages": 2}
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor], *,
@@ -239,7 +257,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor],
     """Differential attention of a few query tokens over a KV cache, split over the keys (flash-decoding).
 
     Args:
-        q: ``(B, 2H, Nq, d)``, a few query tokens (``(H // Hkv) * Nq <= MAX_QUERY_ROWS``); k ``(B, 2Hkv, Nk, d)``;
+        q: ``(B, 2H, Nq, d)``, a few query tokens (see :data:`MAX_ROWS_X_DIM`); k ``(B, 2Hkv, Nk, d)``;
             v ``(B, Hkv, Nk, 2d)`` (a static cache's whole buffers may be passed: see ``lengths``).
         lam: a number, or a tensor broadcastable to ``(B, H, Nq, 1)``.
         lengths: valid keys per sequence (an int, or a ``(B,)`` integer tensor); keys from there on are never
@@ -266,7 +284,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor],
     splits = num_splits or default_splits(B * Hkv, Nk, block_n, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(max(Nk, 1), splits), block_n) * block_n
     splits = max(1, triton.cdiv(Nk, keys_per_split))  # no split that starts past the buffer
-    block_d = max(16, triton.next_power_of_2(d))
+    block_m, block_d = tile_shape(group, Nq, d)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o_part = _alloc(2, B * H * Nq, splits, 2 * block_d, like=q, dtype=torch.float32)
     lse_part = _alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
@@ -275,7 +293,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor],
         q, k, v, lens, o_part, lse_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         H, Hkv, Nq, Nk, scale * LOG2E, keys_per_split,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-        UPCAST=upcast, BLOCK_M=max(16, triton.next_power_of_2(group * Nq)), BLOCK_N=block_n)
+        UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n, **_warps(block_m * block_d))
     out = torch.empty(B, H, Nq, 2 * d, dtype=q.dtype, device=q.device)
     lam4 = lam_t.reshape((1,) * (4 - lam_t.ndim) + tuple(lam_t.shape)).expand(B, H, Nq, 1)
     _decode_combine[(B * H * Nq,)](
@@ -323,4 +341,5 @@ def split_k_reference(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor]
     return (o[:, :, 0] - lam_t.to(dtype) * o[:, :, 1]).to(q.dtype)
 
 
-__all__ = ["MAX_QUERY_ROWS", "BLOCK_KEYS", "decode_attention", "default_splits", "split_k_reference"]
+__all__ = ["MAX_ROWS_X_DIM", "WIDE_TILE", "BLOCK_KEYS", "decode_attention", "default_splits", "split_k_reference",
+           "tile_shape"]

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 from diffattn_tutorial.functional import diff_attention  # noqa: E402
-from diffattn_tutorial.triton_decode import MAX_QUERY_ROWS, decode_attention, split_k_reference  # noqa: E402
+from diffattn_tutorial.triton_decode import MAX_ROWS_X_DIM, decode_attention, split_k_reference  # noqa: E402
 
 BASE = dict(B=2, H=2, Hkv=2, Nq=1, Nk=37, d=16, splits=None, lengths=[37, 20], causal=True, lam="token",
             dtype="float32", garbage=False, strided=False)
@@ -79,7 +79,7 @@ SCRIPT = textwrap.dedent('''
     results = {}
     for name, c in json.loads(sys.stdin.read()).items():
         q, k, v, lam = inputs(c, torch.Generator().manual_seed(0))
-        lengths = torch.tensor(c["lengths"]) if isinstance(c["lengths"], list) else torch.tensor([c["lengths"]] * c["B"])
+        lengths = torch.tensor(c["lengths"] if isinstance(c["lengths"], list) else [c["lengths"]] * c["B"])
         if c["garbage"]:  # what an unfilled static cache may hold: never read
             for t in (k, v):
                 for b, n in enumerate(lengths.tolist()):
@@ -118,8 +118,9 @@ def test_decode_kernel_equals_naive(interpreted, case):
 
 def make(B=2, H=4, Hkv=2, Nq=2, Nk=45, d=8, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(B, 2 * H, Nq, d, generator=g, dtype=dtype), torch.randn(B, 2 * Hkv, Nk, d, generator=g, dtype=dtype)
-    return q, k, torch.randn(B, Hkv, Nk, 2 * d, generator=g, dtype=dtype), torch.rand(B, H, Nq, 1, generator=g, dtype=dtype)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
+    return r(B, 2 * H, Nq, d), r(B, 2 * Hkv, Nk, d), r(B, Hkv, Nk, 2 * d), torch.rand(B, H, Nq, 1, generator=g,
+                                                                                      dtype=dtype)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5, 50])
@@ -144,8 +145,8 @@ def test_refusals_name_the_fix():
         decode_attention(q, k, v, lam, lengths=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="power of two"):
         decode_attention(q, k, v, lam, block_n=24)
-    many = torch.zeros(1, 2 * MAX_QUERY_ROWS, 2, 8)
+    rows = MAX_ROWS_X_DIM // 16  # at head dim 8 (padded to 16), one KV group: rows = heads x 2 queries
     with pytest.raises(ValueError, match="backend='triton'"):
-        decode_attention(many, k[:1, :2], v[:1, :1], 0.5)
+        decode_attention(torch.zeros(1, rows + 2, 2, 8), k[:1, :2], v[:1, :1], 0.5)
     with pytest.raises(ValueError, match="v must carry Hkv"):  # the library's own input checks
         decode_attention(q, k, v[:, :1], lam)
