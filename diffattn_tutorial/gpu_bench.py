@@ -13,6 +13,14 @@ Measuring (the scripts and notebook 09's live cell):
 * :func:`shape_for`: the FlashAttention benchmarks' shapes (fixed tokens per batch and model width).
 * :func:`results_header`: the device, versions, date and command every results file carries.
 
+Which dtype and which kernels a device has (notebooks 08, 09, 12, ``train --precision auto``, the benchmarks):
+
+* :func:`preferred_half_dtype`: bfloat16 where the GPU has bf16 tensor cores (compute capability 8.0 and up:
+  A100, RTX 30xx/40xx, L4, H100), float16 below (Colab's T4, V100, RTX 20xx), which needs a
+  ``torch.amp.GradScaler`` to train; :func:`check_half_dtype` refuses bfloat16 on such a GPU, naming float16.
+* :func:`sdpa_kernels_here`: which SDPA kernels exist on the device at all (a plain equal-dim call), so a table
+  can say "unavailable here" (flash on a T4) apart from "refused this call" (flash with V twice as wide).
+
 Recorded results (notebooks 08 and 09, ``benchmarks/gpu_session.py --collect``): a GPU run's files live in
 :mod:`diffattn_tutorial.recorded` as ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json`` and
 ``gpu_session_<device>.json`` (:func:`recorded_path`), so a notebook finds them from any folder with
@@ -46,6 +54,63 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 GOALS = {"fwd_speedup_vs_best_sdpa": 1.2, "fwd_tflops": 350.0, "fwd_bwd_speedup_vs_best_sdpa": 1.0}
 """Issue 13's goals for the fused kernel (H100, bf16, N = 8192, non-causal, d = 64 and 128)."""
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
+BF16_CAPABILITY = (8, 0)
+"""The compute capability from which NVIDIA GPUs have bfloat16 tensor cores (Ampere); below it (Turing's T4,
+Volta) bfloat16 has no arithmetic of its own and float16 is the 16-bit dtype."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the device: 16-bit dtype, SDPA kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+def cuda_capability(device: torch.device | str | None = None) -> Optional[tuple[int, int]]:
+    """``(major, minor)`` of a CUDA ``device`` (None: the current CUDA device if there is one), else None."""
+    device = torch.device("cuda") if device is None and torch.cuda.is_available() else device
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(torch.device(device)))
+
+
+def preferred_half_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """The 16-bit dtype to compute in on ``device``: float16 on a CUDA GPU below compute capability 8.0 (no
+    bfloat16 tensor cores; train it with ``torch.amp.GradScaler``), else bfloat16 (recent GPUs; CPUs, whose
+    autocast is bfloat16)."""
+    capability = cuda_capability(device)
+    return torch.float16 if capability is not None and capability < BF16_CAPABILITY else torch.bfloat16
+
+
+def check_half_dtype(dtype: torch.dtype, device: torch.device | str | None = None, what: str = "dtype") -> None:
+    """Raise ``ValueError`` naming float16 if ``dtype`` is bfloat16 and ``device`` a GPU without bf16 arithmetic."""
+    capability = cuda_capability(device)
+    if dtype == torch.bfloat16 and capability is not None and capability < BF16_CAPABILITY:
+        name = torch.cuda.get_device_name(torch.device(device or "cuda"))
+        raise ValueError(f"{what}: bfloat16 on {name} (compute capability {capability[0]}.{capability[1]}) has no "
+                         f"tensor cores or arithmetic of its own; use float16 (preferred_half_dtype(device) "
+                         f"picks it; train it with torch.amp.GradScaler)")
+
+
+def sdpa_kernels_here(device: torch.device | str, dtype: Optional[torch.dtype] = None) -> dict[str, str]:
+    """For each SDPA kernel of :data:`SDPA_BACKENDS` (not ``default``): ``"ok"`` if it takes a plain call on
+    ``device`` (q, k, v of shape (1, 2, 64, 64), equal head dims, no mask, ``dtype`` default
+    :func:`preferred_half_dtype` on CUDA and float32 on a CPU), else ``"unavailable: <PyTorch's reason>"``:
+    the kernel does not exist there (flash below sm_80, cuDNN attention on a CPU), whatever the formulation."""
+    device = torch.device(device)
+    dtype = dtype or (preferred_half_dtype(device) if device.type == "cuda" else torch.float32)
+    q = torch.randn(1, 2, 64, 64, device=device, dtype=dtype)
+    found = {}
+    for name in SDPA_BACKENDS:
+        if name == "default":
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_backend(name), torch.no_grad():
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                found[name] = "ok"
+            except RuntimeError as e:
+                found[name] = "unavailable: " + refusal(e, caught).removeprefix("refused: ")
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,7 +324,8 @@ def sdpa_summary(results: dict, *, d: Optional[int] = None, causal: Optional[boo
     return "\n".join(lines)
 
 
-__all__ = ["median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
+__all__ = ["cuda_capability", "preferred_half_dtype", "check_half_dtype", "sdpa_kernels_here", "BF16_CAPABILITY",
+           "median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
            "recorded_path", "write_json", "find_recorded", "merge_triton", "triton_summary", "goals",
            "sdpa_summary", "SDPA_BACKENDS", "GOALS", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA", "SESSION_SCHEMA",
            "RECORDED_DIR"]

@@ -18,9 +18,14 @@ What the script does, and where each piece lives:
   all rows hold the same number of targets, so the averaged gradients are those of the global batch's mean loss.
 * **Parallelism** (``--strategy``): ``ddp`` or ``fsdp2`` (``fully_shard``, one unit per block), gloo on CPUs,
   NCCL on GPUs (:mod:`diffattn_tutorial.distributed`).
-* **Mixed precision** on GPU only (``--precision auto`` = bf16 there, fp32 on CPU): DDP runs the forward under
-  ``torch.autocast(bfloat16)``, FSDP2 gathers bf16 weights (``MixedPrecisionPolicy``) and reduces gradients in
-  float32; the optimizer always holds float32 weights.
+* **Mixed precision** on GPU only (``--precision auto`` = the GPU's 16-bit dtype, fp32 on CPU): bf16 from compute
+  capability 8.0 (A100, RTX 30xx/40xx, L4, H100), fp16 below (Colab's T4), as ``gpu_bench.preferred_half_dtype``
+  decides; ``bf16`` asked for on a T4 is refused, naming fp16. DDP runs the forward under ``torch.autocast`` in
+  that dtype, FSDP2 gathers 16-bit weights (``MixedPrecisionPolicy``) and reduces gradients in float32; the
+  optimizer always holds float32 weights. fp16 trains with a ``torch.amp.GradScaler`` (the loss scaled before the
+  backward, the gradients unscaled before clipping, a step with inf/NaN gradients skipped; the scale is not
+  checkpointed and re-calibrates after a resume), with DDP only: with FSDP2 each rank would check only its own
+  gradient shards for inf (use ``--strategy ddp`` or ``--precision fp32`` there).
 * **torch.compile** (``--compile``): each block is compiled in place before wrapping, so checkpoint keys do not
   change. Which attention backends compile as one graph is measured by :func:`graph_breaks`
   (``torch._dynamo.explain`` of one block's forward). On torch 2.13 the SDPA path (``auto``, ``sdpa`` and
@@ -82,7 +87,7 @@ from diffattn_tutorial.runlog import MetricsLog, read_records
 Tensor = torch.Tensor
 
 TASKS: tuple[str, ...] = ("needle", "text")
-PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16")
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 
 RUN_DEFINING: tuple[str, ...] = ("task", "attention", "d_model", "n_layers", "n_heads", "seq_len", "steps", "lr",
                                  "warmup", "weight_decay", "clip", "seed", "global_batch")
@@ -315,16 +320,42 @@ def graph_breaks(attention: str, backend: str, *, d_model: int = 32, n_heads: in
 
 
 def _autocast(cfg: RunConfig, ctx: D.DistContext) -> contextlib.AbstractContextManager:
-    """bf16 autocast for DDP (and single-process) runs on a GPU; FSDP2 casts through its own policy."""
-    if _mixed_precision(cfg, ctx) and cfg.strategy == "ddp":
-        return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+    """16-bit autocast for DDP (and single-process) runs on a GPU; FSDP2 casts through its own policy."""
+    dtype = half_dtype(cfg.precision, ctx.device, cfg.strategy)
+    if dtype is not None and cfg.strategy == "ddp":
+        return torch.autocast(ctx.device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 
+def half_dtype(precision: str, device: torch.device, strategy: str = "ddp") -> Optional[torch.dtype]:
+    """The 16-bit dtype a run computes in, or None for float32: ``auto`` is fp32 on a CPU and
+    ``gpu_bench.preferred_half_dtype`` on a GPU (bf16 from compute capability 8.0, fp16 below); ``bf16`` and
+    ``fp16`` need a GPU, ``bf16`` one with bf16 arithmetic, ``fp16`` (loss-scaled) the ``ddp`` strategy."""
+    from diffattn_tutorial.gpu_bench import check_half_dtype, preferred_half_dtype
+
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"precision={precision!r} needs a CUDA GPU (mixed precision is for GPUs only); use 'auto' "
+                         f"or 'fp32'")
+    dtype = preferred_half_dtype(device) if precision == "auto" else {"bf16": torch.bfloat16,
+                                                                        "fp16": torch.float16}[precision]
+    check_half_dtype(dtype, device, what=f"precision={precision!r}")
+    if dtype == torch.float16 and strategy != "ddp":
+        raise ValueError(f"precision fp16 (this GPU's 16-bit dtype{' under auto' if precision == 'auto' else ''}) "
+                         f"trains with a GradScaler, whose inf check would see only each rank's gradient shards "
+                         f"under {strategy}; use --strategy ddp, or --precision fp32")
+    return dtype
+
+
 def _mixed_precision(cfg: RunConfig, ctx: D.DistContext) -> bool:
-    if cfg.precision == "bf16" and ctx.device.type != "cuda":
-        raise ValueError("precision='bf16' needs a CUDA GPU (mixed precision is for GPUs only); use 'auto' or 'fp32'")
-    return cfg.precision == "bf16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
+    return half_dtype(cfg.precision, ctx.device, cfg.strategy) is not None
+
+
+def _grad_scaler(cfg: RunConfig, ctx: D.DistContext) -> torch.amp.GradScaler:
+    """Loss scaling for fp16 (its small exponent range underflows gradients); a no-op for fp32 and bf16."""
+    fp16 = half_dtype(cfg.precision, ctx.device, cfg.strategy) == torch.float16
+    return torch.amp.GradScaler(ctx.device.type, enabled=fp16)
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------
@@ -720,8 +751,10 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
         for block in model.blocks:
             block.compile(backend=cfg.compile_backend)
     mixed = _mixed_precision(cfg, ctx)
+    scaler = _grad_scaler(cfg, ctx)
     model = D.wrap(model.to(ctx.device), ctx, cfg.strategy,
-                   param_dtype=torch.bfloat16 if mixed and cfg.strategy == "fsdp2" else None)
+                   param_dtype=half_dtype(cfg.precision, ctx.device, cfg.strategy) if cfg.strategy == "fsdp2"
+                   else None)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     log = MetricsLog(Path(cfg.out) / "metrics.jsonl", enabled=ctx.is_main)
     start = 0
@@ -749,9 +782,11 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     done, saved = start, (start if run.checkpoint is not None else None)
     try:
         for step in bar:
-            loss = _train_step(model, opt, source, cfg, ctx, step)
+            loss = _train_step(model, opt, source, cfg, ctx, step, scaler)
+            scaler.unscale_(opt)  # fp16: true gradients before clipping (a no-op otherwise)
             grad_norm = _clip(model, cfg.clip)
-            opt.step()
+            scaler.step(opt)  # fp16: skipped when a gradient is inf/NaN; otherwise opt.step()
+            scaler.update()
             opt.zero_grad(set_to_none=True)
             losses.append(D.mean_over_ranks(loss, ctx))
             done = step + 1
@@ -774,7 +809,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, source: DataSource, cfg: RunConfig,
-                ctx: D.DistContext, step: int) -> Tensor:
+                ctx: D.DistContext, step: int, scaler: torch.amp.GradScaler) -> Tensor:
     """Forward and backward over this rank's rows of step ``step``; returns its mean loss (detached)."""
     for group in opt.param_groups:
         group["lr"] = cfg.lr * lr_factor(step, cfg.steps, cfg.warmup)
@@ -785,7 +820,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, source: DataSource
         with D.gradient_sync(model, enabled=micro == cfg.grad_accum - 1):
             with _autocast(cfg, ctx):
                 loss = retrieval_loss(model, batch).float() / cfg.grad_accum
-            loss.backward()
+            scaler.scale(loss).backward()
         total += loss.detach()
     if not torch.isfinite(total):
         raise FloatingPointError(f"step {step + 1}: the loss is {total.item()}; lower --lr or raise --warmup")
@@ -836,7 +871,8 @@ def build_parser(prog: str = "python -m diffattn_tutorial.train") -> argparse.Ar
     p.add_argument("--global-batch", type=_positive, default=None,
                    help="rows per optimizer step; must be batch-size x world x grad-accum")
     p.add_argument("--strategy", choices=D.STRATEGIES, default=d.strategy)
-    p.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                   help="auto: fp32 on CPU; on a GPU bf16, or fp16 (loss-scaled) below compute capability 8.0")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--compile-backend", default=d.compile_backend, help="torch.compile backend (eager: trace only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
