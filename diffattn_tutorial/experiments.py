@@ -24,7 +24,9 @@ import hashlib
 import math
 import os
 import sys
+import threading
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence, Union
@@ -251,13 +253,18 @@ def _cache_lock(path: Optional[Path]) -> Iterator[None]:
     if path is None:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:  # no POSIX locks (Windows): at worst both train, and the last write wins
         yield
         return
-    with open(path.with_suffix(".lock"), "w") as handle:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "w")
+    except OSError:  # an unusable folder: _load_or_train says so once it has trained
+        yield
+        return
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -357,8 +364,8 @@ def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) ->
     """The trained model of ``config``: from the cache file ``path`` when it exists, else trained (and saved)."""
     torch.manual_seed(config.seed)
     model = TinyLM(config.lm_config()).to(config.device)
-    if path is not None and path.exists():
-        saved = torch.load(path, weights_only=True)
+    saved = _read_cached(path)
+    if saved is not None:
         model.load_state_dict(saved["state_dict"])
         model.eval()
         if progress:
@@ -370,10 +377,39 @@ def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) ->
                    settings=config.settings, seed=config.seed, progress=progress, desc=config.attention)
     seconds = time.perf_counter() - t0
     if path is not None:
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"state_dict": model.state_dict(), "losses": losses, "seconds": seconds}, tmp)
-        os.replace(tmp, path)
+        _write_cached(path, {"state_dict": model.state_dict(), "losses": losses, "seconds": seconds})
     return model, losses, seconds, False
+
+
+def _read_cached(path: Optional[Path]) -> Optional[dict]:
+    """A cache entry's contents, or None when there is none. A damaged entry (a killed process, a full disk) is
+    a miss, said once, and is replaced by the retrained model: never a traceback, never a wrong model."""
+    if path is None or not path.exists():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+        if not {"state_dict", "losses", "seconds"} <= set(saved):
+            raise ValueError(f"keys {sorted(saved)}")
+        return saved
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, the answer is to retrain
+        warnings.warn(f"the cached training run {path} is damaged ({type(e).__name__}: {str(e)[:120]}); "
+                      f"training again and replacing it", stacklevel=3)
+        return None
+
+
+def _write_cached(path: Path, payload: dict) -> None:
+    """Save atomically (a reader sees the whole file or none); an unwritable cache costs a warning, not the run."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}_{threading.get_ident()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        warnings.warn(f"could not save the trained model to the cache {path.parent} ({e.strerror or e}); the "
+                      f"results are fine but will be trained again next time: set {CACHE_ENV} to a writable "
+                      f"folder (or {CACHE_ENV}=0 to switch the cache off)", stacklevel=3)
 
 
 def run_study(config: StudyConfig, *, cache: Union[bool, str, os.PathLike] = False,

@@ -109,6 +109,32 @@ def test_cache_reuses_an_identical_run(tmp_path):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "wrong keys"])
+def test_a_damaged_cache_entry_is_retrained_and_replaced(tmp_path, damage):
+    """A killed process or a full disk can leave a cut-short entry: it is a miss, said once, never a traceback."""
+    a = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    (entry,) = tmp_path.glob("*.pt")
+    data = entry.read_bytes()
+    if damage == "wrong keys":
+        torch.save({"weights": 1}, entry)
+    else:
+        entry.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint" * 50,
+                           "empty": b""}[damage])
+    with pytest.warns(UserWarning, match="is damaged"):
+        b = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    assert not b.cached and b.losses == a.losses
+    c = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)  # the entry was replaced by a good one
+    assert c.cached and c.losses == a.losses
+
+
+def test_an_unwritable_cache_costs_a_warning_not_the_run(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.warns(UserWarning, match="DIFFATTN_CACHE"):
+        r = retrieval_study("baseline", seed=0, cache=blocker / "cache", **TINY)  # a folder under a file
+    assert not r.cached and len(r.losses) == TINY["steps"]
+
+
 def test_retrieval_study_rejects_unknown_attention():
     with pytest.raises(ValueError, match="attention must be one of"):
         retrieval_study("linear", **TINY)
