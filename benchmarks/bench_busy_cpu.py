@@ -12,7 +12,8 @@ thread policies:
 Phase 1 is "idle" (no load of ours; other programs on the machine may run), phase 2 "loaded": this script
 starts one CPU-bound process (a Python busy loop) and stops it after. Each cell is the median of ``steps``
 steps after two warm-up steps, repeated ``repeats`` times with the phases alternating, so the table shows the
-median over repeats and the spread (min-max) of the loaded/idle ratio. The goals (issue 15): with the
+ratio of the medians over repeats (the project's one definition of a time ratio) and the spread (min-max) of the
+per-repeat ratios. The goals (issue 15): with the
 recommended threads, DIFF's loaded step within 2x its idle step and within 1.5x the baseline's loaded step.
 Writes ``benchmarks/results_busy_cpu_<cpu>.json``.
 
@@ -22,8 +23,10 @@ Writes ``benchmarks/results_busy_cpu_<cpu>.json``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -101,8 +104,9 @@ def summary(result: dict) -> list[dict]:
                      "threads_idle": [r["idle"]["threads"][policy] for r in result["rounds"]],
                      "threads_loaded": [r["loaded"]["threads"][policy] for r in result["rounds"]],
                      "idle_ms": 1e3 * statistics.median(idle), "loaded_ms": 1e3 * statistics.median(loaded),
-                     "loaded_over_idle": statistics.median(slow), "loaded_over_idle_range": [min(slow), max(slow)],
-                     "over_baseline_loaded": statistics.median(vs_base),
+                     "loaded_over_idle": statistics.median(loaded) / statistics.median(idle),
+                     "loaded_over_idle_range": [min(slow), max(slow)],
+                     "over_baseline_loaded": statistics.median(loaded) / statistics.median(base),
                      "over_baseline_loaded_range": [min(vs_base), max(vs_base)]})
     return rows
 
@@ -143,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     for goal, ok in met.items():
         print(f"{'met' if ok else 'MISSED'}: {goal}")
     out = args.out or HERE / f"results_busy_cpu_{bench.slug(device)}.json"
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "load_average_before": load,
+    command = "python benchmarks/bench_busy_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                               "date": datetime.date.today().isoformat(), "command": command.strip(),
+                               "load_average_before": load,
                                "steps": args.steps, "summary": rows, "goals": met, **result}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

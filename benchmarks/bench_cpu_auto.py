@@ -20,7 +20,8 @@ count. Candidates:
 * ``auto``: what ``diff_attention`` runs by default here (``cpu_fused`` where it builds, else ``sdpa_padded``).
 
 Time: ``rounds`` rounds, each timing every candidate once (so a burst of load from other programs hits all of
-them alike); the table shows the median over rounds and the spread (min-max) of the speed-up against naive.
+them alike); the table shows each candidate's median time, its speed-up (naive's median time over its median
+time, the project's one definition) and the spread (min-max) of the per-round ratios.
 Memory: :func:`diffattn_tutorial.bench.peak_extra_memory`, the growth of the resident-set high-water mark
 of a fresh process, output included. Writes ``benchmarks/results_cpu_auto_<cpu>.json``.
 
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -116,7 +119,8 @@ def measure(n: int, rounds: int, causal: bool) -> dict:
 
 
 def table(result: dict) -> str:
-    """Markdown table: median ms, speed-up vs naive (median and min-max over rounds), memory vs naive."""
+    """Markdown table: median ms, speed-up vs naive (ratio of the medians; min-max of the per-round ratios),
+    memory vs naive."""
     times, mem = result["times_s"], result["peak_extra_bytes"]
     lines = ["| candidate | median ms | speed-up vs naive | spread over rounds | peak extra MiB | memory vs naive "
              "| max abs err |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -125,7 +129,8 @@ def table(result: dict) -> str:
         m = mem[name]
         mib = "n/a" if m is None else f"{m / 2**20:.1f}"
         rel = "n/a" if m is None or not mem["naive"] else f"{m / mem['naive']:.3f}"
-        lines.append(f"| {name} | {statistics.median(ts) * 1e3:.0f} | {statistics.median(ratios):.2f}x "
+        speedup = statistics.median(times["naive"]) / statistics.median(ts)
+        lines.append(f"| {name} | {statistics.median(ts) * 1e3:.0f} | {speedup:.2f}x "
                      f"| {min(ratios):.2f}-{max(ratios):.2f}x | {mib} | {rel} | {result['max_abs_err'][name]:.1e} |")
     return "\n".join(lines)
 
@@ -149,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds, load average before {load}{ours}")
     print(table(result))
     out = args.out or HERE / f"results_cpu_auto_{bench.slug(device)}{'_loaded' if args.load else ''}.json"
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "n": args.n, "causal": args.causal,
+    command = "python benchmarks/bench_cpu_auto.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                               "date": datetime.date.today().isoformat(), "command": command.strip(),
+                               "n": args.n, "causal": args.causal,
                                "load_average_before": load, "own_load_process": args.load, **result}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

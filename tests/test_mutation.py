@@ -8,11 +8,16 @@ runs in this process (no Jupyter kernel per mutant), on one CPU thread per check
 At least 90% of the mutants must be caught, and every survivor must be listed in ``EQUIVALENT`` below with the
 reason it is no mistake at all: a new survivor (a check that got weaker, or a solution edit that made a plausible
 mistake slip through) fails this test, and so does a listed survivor that is caught now (remove it).
+
+The counts (mutants, caught with a named hint, generic, crash, survived, per notebook) must equal the recorded
+ones in ``diffattn_tutorial/recorded/mutation.json``, which the README's figures are generated from: after a
+change to a solution or a check, run ``python tools/mutation.py --record`` and ``python tools/make_readme_tables.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -27,7 +32,8 @@ sys.modules[_spec.name] = mutation  # dataclasses look their module up there
 _spec.loader.exec_module(mutation)
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
-if torch.cuda.is_available():  # the notebook-09 checks need Triton's interpreter, which the GPU session leaves off
+if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+    # the notebook-09 checks need Triton's interpreter: not installed, or left off by the GPU session
     SOLUTIONS = [p for p in SOLUTIONS if not p.name.startswith("09_")]
 
 REQUIRED_OPERATORS = {"sign", "axis", "constant", "index", "exponent", "reduction", "transpose", "one-minus",
@@ -123,6 +129,19 @@ def test_every_survivor_is_argued_equivalent(reports):
     ran = {r.path.stem for r in reports}
     stale = sorted(k for k in EQUIVALENT - survivors if k.split(" task ")[0] in ran)
     assert not stale, "listed as equivalent but caught now (or gone), remove them:\n" + "\n".join(stale)
+
+
+def test_the_counts_are_the_recorded_ones(reports):
+    """The README's mutation figures come from the record: a live run must give exactly its counts."""
+    recorded = json.loads(mutation.RECORD.read_text())
+    assert {"command", "date", "python", "torch", "device"} <= set(recorded)
+    live = mutation.counts(reports)
+    differ = {name: {"live": c, "recorded": recorded["notebooks"].get(name)} for name, c in live["notebooks"].items()
+              if c != recorded["notebooks"].get(name)}
+    assert not differ, ("the mutation counts differ from diffattn_tutorial/recorded/mutation.json: run `python "
+                        f"tools/mutation.py --record` and `python tools/make_readme_tables.py`: {differ}")
+    if len(reports) == len(recorded["notebooks"]):
+        assert live["total"] == recorded["total"]
 
 
 def test_the_mutants_are_one_edit_each():

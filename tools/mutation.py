@@ -3,6 +3,7 @@
     python tools/mutation.py                        # every solutions/NN_*.ipynb: rate, survivors
     python tools/mutation.py solutions/03_*.ipynb   # some notebooks
     python tools/mutation.py --list                 # also every mutant and what caught it
+    python tools/mutation.py --record               # every solution; write diffattn_tutorial/recorded/mutation.json
 
 For every ``# TASK`` cell of a solution notebook this makes one-edit mutants of its code (a sign, an axis, a
 constant, an index, an exponent, a reduction, a transpose, a one-minus, abs/clamp added or dropped, a
@@ -15,7 +16,10 @@ A mutant that ``check`` catches with a named hint (``Likely mistake: ...`` or an
 counted apart from one caught only by a generic "differs from the reference" message or a crash.
 
 ``tests/test_mutation.py`` runs this on every solution and requires a catch rate of at least 90%, with every
-survivor listed there and argued equivalent.
+survivor listed there and argued equivalent. ``--record`` writes the counts, per notebook and in total, to
+``diffattn_tutorial/recorded/mutation.json`` (with the command, date and versions): the README's mutation figures
+are generated from that file (``tools/make_readme_tables.py``), and the test fails when a live run's counts
+differ from it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "diffattn_tutorial" / "recorded" / "mutation.json"
 
 CAUGHT_HINT, CAUGHT_GENERIC, CAUGHT_CRASH, SURVIVED = "hint", "generic", "crash", "survived"
 GENERIC_MARKERS = ("differs from the reference", " returned NaN values")
@@ -603,12 +608,44 @@ def summary(reports: list[NotebookReport]) -> dict:
             "seconds": sum(r.seconds for r in reports)}
 
 
+def counts(reports: list[NotebookReport]) -> dict:
+    """The recorded numbers: per notebook (by file name) and in total, mutants and what caught them."""
+    keys = ("mutants", "caught", CAUGHT_HINT, CAUGHT_GENERIC, CAUGHT_CRASH, SURVIVED)
+    per = {r.path.name: {k: summary([r])[k] for k in keys} for r in reports}
+    return {"total": {k: summary(reports)[k] for k in keys}, "notebooks": per}
+
+
+def record(reports: list[NotebookReport], path: Path = RECORD) -> dict:
+    """Write :func:`counts` with how they were made to ``path`` (``diffattn_tutorial/recorded/mutation.json``)."""
+    import datetime
+    import json
+    import platform
+
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    data = {"schema": "diffattn-tutorial/mutation/1", "command": "python tools/mutation.py --record",
+            "device": f"CPU ({platform.machine()}), checks on 1 torch thread", "torch": torch.__version__,
+            "triton": triton_version, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(), **counts(reports)}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", type=Path)
     ap.add_argument("--list", action="store_true", help="print every mutant and its outcome")
     ap.add_argument("--task", type=int, default=None, help="only this task number")
+    ap.add_argument("--record", action="store_true",
+                    help=f"run every solution and write the counts to {RECORD.relative_to(ROOT)}")
     args = ap.parse_args(argv)
+    if args.record and (args.paths or args.task is not None):
+        ap.error("--record runs every solution: pass no paths and no --task")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     paths = [p.resolve() for p in args.paths] or sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
     reports = []
@@ -626,6 +663,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     s = summary(reports)
     print(f"total: {s['caught']}/{s['mutants']} caught ({s['rate']:.1%}; named hint {s[CAUGHT_HINT]}, generic "
           f"{s[CAUGHT_GENERIC]}, crash {s[CAUGHT_CRASH]}), {s[SURVIVED]} survived, {s['seconds']:.1f} s")
+    if args.record:
+        record(reports)
+        print(f"wrote {RECORD.relative_to(ROOT)}")
     return 0
 
 

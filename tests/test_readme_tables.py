@@ -1,0 +1,72 @@
+"""The README's measured tables and figures are generated from the results files (``tools/make_readme_tables.py``):
+the committed README must be what the files give, and the tool must notice a hand edit, a stale file and a
+missing or unknown block."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "make_readme_tables.py"
+_spec = importlib.util.spec_from_file_location("make_readme_tables", TOOL)
+tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tables)
+
+
+def test_the_committed_readme_is_what_the_results_files_give():
+    run = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_a_hand_edited_number_is_caught(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    block = next(m for m in tables.BLOCK.finditer(text) if m.group("name") == "cpu-table")
+    body = block.group("body")
+    edited = body.replace("| naive |", "| naive (hand-edited) |", 1)
+    assert edited != body
+    readme = tmp_path / "README.md"
+    readme.write_text(text.replace(body, edited))
+    assert "cpu-table" not in tables.stale_blocks(text)
+    assert "cpu-table" in tables.stale_blocks(readme.read_text())
+    assert tables.main(["--check", "--readme", str(readme)]) == 1
+    assert tables.main(["--readme", str(readme)]) == 0 and tables.stale_blocks(readme.read_text()) == []
+
+
+def test_a_block_nobody_writes_or_a_missing_block_is_an_error():
+    text = (ROOT / "README.md").read_text()
+    with pytest.raises(SystemExit, match="no generator writes"):
+        tables.render(text + "\n<!-- generated:no-such-block -->\n<!-- /generated -->\n")
+    without = tables.BLOCK.sub(lambda m: "" if m.group("name") == "mutation" else m.group(0), text)
+    with pytest.raises(SystemExit, match="lacks the generated blocks"):
+        tables.render(without)
+
+
+def test_speedup_is_a_ratio_of_medians():
+    # per-round ratios 4, 1, 1 have median 1; the medians 2 and 1 give 2: the project's definition is the second
+    assert tables.speedup([4.0, 2.0, 1.0], [1.0, 2.0, 1.0]) == pytest.approx(2.0)
+
+
+def test_every_results_file_says_how_it_was_made():
+    """Device, versions, date and command: each is in the file, or the file says it was not recorded."""
+    files = sorted((ROOT / "benchmarks").glob("results_*.json")) + [tables.MUTATION]
+    for path in files:
+        data = json.loads(path.read_text())
+        missing = {"device", "torch", "python", "date", "command"} - set(data)
+        assert not missing, f"{path.name} lacks {sorted(missing)} (write 'not recorded' where a value is unknown)"
+
+
+def test_the_mutation_block_reports_the_recorded_counts(tmp_path, monkeypatch):
+    record = {"command": "python tools/mutation.py --record", "device": "CPU", "torch": "x", "python": "y",
+              "date": "z", "total": {"mutants": 10, "caught": 9, "hint": 5, "generic": 4, "crash": 0, "survived": 1}}
+    path = tmp_path / "mutation.json"
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(tables, "MUTATION", path)
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+    text = tables.mutation_block()
+    assert "9 of 10 (90.0%; 5 of them with a named hint" in text and "The 1 survivors" in text

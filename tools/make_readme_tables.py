@@ -1,0 +1,327 @@
+"""Write the README's measured tables and figures from the files that hold them: one source per fact.
+
+    python tools/make_readme_tables.py            # rewrite every generated block of README.md
+    python tools/make_readme_tables.py --check    # exit 1, naming each block, if README.md differs
+
+A generated block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated -->`` in ``README.md``;
+everything outside the markers is hand-written and left alone. The blocks and their sources:
+
+* ``install``: the CPU build of torch, pinned to the version ``.ci/run`` tests with;
+* ``cpu-table``: ``benchmarks/results_cpu_auto_<cpu>.json`` and its ``_loaded`` twin (``bench_cpu_auto.py``):
+  median time, speed-up, peak extra memory of every library backend, idle and with one other process running,
+  and the multiply-adds of each formulation relative to naive's (``flops.formulation_flops``);
+* ``busy-cpu``: ``benchmarks/results_busy_cpu_<cpu>.json`` (``bench_busy_cpu.py``): training steps idle and loaded;
+* ``mutation``: ``diffattn_tutorial/recorded/mutation.json`` (``python tools/mutation.py --record``);
+* ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``triton_compile --write``), per target;
+* ``layout``: the Layout table, listing the library's modules, the benchmark scripts and the tools as they are.
+
+**Speed-up** has one definition, stated once in the README next to the CPU table: the median time of ``naive``
+over the median time of the backend, both over the same rounds of the same run (``diffattn-tutorial bench``
+computes it the same way). Every ratio of times this tool writes is a ratio of medians. Each block names the
+device, the versions, the date and the command of the file it comes from; a value the file does not hold is
+written "not recorded". ``tests/test_readme_tables.py`` runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+README = ROOT / "README.md"
+BENCH = ROOT / "benchmarks"
+RECORDED = ROOT / "diffattn_tutorial" / "recorded"
+COMPILE_FACTS = RECORDED / "compile_facts.json"
+MUTATION = RECORDED / "mutation.json"
+BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL)
+NOT_RECORDED = "not recorded"
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _command(data: dict) -> str:
+    return f"`{data['command']}`" if data.get("command") else f"command {NOT_RECORDED}"
+
+
+def _provenance(data: dict) -> str:
+    """Device, versions, date and command of a results file, "not recorded" where it holds none."""
+    return (f"{data.get('device', NOT_RECORDED)}, torch {data.get('torch', NOT_RECORDED)}, Python "
+            f"{data.get('python', NOT_RECORDED)}, {data.get('date', NOT_RECORDED)}, {_command(data)}")
+
+
+def _sci(x: float) -> str:
+    """1.2e-7, not 1.2e-07."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def speedup(reference: list[float], times: list[float]) -> float:
+    """The project's one definition: the reference's median time over the backend's median time."""
+    return statistics.median(reference) / statistics.median(times)
+
+
+# --- install ----------------------------------------------------------------------------------------------------
+
+
+def torch_pin() -> str:
+    """The torch version ``.ci/run`` installs (``torch==X``)."""
+    m = re.search(r"\btorch==([\w.+-]+)", (ROOT / ".ci" / "run").read_text())
+    if not m:
+        raise SystemExit(".ci/run installs no pinned torch (torch==X): nothing to pin the README to")
+    return m.group(1)
+
+
+def install_block() -> str:
+    return ("```bash\n"
+            "python -m venv .venv && . .venv/bin/activate      # or: conda env create -f environment.yml\n"
+            f"pip install torch=={torch_pin()} --index-url https://download.pytorch.org/whl/cpu"
+            "   # CPU-only machines; skip with a GPU\n"
+            "```\n")
+
+
+# --- the CPU table ----------------------------------------------------------------------------------------------
+
+
+def _library_backends() -> tuple[str, ...]:
+    from diffattn_tutorial.functional import BACKENDS
+
+    return (*BACKENDS, "auto")
+
+
+def _relative_flops() -> dict[str, float]:
+    from diffattn_tutorial import flops
+
+    out = {}
+    for name in _library_backends():
+        try:
+            out[name] = flops.formulation_flops(name, 1, 1, 1, 1) / flops.formulation_flops("naive", 1, 1, 1, 1)
+        except ValueError:
+            pass  # a backend with no fixed formulation (auto, sdpa, cpu_fused)
+    return out
+
+
+def _fmt_x(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def cpu_table_block() -> str:
+    idle_files = sorted(p for p in BENCH.glob("results_cpu_auto_*.json") if not p.stem.endswith("_loaded"))
+    if not idle_files:
+        raise SystemExit("no benchmarks/results_cpu_auto_*.json: run python benchmarks/bench_cpu_auto.py")
+    return "\n".join(_cpu_table(p, p.with_name(f"{p.stem}_loaded.json")) for p in idle_files)
+
+
+def _cpu_table(idle_path: Path, loaded_path: Path) -> str:
+    idle = _load(idle_path)
+    loaded = _load(loaded_path) if loaded_path.exists() else None
+    names = [n for n in _library_backends() if n in idle["times_s"]]
+    t, mem, err = idle["times_s"], idle["peak_extra_bytes"], idle["max_abs_err"]
+    rounds = len(t["naive"])
+    files = f"`{_rel(idle_path)}`" + (f" and `{_rel(loaded_path)}`" if loaded else "")
+    lines = [
+        f"From {files}: {_provenance(idle)}" + (f"; loaded: {_provenance(loaded)}" if loaded else "") + ". "
+        f"B=1, H=8, N={idle['n']}, d=64, float32, {'causal' if idle['causal'] else 'non-causal'}, inference; ms is the "
+        f"median over {rounds} rounds" + (f" ({len(loaded['times_s']['naive'])} loaded)" if loaded else "") +
+        ", peak extra memory that of a fresh process, output included.",
+        "",
+        "| backend | ms | speed-up | peak extra MiB | memory vs naive |"
+        + (" loaded: ms | loaded: speed-up |" if loaded else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if loaded else ""),
+    ]
+    for name in names:
+        row = (f"| {name} | {statistics.median(t[name]) * 1e3:.1f} | {_fmt_x(speedup(t['naive'], t[name]))} "
+               f"| {mem[name] / 2**20:.1f} | {mem[name] / mem['naive']:.3f} |")
+        if loaded:
+            lt = loaded["times_s"]
+            row += f" {statistics.median(lt[name]) * 1e3:.1f} | {_fmt_x(speedup(lt['naive'], lt[name]))} |"
+        lines.append(row)
+    worst = max(err[n] for n in names)
+    spread = f"naive took {min(t['naive']) * 1e3:.0f} to {max(t['naive']) * 1e3:.0f} ms over the idle rounds"
+    if loaded:
+        lt = loaded["times_s"]
+        spread += f" and {min(lt['naive']) * 1e3:.0f} to {max(lt['naive']) * 1e3:.0f} ms over the loaded ones"
+    rel = _relative_flops()
+    by_factor: dict[float, list[str]] = {}
+    for name in names:
+        if name in rel:
+            by_factor.setdefault(rel[name], []).append(f"`{name}`")
+    work = "; ".join(f"{', '.join(ns)}: {f:g}x" for f, ns in sorted(by_factor.items()))
+    lines += ["", f"All outputs agree with `naive` to {_sci(worst)} or better; {spread}. Multiply-adds relative to "
+                  f"`naive`'s (`flops.formulation_flops`): {work}."]
+    if loaded:
+        lt = loaded["times_s"]
+        sdpa = [n for n in names if n.startswith("sdpa_")]
+        best = min(sdpa, key=lambda n: statistics.median(lt[n]))
+        if "cpu_fused" in names:
+            lines[-1] += (f" Loaded, `cpu_fused` is {_fmt_x(speedup(lt[best], lt['cpu_fused']))} as fast as the "
+                          f"fastest SDPA formulation, `{best}`.")
+    return "\n".join(lines) + "\n"
+
+
+# --- the busy CPU -----------------------------------------------------------------------------------------------
+
+
+def busy_cpu_block() -> str:
+    paths = sorted(BENCH.glob("results_busy_cpu_*.json"))
+    if not paths:
+        raise SystemExit("no benchmarks/results_busy_cpu_*.json: run python benchmarks/bench_busy_cpu.py")
+    return "\n".join(_busy(p) for p in paths)
+
+
+def _busy(path: Path) -> str:
+    data = _load(path)
+    rounds = data["rounds"]
+
+    def times(phase: str, key: str) -> list[float]:
+        return [r[phase]["seconds"][key] for r in rounds]
+
+    def figures(policy: str) -> tuple[float, float]:
+        diff_loaded = times("loaded", f"diff | {policy}")
+        return (speedup(diff_loaded, times("idle", f"diff | {policy}")),
+                speedup(diff_loaded, times("loaded", f"baseline | {policy}")))
+
+    own, default = figures("recommended"), figures("torch default")
+    return (f"With the recommended threads, DIFF's loaded step takes {_fmt_x(own[0])} its idle step and "
+            f"{_fmt_x(own[1])} the baseline's loaded step (torch's default threads: {_fmt_x(default[0])} and "
+            f"{_fmt_x(default[1])}): medians over {len(rounds)} rounds of {data['steps']} steps, from "
+            f"`{_rel(path)}` ({_provenance(data)}).\n")
+
+
+# --- the mutation test ------------------------------------------------------------------------------------------
+
+
+def mutation_block() -> str:
+    data = _load(MUTATION)
+    t = data["total"]
+    path = MUTATION
+    return (f"**Mutation score.** The checks fail on {t['caught']} of {t['mutants']} ({t['caught'] / t['mutants']:.1%}; {t['hint']} of "
+            f"them with a named hint, {t['generic']} with the generic \"differs from the reference\", {t['crash']} "
+            f"by a crash). The {t['survived']} survivors are listed in the test, each argued equivalent. Recorded in "
+            f"`{_rel(path)}` ({_provenance(data)}); the test fails when a run's counts differ from it.\n")
+
+
+# --- compile facts ----------------------------------------------------------------------------------------------
+
+
+def compile_facts_block() -> str:
+    path = COMPILE_FACTS
+    data = _load(path)
+    rec = data.get("recorded", {})
+    facts = data["facts"]
+    lines = [f"From `{_rel(path)}`: triton {rec.get('triton', NOT_RECORDED)}, torch {rec.get('torch', NOT_RECORDED)}, "
+             f"Python {rec.get('python', NOT_RECORDED)}, {rec.get('date', NOT_RECORDED)}, "
+             f"{_command(rec if rec.get('command') else data)}; compiled on a CPU for each target, not run on one.",
+             "",
+             "| target | compiles | failed | with register spills | most registers per thread | tensor-core products "
+             "| compiles with a product computed more than once |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    archs = list(dict.fromkeys(f["arch"] for f in facts))
+    for arch in archs:
+        rows = [f for f in facts if f["arch"] == arch]
+        spills = sum(bool(f.get("spill_stores") or f.get("spill_loads")) for f in rows)
+        with_dots = [f for f in rows if f.get("dots")]
+        instr = Counter("wgmma" if f.get("wgmma") else "mma_sync" if f.get("mma_sync") else "none" for f in with_dots)
+        instr_text = ", ".join(f"{k} in {v}" for k, v in instr.most_common()) + f" of {len(with_dots)} with products"
+        dup = sum((f.get("dup") or 1) > 1 for f in rows)
+        lines.append(f"| {arch} | {len(rows)} | {sum(bool(f.get('error')) for f in rows)} | {spills} "
+                     f"| {max(f.get('regs') or 0 for f in rows)} | {instr_text} | {dup} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- layout -----------------------------------------------------------------------------------------------------
+
+
+def _first_line(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    line = " ".join(doc.split("\n\n")[0].split()).rstrip(".")
+    return re.sub(r"``([^`]+)``", r"`\1`", line)
+
+
+def layout_block() -> str:
+    pkg = ROOT / "diffattn_tutorial"
+    modules = sorted([p.stem for p in pkg.glob("*.py") if p.stem != "__init__"]
+                     + [p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()])
+    scripts = sorted(p.name for p in BENCH.glob("*.py"))
+    tools = sorted((ROOT / "tools").glob("*.py"))
+    rows = [
+        ("`notebooks/`", "the numbered series, committed with outputs"),
+        ("`diffattn_tutorial/`", "the library: " + ", ".join(f"`{m}`" for m in modules)),
+        ("`exercises/`, `solutions/`", "the learner notebooks, generated from their solved sources in `solutions/` "
+                                       "by `python tools/make_exercises.py` (`--check` in CI)"),
+        ("`tests/`", "unit, property and conformance tests, the drift test of the prose, and each notebook run from "
+                     "an empty folder against the built wheel"),
+        ("`diffattn_tutorial/golden/`", "outputs of the reference implementations, read with "
+                                        "`diffattn_tutorial.golden.load(name)`"),
+        ("`benchmarks/`", "benchmark scripts (" + ", ".join(f"`{s}`" for s in scripts) + "), their results files "
+                          "(`results_*.json`) and [notes](benchmarks/NOTES.md)"),
+        ("`tools/`", "; ".join(f"`{p.name}`: {_first_line(p)}" for p in tools)),
+        ("`diffattn_tutorial/recorded/`", "recorded results files (device, versions, date, command), read with "
+                                          "`diffattn_tutorial.recorded.load`: "
+                                          + ", ".join(f"`{p.name}`" for p in sorted(RECORDED.glob("*.json")))),
+    ]
+    return "| path | what lives there |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "install": install_block,
+    "cpu-table": cpu_table_block,
+    "busy-cpu": busy_cpu_block,
+    "mutation": mutation_block,
+    "compile-facts": compile_facts_block,
+    "layout": layout_block,
+}
+
+
+def render(text: str) -> str:
+    """``text`` (a README) with every generated block rewritten; an unknown block name is an error."""
+    found = [m.group("name") for m in BLOCK.finditer(text)]
+    unknown = sorted(set(found) - set(BLOCKS))
+    if unknown:
+        raise SystemExit(f"README.md has generated blocks no generator writes: {unknown}; known: {sorted(BLOCKS)}")
+    missing = sorted(set(BLOCKS) - set(found))
+    if missing:
+        raise SystemExit(f"README.md lacks the generated blocks {missing} (<!-- generated:NAME --> ... "
+                         f"<!-- /generated -->)")
+    return BLOCK.sub(lambda m: m.group(1) + BLOCKS[m.group("name")]() + m.group(4), text)
+
+
+def stale_blocks(text: str) -> list[str]:
+    """Names of the blocks whose committed text differs from what the sources give."""
+    new = {m.group("name"): m.group("body") for m in BLOCK.finditer(render(text))}
+    return [m.group("name") for m in BLOCK.finditer(text) if m.group("body") != new[m.group("name")]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if README.md differs from what the sources give")
+    ap.add_argument("--readme", type=Path, default=README)
+    args = ap.parse_args(argv)
+    text = args.readme.read_text()
+    if args.check:
+        stale = stale_blocks(text)
+        for name in stale:
+            print(f"{args.readme.name}: block {name!r} differs from its source; run python tools/make_readme_tables.py")
+        return 1 if stale else 0
+    new = render(text)
+    if new != text:
+        args.readme.write_text(new)
+        print(f"wrote {args.readme.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
