@@ -70,3 +70,17 @@ def test_the_mutation_block_reports_the_recorded_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "ROOT", tmp_path)
     text = tables.mutation_block()
     assert "9 of 10 (90.0%; 5 of them with a named hint" in text and "The 1 survivors" in text
+
+
+def test_the_readme_states_no_measured_number_by_hand():
+    """Outside the generated blocks, a measured-looking number (a decimal, a multiple, a percentage, a large count:
+    the drift test's rule) is allowed only where its sentence names an outside source (the paper, a datasheet)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_prose_drift as drift
+
+    text = tables.BLOCK.sub("", (ROOT / "README.md").read_text())
+    found = [f"{n.text!r} in: {sentence[:100]}" for block, _ in drift._blocks(drift._prose(text))
+             for sentence in drift._sentences(block) if not drift.SOURCE.search(sentence)
+             for n in drift.prose_numbers(sentence)]
+    assert not found, "numbers written by hand in README.md (generate them, tools/make_readme_tables.py):\n" + \
+        "\n".join(found)
