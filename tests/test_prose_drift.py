@@ -32,7 +32,9 @@ solutions, so their text is checked there):
 3. **Names.** Every relative link resolves; every repository path named in markdown (``tools/mutation.py``,
    ``diffattn_tutorial/recorded/seed_study.json``) exists; every dotted library name (``functional.diff_attention``,
    ``diffattn_tutorial.interop.from_diffllama``, ``recorded.load``) resolves to an attribute of the package.
-4. **Navigation.** Each solution (so each exercise) ends with a link back to its notebook and a "Next" link to
+4. **Commands.** In a fenced ``bash`` block a continued line ends with one backslash: a doubled one (``\\\\``,
+   what a JSON or Python string shows when it was escaped twice) ends the command when pasted into a shell.
+5. **Navigation.** Each solution (so each exercise) ends with a link back to its notebook and a "Next" link to
    the following chapter's notebook while there is one.
 
 ``EXPECTED`` lists what fails today in notebooks this change does not edit, one entry per item with the fix it
@@ -72,6 +74,10 @@ EXPECTED: dict[str, str] = {
     # gpu_bench.GOALS in section 8 (then 1.2 and 350 are backed), or say "gpu_bench.GOALS" is the source.
     "notebooks/09_triton_kernel.ipynb | number | 1.2 times in: The goals, on an H100 in bf16 at $N = 8192$, non-causal, $d ...":
         "print gpu_bench.GOALS in section 8",
+    # section 7's GPU command ends its first line with two backslashes ("--attention diff \\\\"): pasted into bash the
+    # command ends there and the next line fails ("--strategy: command not found"); write one backslash.
+    "notebooks/12_distributed_training.ipynb | command | torchrun --nproc_per_node=$(nvidia-smi -L | wc -l) -m diffat...":
+        "one backslash at the end of the line",
 }
 
 
@@ -348,6 +354,16 @@ def _resolves(dotted: str) -> bool:
     return True
 
 
+BASH_BLOCK = re.compile(r"```(?:bash|sh|shell|console)\n(.*?)```", re.DOTALL)
+
+
+def broken_commands(cells: list[dict]) -> list[tuple[int, str]]:
+    """(cell, line) for every line of a fenced shell block in markdown that ends with a doubled backslash."""
+    return [(i, line.strip()) for i, cell in enumerate(cells) if cell["cell_type"] == "markdown"
+            for block in BASH_BLOCK.findall(_source(cell)) for line in block.splitlines()
+            if line.rstrip().endswith("\\\\")]
+
+
 def broken_names(path: Path, cells: list[dict]) -> list[tuple[int, str]]:
     modules = _library_modules()
     out = []
@@ -396,6 +412,8 @@ def findings(path: Path) -> dict[str, str]:
         out[f"{page} | asserted | {_shorten(sentence, 60)}"] = f"cell {i}: {_shorten(sentence)}"
     for i, what in broken_names(path, cells):
         out[f"{page} | name | {what}"] = f"cell {i}"
+    for i, line in broken_commands(cells):
+        out[f"{page} | command | {_shorten(line, 60)}"] = f"cell {i}: {line}"
     return out
 
 
@@ -457,6 +475,11 @@ def test_asserted_needs_an_assert_where_it_points():
     above = {"cell_type": "markdown", "source": ["The cell above asserts it."]}
     assert unbacked_asserted([code_ok, above, code_no]) == []
     assert len(unbacked_asserted([code_no, above, code_ok])) == 1
+
+
+def test_a_doubled_backslash_in_a_shell_block_is_found():
+    cells = [{"cell_type": "markdown", "source": ["```bash\nrun --a \\\\\n    --b\nrun --c \\\n    --d\n```\n"]}]
+    assert broken_commands(cells) == [(0, "run --a \\\\")]
 
 
 def test_broken_names_are_found(tmp_path):
