@@ -1,6 +1,7 @@
 """Time and peak memory of every SDPA formulation of differential attention, on a GPU, into a JSON file.
 
-    python benchmarks/bench_sdpa.py                       # full run on CUDA: bf16, N 1K..16K, d 64 and 128, into
+    python benchmarks/bench_sdpa.py                       # full run on CUDA: bf16 (fp16 on a T4), N 1K..16K, d 64
+                                                          # and 128, into
                                                           # diffattn_tutorial/recorded/bench_sdpa_<device>.json
     python benchmarks/bench_sdpa.py --lengths 1024 2048 --head-dims 64 --causal no --modes fwd
     python benchmarks/bench_sdpa.py --device cpu --dtype float32 --lengths 64 --heads 2 --batch 1 --out /tmp/r.json
@@ -41,8 +42,9 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
 from diffattn_tutorial import flops  # noqa: E402
 from diffattn_tutorial.bench import cuda_peak_extra, make_inputs  # noqa: E402
 from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention  # noqa: E402
-from diffattn_tutorial.gpu_bench import (SDPA_SCHEMA, median_seconds, recorded_path, refusal,  # noqa: E402
-                                         results_header, sdpa_backend, write_json)
+from diffattn_tutorial.gpu_bench import (SDPA_SCHEMA, check_half_dtype, median_seconds,  # noqa: E402
+                                         preferred_half_dtype, recorded_path, refusal, results_header, sdpa_backend,
+                                         write_json)
 
 V1_FORMULATIONS = ("naive", "sdpa_wide", "sdpa_split", "sdpa_stacked")
 DEFAULT_FORMULATIONS = (*V1_FORMULATIONS, "diff_v2", "baseline")
@@ -235,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32", "float64"],
-                    help="default bfloat16 on CUDA, float32 on CPU")
+                    help="default: the GPU's 16-bit dtype (bfloat16; float16 below compute capability 8.0), "
+                         "float32 on CPU")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384], metavar="N")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="q/k head dim d")
     ap.add_argument("--batch", type=int, default=1)
@@ -256,7 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.device.startswith("cuda") and torch.cuda.is_available():  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
+        args.dtype = args.dtype or str(preferred_half_dtype(args.device)).removeprefix("torch.")
+        try:
+            check_half_dtype(getattr(torch, args.dtype), args.device, what="--dtype")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    args.dtype = args.dtype or "float32"
     bad = [f for f in args.formulations if f not in ALL_FORMULATIONS]
     if bad:
         raise SystemExit(f"unknown formulations {bad}; choose from {ALL_FORMULATIONS}")

@@ -1,6 +1,6 @@
 """The fused Triton kernel against every SDPA formulation under every SDPA backend, into a JSON file.
 
-    python benchmarks/bench_triton.py                 # CUDA headline: bf16, N = 8192, d 64 and 128, causal and not,
+    python benchmarks/bench_triton.py                 # CUDA headline: bf16 (fp16 on a T4), N = 8192, d 64 and 128, causal and not,
                                                       # fwd and fwd+bwd (about 4 min per head dim on an H100)
     python benchmarks/bench_triton.py --head-dims 64 --out /tmp/r64.json    # one head dim (one GPU-session step)
                                                       # default --out on CUDA: diffattn_tutorial/recorded/
@@ -51,9 +51,9 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
 from diffattn_tutorial import flops  # noqa: E402
 from diffattn_tutorial.bench import cuda_peak_extra, make_inputs  # noqa: E402
 from diffattn_tutorial.functional import SDPA_FORMULATIONS, diff_attention  # noqa: E402
-from diffattn_tutorial.gpu_bench import (SDPA_BACKENDS, TRITON_SCHEMA, is_refusal, median_seconds,  # noqa: E402
-                                         recorded_path, refusal, results_header, sdpa_backend, shape_for,
-                                         triton_summary, write_json)
+from diffattn_tutorial.gpu_bench import (SDPA_BACKENDS, TRITON_SCHEMA, check_half_dtype,  # noqa: E402
+                                         is_refusal, median_seconds, preferred_half_dtype, recorded_path, refusal,
+                                         results_header, sdpa_backend, shape_for, triton_summary, write_json)
 
 ROW_KEYS = ("impl", "backend", "mode", "causal", "n", "d", "batch", "heads", "status", "ms", "tflops",
             "peak_extra_mib", "best_sdpa", "speedup_vs_best_sdpa", "max_abs_err")
@@ -101,6 +101,8 @@ def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, 
     except Exception as e:  # noqa: BLE001 - a refusing or failing implementation is a result, not a crash
         if backend != "default" and impl in SDPA_FORMULATIONS and is_refusal(e):
             return None, None, None, refusal(e, caught, limit=240)
+        if impl == "triton" and isinstance(e, (TypeError, ValueError)):  # what the kernel does not run on this GPU
+            return None, None, None, f"refused: {str(e)[:240]}"  # (training at d = 128 on a T4), naming the fix
         return None, None, None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     finally:
         if device.type == "cuda":
@@ -185,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                    help="default bfloat16 on CUDA, float32 on CPU")
+                    help="default: the GPU's 16-bit dtype (bfloat16; float16 below compute capability 8.0), "
+                         "float32 on CPU")
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192], metavar="N")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="q/k head dim d")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = tokens // N")
@@ -209,7 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.device.startswith("cuda") and torch.cuda.is_available():  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
+        args.dtype = args.dtype or str(preferred_half_dtype(args.device)).removeprefix("torch.")
+        try:
+            check_half_dtype(getattr(torch, args.dtype), args.device, what="--dtype")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    args.dtype = args.dtype or "float32"
     args.backends = args.backends or (["flash", "cudnn", "efficient"] if args.device.startswith("cuda")
                                       else ["default"])
     known = ("triton", *SDPA_FORMULATIONS, "naive")

@@ -5,6 +5,13 @@
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
     python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into the package
 
+It runs on any CUDA GPU the library targets (T4, RTX 30xx/40xx, L4, A100, H100) and records which one: every
+step's file carries the device name, compute capability, memory, driver, versions and date, and the results
+files are named after the device. The 16-bit dtype is the GPU's own (``gpu_bench.preferred_half_dtype``: bf16
+from compute capability 8.0, fp16 below), and the benchmarks run at N = 8192 on GPUs with at least 40 GiB (A100,
+H100) and N = 4096 on smaller ones (:func:`bench_length`), so each step fits its limit there too. Issue 13's
+goals are judged on an H100 only (``gpu_bench.GOALS_DEVICE``); elsewhere they are recorded as not judged.
+
 The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
 
 0. ``compile`` (only when named with ``--step compile``; it needs no GPU): ``python -m
@@ -13,24 +20,27 @@ The steps, in order (each a subprocess with its own time limit, ``--step-timeout
    versions);
 1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
    (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: the CPU suite's cases compiled (every
-   plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements;
-2. ``tests16``: bf16 and fp16 (and float32) forward and gradients against float64 by norm-relative error, for
-   masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
+   plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements; and
+   ``tests/test_triton_layouts.py``, forward and backward on every input layout;
+2. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
+   norm-relative error, for masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
 3. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
-4. ``bench64`` and 5. ``bench128``: ``benchmarks/bench_triton.py`` at N = 8192, one head dim each, causal and
-   not, fwd and fwd+bwd: the kernel against every SDPA formulation under the flash, cuDNN and efficient
-   backends, each selected explicitly; time and peak memory;
-6. ``sdpa``: ``benchmarks/bench_sdpa.py`` at N = 8192 (notebook 08's table: every formulation, DIFF V2 and
-   the baseline under PyTorch's own dispatch).
+4. ``bench64`` and 5. ``bench128``: ``benchmarks/bench_triton.py``, one head dim each, causal and not, fwd and
+   fwd+bwd: the kernel against every SDPA formulation under the flash, cuDNN and efficient backends, each
+   selected explicitly (a backend the GPU lacks, such as flash on a T4, is recorded as refused); time and peak
+   memory;
+6. ``sdpa``: ``benchmarks/bench_sdpa.py`` (notebook 08's table: every formulation, DIFF V2 and the baseline
+   under PyTorch's own dispatch).
 
 Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
 and ``session_<step>.log`` into ``--out-dir``; the benchmark steps also write their results part. ``--collect``
 merges them into ``diffattn_tutorial/recorded/``: ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json``
 and ``gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, issue 13's goals
-checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.gpu_bench.find_recorded``). With
-the device tool of this workplace, run one step per call with ``--out-dir "$OUT"``, then ``--collect`` the
-fetched folders here and commit the three files. The scripts import the package from this checkout
-(``PYTHONPATH`` is set for each step), so the GPU machine needs torch and triton only.
+checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.gpu_bench.find_recorded``). Where
+each command has a time limit, run one step per command, all with the same ``--out-dir`` (or one folder each),
+on the same machine so the Triton cache carries over, then ``--collect`` the folders and commit the three files.
+The scripts import the package from this checkout (``PYTHONPATH`` is set for each step), so the GPU machine needs
+torch and triton only.
 """
 
 from __future__ import annotations
@@ -56,28 +66,37 @@ from diffattn_tutorial import gpu_bench  # noqa: E402  (imports torch, not trito
 from diffattn_tutorial.gpu_bench import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
 STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
-    "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 3,
+    "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 6,
                 ["-m", "diffattn_tutorial.triton_compile", "--all", "--jobs", "16", "--json",
                  "{out}/compile_facts_gpu_machine.json"]),
-    "tests": ("GPU tests: the CPU suite's cases compiled, grid and int32 limits; pinned, poisoned", 4,
-              ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
-               "not autotuned_configs_at_8192 and not low_precision"]),
-    "tests16": ("GPU tests: bf16 / fp16 / fp32 forward and gradients vs float64, d = 64 and 128", 3,
+    "tests": ("GPU tests: the CPU suite's cases compiled, every input layout, grid and int32 limits; pinned, "
+              "poisoned", 5,
+              ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "tests/test_triton_layouts.py",
+               "-k", "not autotuned_configs_at_8192 and not low_precision"]),
+    "tests16": ("GPU tests: 16-bit / fp32 forward and gradients vs float64, d = 64 and 128", 3,
                 ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k", "low_precision"]),
     "autotune": ("the autotuner's picks at N = 8192, checked", 2,
                  ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                   "autotuned_configs_at_8192"]),
-    "bench64": ("bench_triton, N = 8192, d = 64", 3,
-                ["benchmarks/bench_triton.py", "--lengths", "8192", "--head-dims", "64", "--out", "{out}/results_triton_part_d64.json"]),
-    "bench128": ("bench_triton, N = 8192, d = 128", 4,
-                 ["benchmarks/bench_triton.py", "--lengths", "8192", "--head-dims", "128", "--out", "{out}/results_triton_part_d128.json"]),
-    "sdpa": ("bench_sdpa, N = 8192", 2,
-             ["benchmarks/bench_sdpa.py", "--lengths", "8192", "--out", "{out}/results_sdpa_part.json"]),
+    "bench64": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 64", 3,
+                ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "--out",
+                 "{out}/results_triton_part_d64.json"]),
+    "bench128": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 128", 4,
+                 ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
+                  "{out}/results_triton_part_d128.json"]),
+    "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB)", 2,
+             ["benchmarks/bench_sdpa.py", "--lengths", "{n}", "--out", "{out}/results_sdpa_part.json"]),
 }
 
 
 DEFAULT_STEPS = [name for name in STEPS if name != "compile"]
 """What a plain run does: every step that needs the GPU (``compile`` runs only when named: it needs none)."""
+
+
+def bench_length(gpu_memory_gib: Optional[float]) -> int:
+    """The benchmarks' sequence length: 8192 (the goals' N) on GPUs with at least 40 GiB (A100, H100), 4096 on
+    smaller ones (T4, L4, RTX), whose slower kernels would not finish a step in its limit at 8192."""
+    return 8192 if (gpu_memory_gib or 0) >= 40 else 4096
 
 
 def environment() -> dict:
@@ -90,8 +109,10 @@ def environment() -> dict:
         env.update(torch=torch.__version__, cuda=torch.version.cuda,
                    cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
         if torch.cuda.is_available():
-            env.update(device=torch.cuda.get_device_name(), capability=".".join(map(str, torch.cuda.get_device_capability())),
-                       gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+            env.update(device=torch.cuda.get_device_name(),
+                       capability=".".join(map(str, torch.cuda.get_device_capability())),
+                       gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+                       half_dtype=str(gpu_bench.preferred_half_dtype()).removeprefix("torch."))
     except ImportError:
         pass
     try:
@@ -110,7 +131,9 @@ def environment() -> dict:
 def run_step(name: str, out_dir: Path, timeout: int) -> dict:
     """Run one step as a subprocess with a time limit; write ``session_<name>.json`` and ``.log``."""
     what, minutes, argv = STEPS[name]
-    argv = [a.replace("{out}", str(out_dir)) for a in argv]
+    env_now = environment()
+    n = bench_length(env_now.get("gpu_memory_gib"))
+    argv = [a.replace("{out}", str(out_dir)).replace("{n}", str(n)) for a in argv]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if name == "autotune":
@@ -128,7 +151,7 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
     tail = log_path.read_text(errors="replace")[-4000:]
     record = {"schema": SCHEMA, "step": name, "what": what, "command": " ".join(["python", *argv]),
               "returncode": code, "status": status, "seconds": round(seconds, 1), "expected_minutes": minutes,
-              "environment": environment(), "log_tail": tail}
+              "environment": env_now, "log_tail": tail}
     (out_dir / f"session_{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"[{name}] {status} in {seconds:.0f} s ({what})", flush=True)
     return record
@@ -170,7 +193,10 @@ def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
         merged = gpu_bench.merge_triton(triton_parts)
         written.append(gpu_bench.write_json(gpu_bench.recorded_path("bench_triton", merged["recorded"]["device"],
                                                                     dest), merged))
-        session["goals"] = gpu_bench.goals(merged)
+        session["goals"] = gpu_bench.goals(merged, n=max(merged["config"]["lengths"]))
+        if not all(g["judged"] for g in session["goals"]):
+            session["goals_note"] = (f"recorded on {merged['recorded']['device']}: the goals are judged on an "
+                                     f"{gpu_bench.GOALS_DEVICE} at N = 8192 only")
         session["summary"] = gpu_bench.triton_summary(merged)
     for d in dirs:
         for p in Path(d).glob("compile_facts_gpu_machine.json"):

@@ -75,6 +75,44 @@ def test_collect_merges_steps_into_results(tmp_path):
         "bench_triton_nvidia-h100-80gb-hbm3"]
 
 
+def test_collect_on_another_gpu_records_it_and_judges_no_goal(tmp_path):
+    """A session on a T4: its device is in every file, the goals (an H100's) are recorded as not judged."""
+    session = load("gpu_session")
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    env = {"device": "Tesla T4", "capability": "7.5", "gpu_memory_gib": 14.7, "half_dtype": "float16",
+           "torch": "2.x", "triton": "3.x", "date": "2026-01-01 00:00 UTC"}
+    (steps / "session_bench64.json").write_text(json.dumps(
+        {"schema": session.SCHEMA, "step": "bench64", "what": "", "command": "python x", "returncode": 0,
+         "status": "passed", "seconds": 1.0, "expected_minutes": 1, "environment": env, "log_tail": "ok"}))
+    part = _part(64)
+    part["recorded"]["device"] = "Tesla T4"
+    for r in part["rows"]:
+        r["n"] = 4096
+    part["config"]["lengths"] = [4096]
+    (steps / "results_triton_part_d64.json").write_text(json.dumps(part))
+    out = session.collect([steps], dest=tmp_path)
+    assert out["recorded"]["device"] == "Tesla T4" and out["recorded"]["capability"] == "7.5"
+    assert [g["judged"] for g in out["goals"]] == [False, False] and "H100" in out["goals_note"]
+    assert (tmp_path / "gpu_session_tesla-t4.json").exists() and (tmp_path / "bench_triton_tesla-t4.json").exists()
+
+
+def test_benchmark_length_fits_the_gpu():
+    session = load("gpu_session")
+    assert session.bench_length(80.0) == session.bench_length(40.0) == 8192  # H100, A100: the goals' N
+    assert session.bench_length(14.7) == session.bench_length(22.5) == 4096  # T4, L4
+    assert session.bench_length(None) == 4096
+
+
+def test_the_instructions_name_only_the_project_commands():
+    """The docstring and NOTES.md describe the session with its own commands (one step per command with
+    --out-dir, then --collect), not with any machine-lending or hosting tool."""
+    text = load("gpu_session").__doc__ + (ROOT / "benchmarks" / "NOTES.md").read_text()
+    assert "--step tests --out-dir" in text and "--collect" in text
+    for word in ("$OUT", "device tool", "workplace"):
+        assert word not in text, word
+
+
 def test_no_gpu_no_session(monkeypatch):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

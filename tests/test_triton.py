@@ -32,8 +32,9 @@ from diffattn_tutorial.functional import diff_attention  # noqa: E402
 from diffattn_tutorial.modules import MultiheadDiffAttn  # noqa: E402
 from diffattn_tutorial.functional import causal_mask  # noqa: E402
 from diffattn_tutorial.functional import check_diff_inputs  # noqa: E402
+from diffattn_tutorial import gpu_bench  # noqa: E402
 from diffattn_tutorial.triton_diff import (  # noqa: E402
-    capture_launches, tile_schedule, triton_available, triton_diff_attention)
+    capture_launches, tile_schedule, train_head_dim_limit, triton_available, triton_diff_attention)
 
 pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
 
@@ -42,6 +43,19 @@ if not OK:  # loud, not skipped: a silently skipped kernel test would hide a bro
     pytest.fail(f"the Triton kernels cannot run in this test session: {WHY}", pytrace=False)
 
 DEVICE = "cuda" if CUDA else "cpu"
+CAPABILITY = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1] if CUDA else 90
+HALF = gpu_bench.preferred_half_dtype(DEVICE) if CUDA else torch.bfloat16
+"""The GPU's 16-bit dtype (bf16; fp16 below compute capability 8.0, e.g. a T4); bf16 in the interpreter."""
+
+
+def unsupported_here(dtype, d, grad=True):
+    """Why the kernels do not run ``dtype`` / head dim ``d`` (with a backward when ``grad``) on this GPU, or None:
+    no bf16 below sm_80, no backward past ``train_head_dim_limit`` (d = 64 on a T4)."""
+    if dtype == torch.bfloat16 and CAPABILITY < 80:
+        return f"this GPU (compute capability {CAPABILITY / 10:.1f}) has no bfloat16; the float16 cases run"
+    if grad and d > train_head_dim_limit(CAPABILITY):
+        return f"the kernels train up to d = {train_head_dim_limit(CAPABILITY)} on this GPU"
+    return None
 
 
 def make(B, H, Hkv, Nq, Nk, d, *, dtype=torch.float32, lam_kind="scalar", seed=0, device=DEVICE):
@@ -143,6 +157,8 @@ def test_non_contiguous_inputs():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_is_as_close_to_float32_as_naive(dtype):
     """In 16-bit the kernel accumulates in float32: no further from the float32 answer than naive."""
+    if unsupported_here(dtype, 32, grad=False):
+        pytest.skip(unsupported_here(dtype, 32, grad=False))
     q, k, v, lam = make(1, 2, 1, 40, 40, 32, dtype=dtype, lam_kind="token", seed=2)
     exact = diff_attention(q.float(), k.float(), v.float(), lam.float(), causal=True, backend="naive")
     err = (diff_attention(q, k, v, lam, causal=True, backend="triton").float() - exact).abs().max()
@@ -285,7 +301,7 @@ def test_strides_too_large_for_tile_offsets_are_rejected_with_the_fix():
 def test_autotune_tables_are_small_and_the_switches_work(monkeypatch):
     from diffattn_tutorial import triton_diff as td
 
-    for table in (td._CONFIGS_16BIT, td._CONFIGS_FP32):
+    for table in (td._CONFIGS_16BIT, td._CONFIGS_AMPERE, td._CONFIGS_TURING, td._CONFIGS_FP32):
         for (name, form), by_d in table.items():
             for d, cfgs in by_d.items():
                 assert 1 <= len(cfgs) <= 4, (name, form, d)
@@ -300,25 +316,54 @@ def test_autotune_tables_are_small_and_the_switches_work(monkeypatch):
     assert td._alloc(3, like=torch.zeros(1)).isnan().all()
 
 
-def test_every_launch_has_autotune_configs_for_its_variant():
-    """The launches of both plans at every head dim (recorded from the host code, not run) find a table
-    entry: no launch falls back to the default configuration."""
+def _zeros_qkv(d, dtype, grad=True):
+    q = torch.zeros(1, 2, 32, d, dtype=dtype, requires_grad=grad)
+    k = torch.zeros(1, 2, 32, d, dtype=dtype, requires_grad=grad)
+    v = torch.zeros(1, 1, 32, 2 * d, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize("capability", [90, 89, 86, 80, 75])
+def test_every_launch_has_autotune_configs_for_its_variant(capability):
+    """The launches of the plan each target uses at every head dim (recorded from the host code, not run) find
+    an entry in that target's table: no launch falls back to the default configuration. Hopper: fused at
+    d <= 32, split_kv at 64, split at 128; below Hopper split everywhere; on sm_75 fp16, trained up to d = 64."""
     from diffattn_tutorial import triton_diff as td
 
+    half = torch.float16 if capability < 80 else torch.bfloat16
+    table16 = td._CONFIGS_16BIT if capability >= 90 else (td._CONFIGS_AMPERE if capability >= 80 else
+                                                          td._CONFIGS_TURING)
     for d in (16, 32, 64, 128):
-        for dtype in (torch.bfloat16, torch.float32):
-            q = torch.zeros(1, 2, 32, d, dtype=dtype, requires_grad=True)
-            k = torch.zeros(1, 2, 32, d, dtype=dtype, requires_grad=True)
-            v = torch.zeros(1, 1, 32, 2 * d, dtype=dtype, requires_grad=True)
-            with capture_launches() as launches:
-                triton_diff_attention(q, k, v, torch.tensor(0.5, dtype=dtype)).sum().backward()
+        for dtype in (half, torch.float32):
+            q, k, v = _zeros_qkv(d, dtype)
+            grad = d <= td.train_head_dim_limit(capability)
+            with capture_launches(capability) as launches, torch.set_grad_enabled(grad):
+                out = triton_diff_attention(q, k, v, torch.tensor(0.5, dtype=dtype))
+                if grad:
+                    out.sum().backward()
             names = [(x.name, td._form(x.name, x.consts)) for x in launches]
-            expected = {16: 4, 32: 4, 64: 5, 128: 8}[d]  # fwd, pre, dkdv, dq; dkdv -> dv, dk; 2 fwd, 2 dk, 2 dq
+            if capability >= 90:  # fwd, pre, dkdv, dq; dkdv -> dv, dk; 2 fwd, 2 dk, 2 dq
+                expected = {16: 4, 32: 4, 64: 5, 128: 8}[d]
+            else:  # split: 2 fwd, pre, dv, 2 dk, 2 dq; inference: 2 fwd
+                expected = 8 if grad else 2
             assert len(launches) == expected, names
-            table = td._CONFIGS_FP32 if dtype == torch.float32 else td._CONFIGS_16BIT
+            table = td._CONFIGS_FP32 if dtype == torch.float32 else table16
             for x, key in zip(launches, names):
                 if x.name != "_diff_attn_bwd_preprocess":
-                    assert d in table[key], (key, d)
+                    assert d in table[key], (capability, key, d)
+
+
+def test_a_gpu_without_bf16_is_told_to_use_fp16():
+    """On a T4 (compute capability 7.5, recorded as the host code would launch there): bf16 is refused naming
+    float16, and training at d = 128 is refused naming backend='auto'; inference at d = 128 runs."""
+    lam = torch.tensor(0.5)
+    with capture_launches(75), pytest.raises(TypeError, match="float16"):
+        triton_diff_attention(*_zeros_qkv(64, torch.bfloat16), lam.bfloat16())
+    with capture_launches(75), pytest.raises(ValueError, match="backend='auto'"):
+        triton_diff_attention(*_zeros_qkv(128, torch.float16), lam.half())
+    with capture_launches(75) as launches, torch.no_grad():
+        triton_diff_attention(*_zeros_qkv(128, torch.float16), lam.half())
+    assert [x.consts["MAP"] for x in launches] == [2, 1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,6 +418,8 @@ def make_mask(kind, B, Nq, Nk, dtype, seed=3):
 def test_low_precision_against_float64(B, H, Hkv, Nq, Nk, d, causal, lam_kind, mask_kind, dtype):
     """Forward and every gradient (dq, dk, dv, dlambda) in 16-bit (and float32) against float64 by norm-relative
     error, no worse than the naive backend in the same dtype; outputs and gradients poisoned with NaN first."""
+    if unsupported_here(dtype, d):
+        pytest.skip(unsupported_here(dtype, d))
     q, k, v, lam = make(B, H, Hkv, Nq, Nk, d, dtype=dtype, lam_kind=lam_kind, seed=d + Nq)
     mask = make_mask(mask_kind, B, Nq, Nk, dtype)
     g = torch.randn(B, H, Nq, 2 * d, generator=torch.Generator().manual_seed(4)).to(device=DEVICE, dtype=dtype)
@@ -402,7 +449,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU tests above
 @gpu
 def test_gpu_more_than_65535_heads_times_batch():
     """The grid is 1-D (tiles x batch x heads), so B * H may exceed the 65535 limit of grid axes 1 and 2."""
-    q, k, v, lam = make(3, 25000, 25000, 16, 16, 16, dtype=torch.bfloat16, lam_kind="token")
+    q, k, v, lam = make(3, 25000, 25000, 16, 16, 16, dtype=HALF, lam_kind="token")
     out = diff_attention(q, k, v, lam, backend="triton")
     ref = diff_attention(q.double(), k.double(), v.double(), lam.double(), backend="naive")
     assert rel_err(out, ref) < 1e-2
@@ -413,7 +460,7 @@ def test_gpu_mask_offsets_past_2_31():
     """A bool mask with Nq * Nk > 2**31 elements: the last query rows read their mask at offsets that overflow
     int32; the kernels address tiles in int64. Checked on the last rows against naive on those rows."""
     n, d = 46400, 16
-    q, k, v, lam = make(1, 1, 1, n, n, d, dtype=torch.bfloat16, seed=6)
+    q, k, v, lam = make(1, 1, 1, n, n, d, dtype=HALF, seed=6)
     mask = torch.ones(n, n, dtype=torch.bool, device="cuda")
     mask[-64:, ::3] = False
     with torch.no_grad():
@@ -432,10 +479,11 @@ def test_gpu_autotuned_configs_at_8192(d, monkeypatch):
 
     from diffattn_tutorial.triton_diff import chosen_configs
 
+    if unsupported_here(HALF, d):
+        pytest.skip(unsupported_here(HALF, d))
     monkeypatch.setenv("DIFFATTN_TRITON_AUTOTUNE", "1")
-    q, k, v, lam = make(1, 2, 2, 8192, 8192, d, dtype=torch.bfloat16, lam_kind="scalar", seed=d)
-    g = torch.randn(1, 2, 8192, 2 * d, generator=torch.Generator().manual_seed(1)).to(device="cuda",
-                                                                                        dtype=torch.bfloat16)
+    q, k, v, lam = make(1, 2, 2, 8192, 8192, d, dtype=HALF, lam_kind="scalar", seed=d)
+    g = torch.randn(1, 2, 8192, 2 * d, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=HALF)
     out, grads = run("triton", q, k, v, lam, g)
     exact, exact_grads = run("naive", q.double(), k.double(), v.double(), lam.double(), g.double())
     for name, a, e in zip(("out", "dq", "dk", "dv", "dlam"), (out, *grads), (exact, *exact_grads)):
