@@ -43,8 +43,34 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
-"""Target name -> (compute capability, shared memory a block may use, bytes: 227 KiB H100, 163 KiB A100)."""
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A compile target and what one block (program) may use on its GPUs."""
+
+    capability: int
+    shared: int  # bytes of shared memory per block (the opt-in maximum)
+    gpus: str
+    dtypes: tuple[str, ...] = ("bfloat16", "float16")  # the 16-bit dtypes the library runs there
+    regs_per_thread: int = 255
+    regs_per_block: int = 65536
+
+    @property
+    def train_head_dim(self) -> int:
+        """The largest padded head dim the library trains on this target (its backward's launches)."""
+        from diffattn_tutorial.triton_diff import train_head_dim_limit
+
+        return train_head_dim_limit(self.capability)
+
+
+ARCHS = {
+    "sm_90a": Arch(90, 232448, "H100, H200"),  # 227 KiB
+    "sm_89": Arch(89, 101376, "L4, RTX 40xx"),  # 99 KiB
+    "sm_86": Arch(86, 101376, "RTX 30xx, A10"),  # 99 KiB
+    "sm_80": Arch(80, 166912, "A100"),  # 163 KiB
+    "sm_75": Arch(75, 65536, "T4, RTX 20xx", dtypes=("float16",)),  # 64 KiB; no bfloat16 arithmetic
+}
+"""The GPUs learners have, by compile target: shared memory a block may use (the CUDA programming guide's table of
+compute capabilities), 255 registers per thread and 64 K per block on each. Colab's free GPU is a T4."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Every padded head dim the kernels support (d = 1..128 is padded to the next of these)."""
 DTYPES = ("bfloat16", "float16")
@@ -115,9 +141,14 @@ class Facts:
         out = []
         if (self.spill_stores or 0) or (self.spill_loads or 0):
             out.append(f"register spills: {self.spill_stores} B stored, {self.spill_loads} B loaded")
-        limit = ARCHS[self.arch][1]
-        if (self.shared or 0) > limit:
-            out.append(f"shared memory {self.shared} B over the {self.arch} limit {limit} B")
+        arch = ARCHS[self.arch]
+        if (self.shared or 0) > arch.shared:
+            out.append(f"shared memory {self.shared} B over the {self.arch} limit {arch.shared} B")
+        if (self.regs or 0) * 32 * self.num_warps > arch.regs_per_block:
+            out.append(f"{self.regs} registers x {32 * self.num_warps} threads over the {self.arch} block limit "
+                       f"{arch.regs_per_block}")
+        if 80 <= arch.capability < 90 and self.dtype != "float32" and self.dots and not self.mma_sync:
+            out.append("16-bit dots not on tensor cores (no mma.sync: FMA loops)")
         if self.arch == "sm_90a" and self.dtype != "float32" and self.dots:
             if self.mma_sync or not self.wgmma:
                 out.append(f"16-bit dots not on wgmma ({self.mma_sync} mma.sync, {self.wgmma} wgmma)")
@@ -180,7 +211,7 @@ def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
         mask = torch.ones(B, 1, n, n, dtype=torch.bool)
     elif case.mask == "additive":
         mask = torch.zeros(B, 1, n, n, dtype=dtype)
-    with capture_launches(ARCHS[arch][0]) as launches:
+    with capture_launches(ARCHS[arch].capability) as launches:
         out = triton_diff_attention(q, k, v, lam, causal=case.causal, attn_mask=mask, plan=case.plan)
         if case.grad:
             out.backward(torch.zeros_like(out))
@@ -254,7 +285,7 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     from diffattn_tutorial import triton_diff
 
     fn = getattr(triton_diff, launch.name)
-    capability, _ = ARCHS[arch]
+    capability = ARCHS[arch].capability
     kw = dict(launch.consts)
     kw.update(config.kwargs)
     facts = Facts(kernel=launch.name, form=triton_diff._form(launch.name, launch.consts), case=case.label,
@@ -323,32 +354,56 @@ def all_cases(head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[str] = DTYP
     return cases
 
 
-def subset_cases() -> list[tuple[Case, bool]]:
-    """The representative subset the test suite compiles: bf16, the pinned configuration of every launch of
-    the plain training case at d = 64 (fused plan) and d = 128 (split plan)."""
-    return [(Case(64, "bfloat16"), False), (Case(128, "bfloat16"), False)]
+def subset_cases(arch: str = "sm_90a") -> list[tuple[Case, bool]]:
+    """The representative subset the test suite compiles for ``arch``: the pinned configuration of every launch of
+    the plain training case at d = 64 and d = 128 in the target's first dtype (bf16; on sm_75 fp16, and d = 128
+    as inference, see :func:`case_on`)."""
+    dtype = ARCHS[arch].dtypes[0]
+    return [(Case(64, dtype), False), (Case(128, dtype), False)]
 
 
-def _work(cases: Iterable[tuple[Case, bool]], archs: Sequence[str], every_config: Optional[bool] = None):
+def case_on(case: Case, arch: str) -> Optional[Case]:
+    """``case`` as the library runs it on ``arch``: None where its dtype does not run there (bf16 on sm_75), its
+    inference forward where the head dim is past the target's training limit (d = 128 on sm_75)."""
+    target = ARCHS[arch]
+    if case.dtype != "float32" and case.dtype not in target.dtypes:
+        return None
+    if case.grad and case.head_dim > target.train_head_dim:
+        return dataclasses.replace(case, grad=False)
+    return case
+
+
+def plan_work(cases: Iterable[tuple[Case, bool]], archs: Sequence[str],
+              every_config: Optional[bool] = None) -> list[tuple[Case, bool, str]]:
+    """``(case, every_config, arch)`` for each target and each case that runs there (:func:`case_on`);
+    ``every_config`` overrides each case's own choice between every configuration and the pinned one."""
+    cases = list(cases)
+    out = []
+    for arch in archs:  # each architecture has its own plans and autotune tables
+        for case, every in cases:
+            on = case_on(case, arch)
+            if on is not None:
+                out.append((on, every if every_config is None else every_config, arch))
+    return out
+
+
+def _work(planned: Iterable[tuple[Case, bool, str]]):
     """``(launch, config, arch, case, pinned)`` for every distinct compile (same kernel, constexprs, argument
-    specialisation and configuration compiled once, under the first case that needs it). ``every_config``
-    overrides each case's own choice between every configuration and the pinned one."""
+    specialisation and configuration compiled once per target, under the first case that needs it)."""
     seen = set()
-    for case, every in cases:
-        every = every if every_config is None else every_config
-        for arch in archs:  # each architecture has its own plans and autotune tables
-            for launch in launches_for(case, arch=arch):
-                configs = launch.configs if every else launch.configs[:1]
-                for i, config in enumerate(configs):
-                    spec = tuple(sorted((k, str(v)) for k, v in launch.consts.items()))
-                    args = tuple((type(a).__name__, str(getattr(a, "dtype", "")),
-                                  a if isinstance(a, int) and a in (0, 1) else
-                                  (a % 16 == 0 if isinstance(a, int) else None)) for a in launch.args)
-                    key = (launch.name, spec, args, str(config), arch)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    yield launch, config, arch, case, i == 0
+    for case, every, arch in planned:
+        for launch in launches_for(case, arch=arch):
+            configs = launch.configs if every else launch.configs[:1]
+            for i, config in enumerate(configs):
+                spec = tuple(sorted((k, str(v)) for k, v in launch.consts.items()))
+                args = tuple((type(a).__name__, str(getattr(a, "dtype", "")),
+                              a if isinstance(a, int) and a in (0, 1) else
+                              (a % 16 == 0 if isinstance(a, int) else None)) for a in launch.args)
+                key = (launch.name, spec, args, str(config), arch)
+                if key in seen:
+                    continue
+                seen.add(key)
+                yield launch, config, arch, case, i == 0
 
 
 LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 128 (notebook 09), not checked
@@ -381,11 +436,9 @@ def _compile_job(job) -> dict:
     return compile_one(launch, config, arch, case, pinned).row()
 
 
-def _run_here(cases: Sequence[tuple[Case, bool]], archs: Sequence[str], every_config: Optional[bool], jobs: int,
-              progress=None) -> list[Facts]:
+def _run_here(planned: Sequence[tuple[Case, bool, str]], jobs: int, progress=None) -> list[Facts]:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
-    work = list(_work(cases, archs, every_config))
-    rows = []
+    work = list(_work(planned))
     done: dict[int, dict] = {}
     if jobs > 1 and len(work) > 1:
         from concurrent.futures import ProcessPoolExecutor
@@ -409,15 +462,17 @@ def _run_here(cases: Sequence[tuple[Case, bool]], archs: Sequence[str], every_co
 
 def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Sequence[str] = ("sm_90a",), *,
                   every_config: Optional[bool] = None, jobs: int = 1) -> list[Facts]:
-    """Compile the launches of ``cases`` (``(case, every_config)`` pairs, default :func:`subset_cases`) for
-    ``archs``: the pinned configuration of each launch, or every configuration its autotuner may pick. Runs
-    in a subprocess when this process's triton is in interpreter mode. Returns one :class:`Facts` per
-    distinct compile."""
-    cases = list(subset_cases() if cases is None else cases)
+    """Compile the launches of ``cases`` (``(case, every_config)`` pairs, default each target's
+    :func:`subset_cases`) for ``archs``, each case as it runs there (:func:`case_on`): the pinned configuration
+    of each launch, or every configuration its autotuner may pick. Runs in a subprocess when this process's
+    triton is in interpreter mode. Returns one :class:`Facts` per distinct compile."""
+    if cases is None:
+        planned = [p for a in archs for p in plan_work(subset_cases(a), [a], every_config)]
+    else:
+        planned = plan_work(cases, archs, every_config)
     if not _interpreted():
-        return _run_here(cases, archs, every_config, jobs)
-    spec = json.dumps({"cases": [[dataclasses.asdict(c), e] for c, e in cases], "archs": list(archs),
-                       "every_config": every_config, "jobs": jobs})
+        return _run_here(planned, jobs)
+    spec = json.dumps({"planned": [[dataclasses.asdict(c), e, a] for c, e, a in planned], "jobs": jobs})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.triton_compile", "--spec", spec, "--json", "-"],
                           capture_output=True, text=True, env=env, check=False)
@@ -438,10 +493,13 @@ def source_hash() -> str:
         obj = getattr(triton_diff, name)
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):  # the same hash in either mode
             h.update(name.encode() + inspect.getsource(obj.fn).encode())
-    for table in (triton_diff._CONFIGS_16BIT, triton_diff._CONFIGS_FP32):
+    for table in (triton_diff._CONFIGS_16BIT, triton_diff._CONFIGS_AMPERE, triton_diff._CONFIGS_TURING,
+                  triton_diff._CONFIGS_FP32):
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
                  .encode())
     h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in triton_diff.PLANS.items())).encode())
+    h.update(repr((sorted(triton_diff.AMPERE_PLANS.items()),
+                   {a: (t.dtypes, t.train_head_dim) for a, t in ARCHS.items()})).encode())
     return h.hexdigest()[:16]
 
 
@@ -467,37 +525,62 @@ def _versions() -> dict:
     return {"triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
+def merge_runs(old: Optional[dict], new: dict) -> dict:
+    """The facts file after a run over some targets: ``new``'s targets replaced, the others kept from ``old`` when
+    both come from the same kernel source and Triton (one run per subset of targets keeps each run short);
+    otherwise ``new`` alone (the old facts describe other code)."""
+    run = {k: new["recorded"][k] for k in ("archs", "date", "wall_s", "jobs")} | {"compiles": len(new["facts"])}
+    fresh = {**new, "recorded": {**new["recorded"], "runs": [run]}}
+    same = old is not None and all(old.get("recorded", {}).get(k) == new["recorded"][k]
+                                   for k in ("source_hash", "triton"))
+    if not same:
+        return fresh
+    redone = set(new["recorded"]["archs"])
+    kept_archs = [a for a in old["recorded"]["archs"] if a not in redone]
+    archs = [a for a in ARCHS if a in redone or a in kept_archs]
+    runs = [r for r in old["recorded"].get("runs", []) if set(r["archs"]) - redone] + [run]
+    return {"schema": SCHEMA,
+            "recorded": {**new["recorded"], "archs": archs, "runs": runs,
+                         "wall_s": round(sum(r["wall_s"] for r in runs), 1)},
+            "cases": [c for c in old["cases"] if c.split(":")[0] in kept_archs] + new["cases"],
+            "facts": [f for f in old["facts"] if f["arch"] in kept_archs] + new["facts"],
+            "lessons": new["lessons"] or old["lessons"]}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description="Compile the Triton kernels for sm_90a / sm_80 without a GPU and "
-                                             "check registers, spills, shared memory and wgmma.")
+    ap = argparse.ArgumentParser(description="Compile the Triton kernels for the GPU targets in ARCHS (sm_90a, "
+                                             "sm_89, sm_86, sm_80, sm_75) without a GPU and check registers, "
+                                             "spills, shared memory and the matrix instructions.")
     ap.add_argument("--all", action="store_true", help="every case (all head dims, bf16 and fp16, variants), "
-                                                       "every autotune configuration, sm_90a and sm_80")
-    ap.add_argument("--archs", nargs="+", default=None, choices=sorted(ARCHS))
+                                                       "every autotune configuration, every target (or --archs)")
+    ap.add_argument("--archs", nargs="+", default=None, choices=list(ARCHS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=None)
     ap.add_argument("--dtypes", nargs="+", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--every-config", action="store_true", help="all autotune configurations, not the pinned one")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     ap.add_argument("--lessons", action="store_true", help="also compile the fused plan at d = 128 (notebook 09's "
-                                                           "counter-examples; implied by --all)")
+                                                           "counter-examples; implied by --all with sm_90a)")
     ap.add_argument("--write", type=Path, nargs="?", const=FACTS_FILE, default=None,
-                    help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[2])})")
+                    help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[2])}); with "
+                         f"--archs, only those targets' facts are replaced (same source and Triton)")
     ap.add_argument("--json", default=None, help="write the facts as JSON to this path ('-': stdout)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if _interpreted():
         raise SystemExit("run this without TRITON_INTERPRET=1 (the compiler needs the real @triton.jit kernels)")
+    every = True if args.every_config else None
     if args.spec:
         spec = json.loads(args.spec)
-        cases = [(Case(**c), e) for c, e in spec["cases"]]
-        archs, every, jobs = spec["archs"], spec["every_config"], spec["jobs"]
+        planned = [(Case(**c), e, a) for c, e, a in spec["planned"]]
+        jobs = spec["jobs"]
     else:
-        every = True if args.every_config else None
         archs = args.archs or (list(ARCHS) if args.all else ["sm_90a"])
         jobs = args.jobs
         if args.all or args.head_dims or args.dtypes:
-            cases = all_cases(args.head_dims or HEAD_DIMS, args.dtypes or DTYPES)
+            planned = plan_work(all_cases(args.head_dims or HEAD_DIMS, args.dtypes or DTYPES), archs, every)
         else:
-            cases = subset_cases()
+            planned = [p for a in archs for p in plan_work(subset_cases(a), [a], every)]
+    archs = list(dict.fromkeys(a for _, _, a in planned))
     quiet = args.json == "-"
     t0 = time.perf_counter()
 
@@ -506,17 +589,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             probs = "; ".join(f.problems()) or "ok"
             print(f"{f.kernel:<26} {f.form:<5} d{f.head_dim:<3} {f.dtype:<8} {f.arch:<6} {f.config:<15} "
                   f"regs {f.regs} spill {f.spill_stores}/{f.spill_loads} smem {f.shared} "
-                  f"wgmma {','.join(f.wgmma_shapes) or '-'} dup {f.dup:g} {f.compile_s:.1f}s: {probs}", flush=True)
+                  f"wgmma {','.join(f.wgmma_shapes) or '-'} mma.sync {f.mma_sync} dup {f.dup:g} "
+                  f"{f.compile_s:.1f}s: {probs}", flush=True)
 
-    facts = _run_here(cases, archs, every, jobs, progress)
-    lessons = lesson_facts(jobs) if (args.all or args.lessons) and not args.spec else []
+    if not quiet:
+        print(f"{len(list(_work(planned)))} compiles for {', '.join(archs)} in {jobs} process(es)", flush=True)
+    facts = _run_here(planned, jobs, progress)
+    with_lessons = args.lessons or (args.all and "sm_90a" in archs)
+    lessons = lesson_facts(jobs) if with_lessons and not args.spec else []
     for f in lessons:
         progress(f)
     bad = [f for f in facts if f.problems()]
     result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                                              "source_hash": source_hash(), "archs": list(archs),
-                                              "every_config": every, "wall_s": round(time.perf_counter() - t0, 1)},
-              "cases": [c.label + (" (every config)" if (e if every is None else every) else "") for c, e in cases],
+                                              "source_hash": source_hash(), "archs": archs, "every_config": every,
+                                              "jobs": jobs, "wall_s": round(time.perf_counter() - t0, 1)},
+              "cases": [f"{a}: {c.label}" + (" (every config)" if e else "") for c, e, a in planned],
               "facts": [f.row() for f in facts],
               "lessons": [{**f.row(), "problems": f.problems()} for f in lessons]}
     if args.json:
@@ -526,7 +613,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             Path(args.json).write_text(text + "\n")
     if args.write:
-        args.write.write_text(json.dumps(result, indent=1) + "\n")
+        old = json.loads(args.write.read_text()) if args.write.exists() else None
+        merged = merge_runs(old, result)
+        args.write.write_text(json.dumps(merged, indent=1) + "\n")
+        if not quiet:
+            print(f"wrote {args.write}: targets {', '.join(merged['recorded']['archs'])}, "
+                  f"{len(merged['facts'])} compiles")
     if not quiet:
         print(f"{len(facts)} compiles in {time.perf_counter() - t0:.0f} s, {len(bad)} with problems")
         for f in bad:

@@ -35,7 +35,8 @@ Backward, from those statistics (nothing of size ``N x N`` is kept between passe
 
 The plans (:data:`PLANS`): ``fused`` (d <= 32), ``split_kv`` (d = 64), ``split`` (d = 128, and every head dim on
 Ampere). Every launch's configurations are listed per head dim in small tables (``_CONFIGS_16BIT`` for Hopper,
-``_CONFIGS_AMPERE``, ``_CONFIGS_FP32``), each entry checked to compile cleanly (see below).
+``_CONFIGS_AMPERE`` for sm_80/86/89, ``_CONFIGS_TURING`` for sm_75, ``_CONFIGS_FP32``), each entry checked to
+compile cleanly for its targets (see below).
 
 Supported: scalar and per-token/per-head ``lam``; ``causal`` (bottom-right aligned, fully masked key
 tiles skipped); an ``attn_mask`` (bool or additive float, broadcastable to ``(B, H, Nq, Nk)``, read tile
@@ -52,8 +53,10 @@ gets no gradient (a mask that requires one is refused). Fully masked query rows 
 NaN inputs give NaN outputs. Not supported: attention dropout, float64 (use the ``naive`` or ``chunked``
 backends).
 
-Where it runs: on a CUDA GPU (block sizes autotuned over a few configurations per kernel, each checked to
-compile without register spills and onto Hopper's ``wgmma`` by :mod:`diffattn_tutorial.triton_compile`), or
+Where it runs: on a CUDA GPU (block sizes autotuned over a few configurations per kernel, each checked by
+:mod:`diffattn_tutorial.triton_compile` to compile without register spills and within the shared memory of
+every target: H100 (sm_90a, on ``wgmma``), A100 (sm_80), RTX 30xx (sm_86), L4 and RTX 40xx (sm_89), T4
+(sm_75: float16 only, training up to d = 64, FMA dots: this Triton has no tensor-core path below sm_80), or
 on the CPU in Triton's interpreter when the environment variable ``TRITON_INTERPRET=1`` is set **before
 triton is first imported** (exact but slow: for learning and tests; the interpreter cannot multiply
 bfloat16 tiles, so there they are multiplied as the float32 values they hold, see ``_dot``).
@@ -739,10 +742,17 @@ PLANS = {
 def plan_for(block_d: int, capability: int = 90) -> Plan:
     """The plan the library uses for a padded head dim ``block_d`` (the register budget decides, see
     notebook 09 and benchmarks/NOTES.md): fused up to 32, dK/dV split at 64, everything split at 128
-    (Ampere, ``capability < 90``, whose ``mma.sync`` layouts take more registers: :data:`AMPERE_PLANS`)."""
+    (below Hopper, ``capability < 90``, whose ``mma.sync`` or FMA dots hold their operands in registers: split
+    at every head dim, :data:`AMPERE_PLANS`)."""
     if capability < 90 and block_d in AMPERE_PLANS:
         return PLANS[AMPERE_PLANS[block_d]]
     return PLANS["split" if block_d >= 128 else ("split_kv" if block_d >= 64 else "fused")]
+
+
+def train_head_dim_limit(capability: int) -> int:
+    """The largest padded head dim whose backward runs on a GPU of compute ``capability``: 64 below sm_80 (see
+    ``_CONFIGS_TURING``), else :data:`MAX_HEAD_DIM`."""
+    return 64 if capability < 80 else MAX_HEAD_DIM
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
@@ -819,6 +829,34 @@ _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
         128: [_C(32, 32, 4, 2)],
     },
 }
+# Turing (sm_75: T4, RTX 20xx; float16 only, 64 KiB of shared memory per block). This Triton (3.9) has no
+# tensor-core path below sm_80: every tl.dot compiles to FMA loops (no mma instruction in the PTX, recorded in the
+# compile facts) and nothing is software-pipelined (so 1 stage). FMA dots hold their operands in registers: the
+# tiles are small, most with 8 warps, each clean in every variant. The backward at d = 128 is not run there
+# (:func:`train_head_dim_limit`): its dK launch spilled 200-5000 B in every shape tried (16x16 to 32x32, 4-16 warps).
+_CONFIGS_TURING: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "map"): {
+        16: [_C(64, 32, 8, 1), _C(32, 32, 8, 1)],
+        32: [_C(64, 32, 8, 1), _C(32, 32, 8, 1)],
+        64: [_C(32, 32, 8, 1), _C(64, 16, 8, 1)],
+        128: [_C(32, 16, 8, 1), _C(16, 16, 4, 1)],
+    },
+    ("_diff_attn_bwd_dkdv", "dv"): {
+        16: [_C(16, 64, 8, 1), _C(32, 32, 8, 1)],
+        32: [_C(16, 64, 8, 1), _C(32, 32, 8, 1)],
+        64: [_C(16, 64, 8, 1), _C(32, 16, 16, 1)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk1"): {
+        16: [_C(16, 64, 8, 1), _C(32, 32, 8, 1)],
+        32: [_C(16, 64, 8, 1), _C(32, 32, 8, 1)],
+        64: [_C(16, 16, 8, 1)],
+    },
+    ("_diff_attn_bwd_dq", "dq1"): {
+        16: [_C(64, 16, 8, 1), _C(32, 32, 8, 1)],
+        32: [_C(64, 16, 8, 1), _C(32, 16, 8, 1)],  # 32x32 w8 spilled 8 B without a mask
+        64: [_C(64, 16, 8, 1), _C(32, 16, 16, 1)],
+    },
+}
 AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "split"}
 
 
@@ -836,14 +874,14 @@ def _form(name: str, consts: dict) -> str:
 
 def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: int = 90) -> list[triton.Config]:
     """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``) on
-    a GPU of compute ``capability`` (90: Hopper; below 90: the Ampere table); the first is the one
-    ``DIFFATTN_TRITON_AUTOTUNE=0`` pins."""
+    a GPU of compute ``capability`` (90 and up: the Hopper table; 80-89: Ampere and Ada; below 80: Turing); the
+    first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins."""
     if name == "_diff_attn_bwd_preprocess":
         return [triton.Config({}, num_warps=4, num_stages=1)]
     if dtype == torch.float32:
         table = _CONFIGS_FP32
     else:
-        table = _CONFIGS_16BIT if capability >= 90 else _CONFIGS_AMPERE
+        table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
     by_d = table.get((name, _form(name, consts)), {})
     return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
 
@@ -1126,12 +1164,30 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     if plan not in ("auto", *PLANS):
         raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
     block_d = max(16, triton.next_power_of_2(d))
-    the_plan = plan_for(block_d, _capability(q.device)) if plan == "auto" else PLANS[plan]
+    cap = _capability(q.device)
+    _check_target(q, k, v, lam, block_d, cap)
+    the_plan = plan_for(block_d, cap) if plan == "auto" else PLANS[plan]
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
     lam = lam.to(device=q.device, dtype=q.dtype)
     return _DiffAttnFn.apply(q, k, v, lam, attn_mask, bool(causal), scale, blocks, the_plan)
+
+
+def _check_target(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, block_d: int, capability: int) -> None:
+    """What a GPU below sm_80 (a T4) cannot run: bfloat16 (no bf16 arithmetic there) and the backward at head dims
+    above :func:`train_head_dim_limit`."""
+    if capability >= 80:
+        return
+    gpu = f"compute capability {capability / 10:.1f}"
+    if q.dtype == torch.bfloat16:
+        raise TypeError(f"backend='triton': this GPU ({gpu}) has no bfloat16 arithmetic; pass float16 inputs "
+                        f"(gpu_bench.preferred_half_dtype(device) picks it) or use backend='auto'")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)) and \
+            block_d > train_head_dim_limit(capability):
+        raise ValueError(f"backend='triton' on this GPU ({gpu}) trains head dims up to "
+                         f"{train_head_dim_limit(capability)} (the backward at d = {q.shape[-1]} spills registers "
+                         f"in every configuration); use backend='auto' for training, or run under torch.no_grad()")
 
 
 def _check_mode(device: torch.device) -> bool:
@@ -1149,5 +1205,5 @@ def _check_mode(device: torch.device) -> bool:
 
 
 __all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "plan_for", "autotune_configs",
-           "capture_launches", "chosen_configs", "Plan", "PLANS", "LOG2E", "INTERPRETER_BLOCK", "MAX_HEAD_DIM",
-           "AUTOTUNE_ENV"]
+           "capture_launches", "chosen_configs", "train_head_dim_limit", "Plan", "PLANS", "LOG2E",
+           "INTERPRETER_BLOCK", "MAX_HEAD_DIM", "AUTOTUNE_ENV"]

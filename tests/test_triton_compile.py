@@ -1,14 +1,17 @@
-"""The Triton kernels compile for a Hopper GPU (sm_90a) without one: no register spills, shared memory within
-the limit, every 16-bit dot on ``wgmma``, no dot computed twice (``diffattn_tutorial.triton_compile``).
+"""The Triton kernels compile for the GPUs learners have without one (H100 sm_90a, L4 / RTX 40xx sm_89, RTX 30xx
+sm_86, A100 sm_80, T4 sm_75): no register spills, shared memory and registers within each target's limits, on
+sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 16-bit dot on ``mma.sync``
+(``diffattn_tutorial.triton_compile``).
 
-* ``test_pinned_launches_compile_clean_for_hopper`` compiles a representative subset here, every time: the
-  pinned configuration of every launch of the plain bf16 training case at d = 64 and d = 128 (13 compiles in
-  two processes, 11-34 s on a 2-core machine; in a subprocess: Triton's compiler cannot run where
-  ``TRITON_INTERPRET=1`` was set);
+* ``test_pinned_launches_compile_clean_for_hopper`` and ``..._for_turing`` compile a representative subset here,
+  every time: the pinned configuration of every launch of the plain training case at d = 64 and d = 128 (bf16 on
+  sm_90a; fp16 on sm_75, d = 128 as inference, the library trains up to d = 64 there), in a subprocess (Triton's
+  compiler cannot run where ``TRITON_INTERPRET=1`` was set);
 * ``test_recorded_facts_cover_every_config_and_are_current`` checks the full run,
-  ``diffattn_tutorial/recorded/compile_facts.json`` (every autotune configuration, bf16 and fp16, every head
-  dim, the variants whose code differs, sm_90a and sm_80: ``python -m diffattn_tutorial.triton_compile --all
-  --jobs 8 --write``), against the kernels' current source, so a kernel change without a new full run fails here.
+  ``diffattn_tutorial/recorded/compile_facts.json`` (every autotune configuration, bf16 and fp16 where the target
+  runs them, every head dim, the variants whose code differs, every target: ``python -m
+  diffattn_tutorial.triton_compile --all --jobs 8 --write``, or one ``--archs`` subset per run), against the
+  kernels' current source, so a kernel or table change without a new full run fails here.
 """
 
 import os
@@ -26,7 +29,7 @@ triton = pytest.importorskip("triton")
 from diffattn_tutorial import triton_compile as tc  # noqa: E402
 from diffattn_tutorial import triton_diff as td  # noqa: E402
 
-pytestmark = pytest.mark.slow  # compiles kernels for sm_90a and sm_80 (ptxas)
+pytestmark = pytest.mark.slow  # compiles kernels for GPU targets (ptxas)
 
 
 def _nvidia_backend() -> bool:
@@ -62,6 +65,31 @@ def test_problems_name_what_is_wrong():
     f80 = tc.Facts(**{**f.row(), "arch": "sm_80", "wgmma_shapes": (), "spill_stores": 0, "spill_loads": 0,
                       "shared": 1000})
     assert f80.problems() == []  # Ampere has no wgmma: dots there are mma.sync by design
+    fma = tc.Facts(**{**f80.row(), "arch": "sm_86", "mma_sync": 0})
+    assert "not on tensor cores" in "; ".join(fma.problems())
+    t4 = tc.Facts(**{**f80.row(), "arch": "sm_75", "mma_sync": 0, "shared": 70000, "regs": 255, "num_warps": 16})
+    text = "; ".join(t4.problems())  # this Triton has no tensor-core path on sm_75: FMA dots are not a problem there
+    assert "over the sm_75 limit 65536 B" in text and "block limit 65536" in text and "tensor cores" not in text
+
+
+def test_targets_and_what_runs_on_them():
+    assert {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90a"} <= set(tc.ARCHS)
+    assert tc.ARCHS["sm_75"].shared == 65536 and tc.ARCHS["sm_86"].shared == tc.ARCHS["sm_89"].shared == 101376
+    assert tc.case_on(tc.Case(64, "bfloat16"), "sm_75") is None  # no bfloat16 arithmetic on a T4
+    assert tc.case_on(tc.Case(128, "float16"), "sm_75") == tc.Case(128, "float16", grad=False)
+    assert tc.case_on(tc.Case(128, "bfloat16"), "sm_86") == tc.Case(128, "bfloat16")
+
+
+@needs_nvidia
+def test_pinned_launches_compile_clean_for_turing():
+    """Colab's free T4: fp16, 64 KiB of shared memory, FMA dots (this Triton has no tensor-core path there)."""
+    facts = tc.compile_check(archs=("sm_75",), jobs=2)
+    assert {(64, "map"), (64, "dv"), (64, "dk1"), (64, "dq1"), (64, "pre"), (128, "map")} <= {
+        (f.head_dim, f.form) for f in facts}
+    assert {f.dtype for f in facts} == {"float16"} and {f.arch for f in facts} == {"sm_75"}
+    bad = {f"{f.kernel} {f.form} d{f.head_dim} {f.config}": f.problems() for f in facts if f.problems()}
+    assert not bad, bad
+    assert all(f.shared <= 65536 for f in facts)
 
 
 @needs_nvidia
@@ -91,11 +119,15 @@ def test_recorded_facts_cover_every_config_and_are_current():
            for f in facts if f.problems()]
     assert not bad, bad
     assert lessons and all(f.head_dim == 128 for f in lessons)
+    assert rec["archs"] == list(tc.ARCHS), "a target is missing: python -m diffattn_tutorial.triton_compile --all --archs ..."
     seen = {(f.arch, f.dtype, f.kernel, f.form, f.head_dim, f.config) for f in facts}
     for arch in tc.ARCHS:  # every configuration the autotuner may pick, as the host code launches them
         for dtype in tc.DTYPES:
             for d in tc.HEAD_DIMS:
-                for launch in tc.launches_for(tc.Case(d, dtype), arch=arch):
+                case = tc.case_on(tc.Case(d, dtype), arch)
+                if case is None:
+                    continue
+                for launch in tc.launches_for(case, arch=arch):
                     if launch.name == "_diff_attn_bwd_preprocess":
                         continue
                     for c in launch.configs:
