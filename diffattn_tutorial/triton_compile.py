@@ -529,7 +529,8 @@ def merge_runs(old: Optional[dict], new: dict) -> dict:
     """The facts file after a run over some targets: ``new``'s targets replaced, the others kept from ``old`` when
     both come from the same kernel source and Triton (one run per subset of targets keeps each run short);
     otherwise ``new`` alone (the old facts describe other code)."""
-    run = {k: new["recorded"][k] for k in ("archs", "date", "wall_s", "jobs")} | {"compiles": len(new["facts"])}
+    run = {k: new["recorded"][k] for k in ("archs", "date", "wall_s", "jobs", "command")} | {
+        "compiles": len(new["facts"])}
     fresh = {**new, "recorded": {**new["recorded"], "runs": [run]}}
     same = old is not None and all(old.get("recorded", {}).get(k) == new["recorded"][k]
                                    for k in ("source_hash", "triton"))
@@ -541,7 +542,8 @@ def merge_runs(old: Optional[dict], new: dict) -> dict:
     runs = [r for r in old["recorded"].get("runs", []) if set(r["archs"]) - redone] + [run]
     return {"schema": SCHEMA,
             "recorded": {**new["recorded"], "archs": archs, "runs": runs,
-                         "wall_s": round(sum(r["wall_s"] for r in runs), 1)},
+                         "wall_s": round(sum(r["wall_s"] for r in runs), 1),
+                         "command": " && ".join(r["command"] for r in runs if r.get("command"))},
             "cases": [c for c in old["cases"] if c.split(":")[0] in kept_archs] + new["cases"],
             "facts": [f for f in old["facts"] if f["arch"] in kept_archs] + new["facts"],
             "lessons": new["lessons"] or old["lessons"]}
@@ -602,7 +604,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [f for f in facts if f.problems()]
     result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
                                               "source_hash": source_hash(), "archs": archs, "every_config": every,
-                                              "jobs": jobs, "wall_s": round(time.perf_counter() - t0, 1)},
+                                              "jobs": jobs, "wall_s": round(time.perf_counter() - t0, 1),
+                                              "command": " ".join(["python -m diffattn_tutorial.triton_compile",
+                                                                   *(sys.argv[1:] if argv is None else argv)])},
               "cases": [f"{a}: {c.label}" + (" (every config)" if e else "") for c, e, a in planned],
               "facts": [f.row() for f in facts],
               "lessons": [{**f.row(), "problems": f.problems()} for f in lessons]}
