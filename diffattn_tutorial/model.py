@@ -223,9 +223,17 @@ class TinyLM(nn.Module):
             x = block(x, rope, cache, attn_mask)
         return self.head(self.norm(x))
 
-    def _next_logits(self, idx: Tensor, caches: Optional[Sequence[Cache]] = None,
-                     positions: Optional[Tensor] = None) -> Tensor:
-        """The logits of the token after ``idx``: ``(B, vocab)``. The one-token decode step (what is compiled)."""
+    # The decode steps: the logits of the token after ``idx``, ``(B, vocab)``, what ``generate(compile=True)``
+    # compiles. One function per cache kind, so torch.compile keeps their graphs apart (it caches them, and
+    # counts recompilations against its limit, per function).
+
+    def _step_recompute(self, idx: Tensor, caches: None = None, positions: None = None) -> Tensor:
+        return self(idx)[:, -1]
+
+    def _step_dynamic(self, idx: Tensor, caches: Sequence[KVCache], positions: None = None) -> Tensor:
+        return self(idx, caches=caches)[:, -1]
+
+    def _step_static(self, idx: Tensor, caches: Sequence[StaticKVCache], positions: Tensor) -> Tensor:
         return self(idx, caches=caches, positions=positions)[:, -1]
 
     @torch.no_grad()
@@ -267,13 +275,15 @@ class TinyLM(nn.Module):
         if max_new_tokens == 0:
             return idx
         pick = functools.partial(next_token, temperature=temperature, top_k=top_k, generator=generator)
-        step = _compiled(self._next_logits, compile, cache)
+        eager = {None: self._step_recompute, "dynamic": self._step_dynamic, "static": self._step_static}[cache]
+        step = _compiled(eager, compile, cache)
         if cache is None:
-            for _ in range(max_new_tokens):
+            idx = idx.clone()  # made here like every later step's input (an inference tensor under inference_mode):
+            for _ in range(max_new_tokens):  # a compiled step then meets one kind of tensor and compiles once
                 idx = torch.cat([idx, pick(step(idx))], dim=1)
             return idx
         caches, positions = self._prefill_caches(cache, idx.shape[1], total, idx.device)
-        logits = self._next_logits(idx, caches, positions)
+        logits = eager(idx, caches, positions)  # the prompt, once
         out = [idx]
         for t in range(max_new_tokens):
             out.append(pick(logits))
