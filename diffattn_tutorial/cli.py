@@ -61,7 +61,7 @@ def cache_report() -> str:
 def doctor(args: argparse.Namespace) -> int:
     """Print what a learner needs to know about this machine before starting the course."""
     import diffattn_tutorial
-    from diffattn_tutorial.functional import backend_status
+    from diffattn_tutorial.backends import backend_status  # the backend registry: one entry per backend
 
     print(f"diffattn_tutorial {diffattn_tutorial.__version__}  python {platform.python_version()}  "
           f"({platform.system()} {platform.machine()})")

@@ -9,7 +9,9 @@ and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_aut
 It is compiled on first use with the system's C++ compiler (``$CXX``, split as a shell would, so
 ``CXX="ccache c++"`` works; else ``c++``, ``g++`` or ``clang++``; about a second, no PyTorch headers), cached in
 ``<cache_dir()>/kernels`` under a key of the source, compiler and CPU, loaded with ``ctypes``, and checked
-against the naive formula on a small problem before it is used. With ``DIFFATTN_CACHE=0`` (nothing kept in the
+against the naive formula on a small problem before it is used. The call is the torch operator
+:data:`OP_NAME` (``torch.library.custom_op``, with a fake implementation for shapes), so ``torch.compile``
+(``fullgraph=True`` included) keeps it as one node and ``backend="auto"`` uses it in compiled inference too. With ``DIFFATTN_CACHE=0`` (nothing kept in the
 user's cache) it is cached in a private folder of the user's in the system's temporary folder
 (``<tempfile.gettempdir()>/diffattn-<uid>/kernels``), so it is still built once, not once per process.
 
@@ -425,15 +427,40 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     return out if d_pad == d else out[..., : 2 * d]
 
 
+OP_NAME = "diffattn::cpu_fused_forward"
+"""The kernel as a torch operator: ``torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, attn_mask, causal, scale)``,
+one node in a ``torch.compile`` graph (its fake implementation gives the output's shape and dtype)."""
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=(), device_types="cpu")
+def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                      scale: float) -> Tensor:
+    """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new contiguous
+    ``(B, H, Nq, 2d)`` tensor in q's dtype. No autograd (forward only: a backward through it raises)."""
+    return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype).contiguous()
+
+
+@cpu_fused_forward.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+      scale: float) -> Tensor:
+    B, H2, nq, d = q.shape
+    return q.new_empty(B, H2 // 2, nq, 2 * d)
+
+
 def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_mask: Optional[Tensor] = None,
                          causal: bool = False, scale: float) -> Tensor:
     """Differential attention by the fused CPU kernel, on inputs :func:`~diffattn_tutorial.functional.diff_attention`
     has validated: q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam broadcastable to
     ``(B, H, Nq, 1)``, ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` with no fully masked
-    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype.
-    Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`)."""
-    return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype)
+    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype. Runs the
+    operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as one node.
+    Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError where a
+    gradient is wanted (forward only)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, attn_mask)):
+        raise ValueError("the fused CPU kernel is forward-only (no autograd); call it under torch.no_grad(), or "
+                         "use diff_attention(..., backend='auto') to train")
+    return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
 
 
-__all__ = ["SOURCE", "BLOCK_ROWS", "KernelUnavailable", "compiler", "library_path", "kernel_status",
-           "fused_diff_attention"]
+__all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "KernelUnavailable", "compiler", "library_path", "kernel_status",
+           "cpu_fused_forward", "fused_diff_attention"]

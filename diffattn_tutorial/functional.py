@@ -7,20 +7,12 @@ differential head ``i`` adjacent (heads ``2i`` and ``2i+1``); values carry ``Hkv
 >>> diff_attention(q, k, v, torch.tensor(0.5)).shape
 torch.Size([1, 2, 5, 16])
 
-Backends (all exact, they differ in speed and memory):
-
-``"naive"``         explicit maps ``A1 - lam * A2``, the teaching version (memory ~ B*H*Nq*Nk).
-``"sdpa_wide"``     two SDPA calls with V of width 2d (timm, unilm ``multihead_flashdiff_1``).
-``"sdpa_split"``    four SDPA calls, V split in halves so q/k/v head dims are equal
-                    (unilm ``multihead_flashdiff_2``): the formulation that reaches fused kernels.
-``"sdpa_stacked"``  one SDPA call over 4H stacked heads of equal dims.
-``"sdpa_padded"``   two SDPA calls with q/k zero-padded to width 2d: equal dims, V whole (no split, no concat).
-``"sdpa"``          the best SDPA formulation (``"sdpa_split"``; ``"sdpa_wide"`` with dropout).
-``"chunked"``       explicit maps over query chunks: naive arithmetic, bounded memory.
-``"triton"``        the fused differential flash-attention kernel (``diffattn_tutorial.triton_diff``).
-``"cpu_fused"``     the fused CPU kernel, naive's arithmetic with the maps kept in cache (``diffattn_tutorial.cpu_kernel``);
-                    forward only, computes in float32.
-``"auto"``          the fastest exact backend for the device at hand.
+Backends (all exact, they differ in speed and memory) are declared once, at the end of the backends section
+below, in the registry of :mod:`diffattn_tutorial.backends` (what each is, devices, dtypes, backward, dropout,
+how ``"auto"`` ranks it): ``naive`` (explicit maps, the teaching version), ``chunked``, the SDPA formulations
+``sdpa_wide``, ``sdpa_split``, ``sdpa_stacked``, ``sdpa_padded``, and the fused kernels ``triton`` and
+``cpu_fused``; ``"sdpa"`` and ``"auto"`` are resolved per call (:func:`~diffattn_tutorial.backends.describe_auto`,
+:func:`~diffattn_tutorial.backends.backend_table`).
 
 Fully masked query rows (every key masked by ``causal`` and/or ``attn_mask``) have no softmax; every
 backend defines their output as **zero** (and their gradients as zero), never NaN. In an additive mask,
@@ -43,30 +35,25 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from diffattn_tutorial import backends
+from diffattn_tutorial.backends import Backend, Call, Needs
+
 Tensor = torch.Tensor
 LambdaLike = Union[Tensor, float]
 
-BACKENDS: tuple[str, ...] = (
-    "naive",
-    "sdpa",
-    "sdpa_wide",
-    "sdpa_split",
-    "sdpa_stacked",
-    "sdpa_padded",
-    "chunked",
-    "triton",
-    "cpu_fused",
-)
-"""Every backend name ``diff_attention`` accepts, besides ``"auto"``."""
+BACKENDS = backends.BACKENDS
+"""Every backend name ``diff_attention`` accepts, besides ``"auto"`` (a view of :mod:`diffattn_tutorial.backends`'
+registry, where each backend is declared once: the library's own at the end of this module)."""
 
-SDPA_FORMULATIONS: tuple[str, ...] = ("sdpa_wide", "sdpa_split", "sdpa_stacked")
+SDPA_FORMULATIONS = backends.SDPA_FORMULATIONS
 """The SDPA formulations of the reference implementations, which notebook 08 compares, selectable by name
 (``"sdpa_padded"``, the CPU's ``"auto"``, has a section of its own there)."""
 
-_DROPOUT_FREE = ("sdpa_split", "sdpa_stacked", "sdpa_padded", "triton", "cpu_fused")
-
-FORWARD_ONLY: tuple[str, ...] = ("cpu_fused",)
+FORWARD_ONLY = backends.FORWARD_ONLY
 """Backends without autograd, for inference (``"auto"`` picks them only where no gradient is needed)."""
+
+resolve_backend = backends.resolve_backend
+backend_status = backends.backend_status
 
 LOG2E = 1.4426950408889634
 """``1 / ln 2``: the fused kernels (Triton's and the CPU's) use ``exp2``, so their scores are in base-2 units."""
@@ -478,11 +465,9 @@ def _sdpa_padded(q, k, v, lam, mask, is_causal, scale, dropout_p):
     return o1.sub_(o2.mul_(lam))  # inference: the first output holds the result, no third buffer
 
 
-_SDPA_IMPLS = {"sdpa_wide": _sdpa_wide, "sdpa_split": _sdpa_split, "sdpa_stacked": _sdpa_stacked,
-               "sdpa_padded": _sdpa_padded}
-
-
+@torch.compiler.assume_constant_result  # asked while torch.compile traces a call: answered eagerly, once
 def _triton_available() -> tuple[bool, str]:
+    """Whether the Triton kernels can run here (:func:`diffattn_tutorial.triton_diff.triton_available`)."""
     try:
         from diffattn_tutorial.triton_diff import triton_available
     except ImportError as e:  # triton not installed (e.g. macOS)
@@ -490,88 +475,92 @@ def _triton_available() -> tuple[bool, str]:
     return triton_available()
 
 
-def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[bool, str]]:
-    """For each backend name: ``(usable here, why / note)`` on ``device``."""
-    device = torch.device(device)
-    status = {name: (True, "pure PyTorch") for name in ("naive", "chunked")}
-    for name in ("sdpa", *_SDPA_IMPLS):
-        status[name] = (True, "torch.nn.functional.scaled_dot_product_attention")
-    ok, why = _triton_available()
-    if ok and device.type == "cpu":
-        why = "Triton interpreter (TRITON_INTERPRET=1): exact but slow, for learning and tests"
-    status["triton"] = (ok, why)
-    status["cpu_fused"] = _cpu_kernel_status() if device.type == "cpu" else (False, "runs on the CPU only")
-    auto = f"-> {resolve_backend('auto', device)} ({resolve_backend('auto', device, dropout=True)} with dropout)"
-    if status["cpu_fused"][0]:
-        auto = f"-> cpu_fused for float32 inference, else {auto[3:]}"
-    status["auto"] = (True, auto)
-    return status
+@torch.compiler.assume_constant_result  # asked while torch.compile traces a call: answered eagerly, once
+def _cpu_kernel_status() -> tuple[bool, str]:
+    """Whether the fused CPU kernel builds, loads and passes its self-check here (:func:`~diffattn_tutorial.
+    cpu_kernel.kernel_status`)."""
+    from diffattn_tutorial.cpu_kernel import kernel_status
 
-
-def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False) -> str:
-    """The concrete backend ``backend`` means on ``device`` (``"auto"`` and ``"sdpa"`` resolved).
-
-    ``"auto"`` follows measurements (``benchmarks/bench_cpu_auto.py``, notebook 08): on a CPU the two-call
-    padded formulation (``sdpa_padded``: half the fused calls of ``sdpa_split``, the same FLOPs, less than a
-    tenth of ``naive``'s memory); elsewhere the four-call equal-dim formulation (``sdpa_split``), which reaches
-    the GPU's flash kernels at any head dim they take. (``chunked`` can be fast on an idle CPU, but its many
-    small parallel ops slow down about 10x when a core is busy, so it is never chosen automatically.) With
-    dropout, ``"auto"`` and ``"sdpa"`` mean ``sdpa_wide``.
-
-    This is the answer for any call. :func:`diff_attention` goes one step further on a CPU: for a float32 call
-    that needs no gradient (to q, k, v, lam or a learned mask), ``"auto"`` runs the fused CPU kernel (``cpu_fused``, about 3x ``naive`` where
-    ``sdpa_padded`` is under 2x, ``benchmarks/bench_cpu_auto.py``) wherever it builds (:func:`diffattn_tutorial.cpu_kernel.kernel_status`).
-    """
-    if backend not in BACKENDS and backend != "auto":
-        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    if backend == "auto" and not dropout and torch.device(device).type == "cpu":
-        return "sdpa_padded"
-    if backend in ("auto", "sdpa"):
-        backend = "sdpa_wide" if dropout else "sdpa_split"
-    if dropout and backend in _DROPOUT_FREE:
-        raise ValueError(f"backend {backend!r} does not support attention dropout (its maps are split or fused); "
-                         f"use backend='sdpa_wide', 'naive' or 'auto', or dropout_p=0")
-    return backend
+    return kernel_status()
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _cpu_kernel_status() -> tuple[bool, str]:
-    from diffattn_tutorial.cpu_kernel import kernel_status
-
-    return kernel_status()
+def _run_naive(c: Call) -> Tensor:
+    return _naive(c.q, c.k, c.v, c.lam, c.mask, c.scale, c.dropout_p)
 
 
-def _fused_cpu_fits(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]) -> bool:
-    """Whether ``"auto"`` may run this CPU call on the fused kernel: float32, no gradient (to q, k, v, lam or a
-    learned mask), not being compiled (a ctypes call would break the graph), and the kernel builds here."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and not _needs_grad(q, k, v, lam, mask)
-            and not torch.compiler.is_compiling() and _cpu_kernel_status()[0])
+def _run_chunked(c: Call) -> Tensor:
+    return _chunked(c.q, c.k, c.v, c.lam, c.mask, c.scale, c.dropout_p, causal=c.causal)
 
 
-def _check_mask_grad(name: str, mask: Optional[Tensor]) -> None:
-    """The fused kernels give no gradient to an additive mask: refuse one that needs it, naming the fix."""
-    if _needs_grad(mask):
-        raise ValueError(f"attn_mask requires grad (a learned bias?), but backend {name!r} gives a mask no "
-                         f"gradient; use backend='auto', 'sdpa_padded' or 'naive' for it, or pass "
-                         f"attn_mask.detach() if it is not to be learned")
+def _on_sdpa(formulation):
+    """A backend's ``run`` from an SDPA formulation ``f(q, k, v, lam, mask, is_causal, scale, dropout_p)``."""
+    def run(c: Call) -> Tensor:
+        return formulation(c.q, c.k, c.v, c.lam, c.mask, c.is_causal, c.scale, c.dropout_p)
+
+    return run
 
 
-def _check_cpu_fused(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]) -> None:
-    """``backend="cpu_fused"`` asked for by name: say what it cannot do, and what to use instead."""
-    if q.device.type != "cpu":
-        raise ValueError(f"backend 'cpu_fused' runs on the CPU, the inputs are on {q.device}; use backend='auto'")
-    if q.dtype == torch.float64:
-        raise ValueError("backend 'cpu_fused' computes in float32; for float64 use backend='naive' (or 'auto')")
-    if _needs_grad(q, k, v, lam):
-        raise ValueError("backend 'cpu_fused' is forward-only (no autograd); to train use backend='auto' or "
-                         "'sdpa_padded', or call it under torch.no_grad()")
-    _check_mask_grad("cpu_fused", mask)
-    ok, why = _cpu_kernel_status()
-    if not ok:
-        raise RuntimeError(f"backend 'cpu_fused' is unavailable here: {why}")
+def _run_triton(c: Call) -> Tensor:
+    from diffattn_tutorial.triton_diff import triton_diff_attention
+
+    return triton_diff_attention(c.q, c.k, c.v, c.lam, causal=c.causal, attn_mask=c.mask, scale=c.scale)
+
+
+def _run_cpu_fused(c: Call) -> Tensor:
+    from diffattn_tutorial.cpu_kernel import fused_diff_attention
+
+    return fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
+
+
+def _sdpa_status(device: torch.device) -> tuple[bool, str]:
+    return True, "torch.nn.functional.scaled_dot_product_attention"
+
+
+def _triton_status(device: torch.device) -> tuple[bool, str]:
+    ok, why = _triton_available()
+    if ok and device.type == "cpu":
+        why = "Triton interpreter (TRITON_INTERPRET=1): exact but slow, for learning and tests"
+    return ok, why
+
+
+_HALF = (torch.float32, torch.float16, torch.bfloat16)
+
+# The library's backends, each declared once; "auto" ranks (lower first): on a CPU the fused kernel for what it
+# takes, then sdpa_padded, then sdpa_wide (dropout); elsewhere sdpa_split, then sdpa_wide (dropout).
+for _backend in (
+    Backend("naive", "explicit maps `(A1 - lambda A2) V`: the teaching version", _run_naive,
+            origin="unilm multihead_diffattn"),
+    Backend("sdpa_wide", "two SDPA calls with V of width 2d (timm, unilm `flashdiff_1`)", _on_sdpa(_sdpa_wide),
+            family="sdpa", origin="timm, unilm multihead_flashdiff_1", causal="sdpa", status=_sdpa_status,
+            sdpa_rank=1, auto_rank={"cpu": 2, backends.OTHER_DEVICES: 1}),
+    Backend("sdpa_split", "four SDPA calls with V split in halves, equal head dims (unilm `flashdiff_2`): reaches "
+            "fused kernels", _on_sdpa(_sdpa_split), dropout=False, family="sdpa",
+            origin="unilm multihead_flashdiff_2", causal="sdpa", status=_sdpa_status, sdpa_rank=0,
+            auto_rank={backends.OTHER_DEVICES: 0}),
+    Backend("sdpa_stacked", "one SDPA call over 4H stacked heads (vasqu `multihead-sdpadiff`)",
+            _on_sdpa(_sdpa_stacked), dropout=False, family="sdpa", origin="vasqu multihead-sdpadiff",
+            causal="sdpa", status=_sdpa_status),
+    Backend("sdpa_padded", "two SDPA calls with q and k zero-padded to width 2d (q.k unchanged), V whole: both reach "
+            "the fused CPU kernel", _on_sdpa(_sdpa_padded), dropout=False, family="sdpa", causal="sdpa",
+            status=_sdpa_status, auto_rank={"cpu": 1}),
+    Backend("chunked", "the same arithmetic over cache-sized query chunks; causal chunks skip invisible keys",
+            _run_chunked),
+    Backend("triton", "the fused differential flash-attention kernel (`triton_diff`), forward and backward; on a "
+            "CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status, devices=("cuda", "cpu"),
+            dtypes=_HALF, dropout=False, mask_grad=False, compiles=False, family="kernel",
+            requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
+    Backend("cpu_fused", "a fused C++ CPU kernel (`csrc/diff_attention_cpu.cpp`, compiled on first use by the "
+            "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
+            "in cache", _run_cpu_fused, status=lambda device: _cpu_kernel_status(), devices=("cpu",), dtypes=_HALF,
+            compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
+            requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)),
+):
+    backends.register_backend(_backend)
+del _backend
 
 
 def diff_attention(
@@ -610,48 +599,33 @@ def diff_attention(
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
-    name = resolve_backend(backend, q.device, dropout=dropout_p > 0)
-    if name == "sdpa_padded" and backend == "auto" and _fused_cpu_fits(q, k, v, lam_t, mask):
-        name = "cpu_fused"
-    elif name == "cpu_fused":
-        _check_cpu_fused(q, k, v, lam_t, mask)
-    elif name == "triton":
-        _check_mask_grad("triton", mask)
+    needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
+                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling())
+    name = backends.resolve(backend, q.device, needs)
+    if backend not in backends.ALIASES:  # asked for by name: refuse what it cannot do, naming the fix
+        backends.check_call(name, q.device, needs)
     if Nk == 0 or q.numel() == 0:  # nothing to compute: an empty output, or zeros (no key to attend to)
-        name = "naive"
-    # the kernels' own causal masking is bottom-right aligned, like ours; SDPA's is_causal (top-left) is used
-    # only where the two agree: Nq == Nk, no other mask
-    is_causal = causal and (name == "triton" or (mask is None and (name == "cpu_fused" or
-                                                                   (Nq == Nk and name in _SDPA_IMPLS))))
+        name = backends.REFERENCE
+    b = backends.get_backend(name)
+    is_causal = causal and b.applies_causal(Nq, Nk, mask is not None)
     full = None if is_causal and mask is None else _combine_masks(mask, causal, Nq, Nk, q.device)
     if not _may_hold_nonfinite(q, k, v):
-        return _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
+        return _run_backend(b, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
     nan_rows = _rows_reading_nonfinite(q, k, v, full, is_causal)
     if is_causal or full is not None:  # hidden keys must stay harmless, whatever they hold
         k, v = _zero_nonfinite(k), _zero_nonfinite(v)
-    out = _run_backend(name, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
+    out = _run_backend(b, q, k, v, lam_t, mask, full, causal, is_causal, scale, dropout_p)
     return out.masked_fill(nan_rows, float("nan"))  # the fused CPU kernels turn a NaN query row into numbers
 
 
-def _run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor],
+def _run_backend(b: Backend, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor],
                  full: Optional[Tensor], causal: bool, is_causal: bool, scale: float, dropout_p: float) -> Tensor:
-    """One backend on validated inputs: ``mask`` the caller's 4-D mask, ``full`` it combined with ``causal``
-    (None where SDPA applies ``is_causal`` itself). Fully masked rows come back as zeros."""
-    if name == "triton":
-        from diffattn_tutorial.triton_diff import triton_diff_attention
-
-        return triton_diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, scale=scale)
+    """Backend ``b`` on validated inputs: ``mask`` the caller's 4-D mask, ``full`` it combined with ``causal``
+    (None where the backend applies ``is_causal`` itself). Fully masked rows come back as zeros."""
+    if b.raw_mask:  # its own causal masking and zero rows
+        return b.run(Call(q, k, v, lam, mask, causal, is_causal, scale, dropout_p))
     full, valid = _fix_fully_masked(full)
-    if name == "cpu_fused":
-        from diffattn_tutorial.cpu_kernel import fused_diff_attention
-
-        out = fused_diff_attention(q, k, v, lam, attn_mask=full, causal=is_causal, scale=scale)
-    elif name == "naive":
-        out = _naive(q, k, v, lam, full, scale, dropout_p)
-    elif name == "chunked":
-        out = _chunked(q, k, v, lam, full, scale, dropout_p, causal=causal)
-    else:
-        out = _SDPA_IMPLS[name](q, k, v, lam, full, is_causal, scale, dropout_p)
+    out = b.run(Call(q, k, v, lam, full, causal, is_causal, scale, dropout_p))
     return out if valid is None else out.masked_fill(~valid, 0.0)
 
 

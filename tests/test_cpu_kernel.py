@@ -174,7 +174,8 @@ def test_auto_runs_it_for_float32_inference_and_sdpa_padded_for_training():
 @needs_compiler
 def test_what_it_cannot_do_is_refused_with_the_fix():
     q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
-    with pytest.raises(ValueError, match="float32; for float64 use backend='naive'"):
+    with pytest.raises(TypeError, match=r"takes float32, float16 and bfloat16 \(it computes in float32\), got "
+                                        r"float64; for float64 use backend='auto' or 'naive'"):
         fused(q.double(), k.double(), v.double(), lam)
     with pytest.raises(ValueError, match="forward-only .* use backend='auto' or 'sdpa_padded'"):
         diff_attention(q.requires_grad_(), k, v, lam, backend="cpu_fused")

@@ -89,7 +89,8 @@ def test_all_backends_agree_with_the_paper(B, Hkv, rep, Nq, Nk, d, causal, lam_k
     rtol, atol = TOL[dtype]
     for backend in CPU_BACKENDS:
         if backend in FORWARD_ONLY and dtype == torch.float64:  # computes in float32: refuses, naming the fix
-            with pytest.raises(ValueError, match="float32; for float64 use backend='naive'"):
+            with pytest.raises(TypeError, match=r"computes in float32\), got float64; for float64 use backend='auto' "
+                                                r"or 'naive'"):
                 diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, backend=backend)
             continue
         out = diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, backend=backend)
