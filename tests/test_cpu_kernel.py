@@ -222,3 +222,66 @@ def test_without_a_compiler(monkeypatch, tmp_path):
         assert torch.equal(diff_attention(q, k, v, lam), diff_attention(q, k, v, lam, backend="sdpa_padded"))
         with pytest.raises(RuntimeError, match="'cpu_fused' is unavailable here: no C\\+\\+ compiler found"):
             diff_attention(q, k, v, lam, backend="cpu_fused")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernel as a torch operator: it compiles, and auto keeps it under torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+
+needs_dynamo = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
+
+
+@needs_compiler
+def test_the_operator_passes_opcheck():
+    """Schema, fake implementation (shape, dtype, strides) and AOT dispatch, for the layouts diff_attention passes:
+    no mask, a broadcast bool mask, an additive per-head one, a padded head width, half precision. Autograd is
+    not checked: the operator is forward only (diff_attention refuses a gradient before calling it)."""
+    q, k, v, lam = inputs(1, 2, 1, 9, 11, 20, lam_kind="token")
+    cases = [(q, k, v, lam, None, True), (q, k, v, lam, torch.rand(1, 1, 9, 11) > 0.3, False),
+             (q, k, v, lam, torch.randn(1, 2, 9, 11), True),
+             (q.half(), k.half(), v.half(), lam, None, False)]
+    for q_, k_, v_, lam_, mask, causal in cases:
+        torch.library.opcheck(cpu_kernel.cpu_fused_forward, (q_, k_, v_, lam_, mask, causal, 20 ** -0.5),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@needs_compiler
+def test_the_operator_refuses_a_gradient_by_name():
+    q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
+    with pytest.raises(ValueError, match="forward-only .* torch.no_grad"):
+        cpu_kernel.fused_diff_attention(q.requires_grad_(), k, v, lam, scale=0.2)
+
+
+@needs_compiler
+@needs_dynamo
+@pytest.mark.parametrize("compiler", ["counting", pytest.param("inductor", marks=pytest.mark.slow)])  # ~7 s
+def test_auto_runs_the_operator_under_torch_compile_fullgraph(compiler, monkeypatch):
+    """Under torch.compile, auto fell back to sdpa_padded (a ctypes call would break the graph). Now the kernel is an
+    operator: one node in one graph, the numbers bit for bit eager's (inductor: the graph compiled to C++)."""
+    q, k, v, lam = inputs(2, 2, 1, 40, 40, 32, lam_kind="token")
+    mask = torch.rand(40, 40, generator=torch.Generator().manual_seed(7)) > 0.2
+
+    def f(q, k, v, lam, mask):
+        return diff_attention(q, k, v, lam, causal=True, attn_mask=mask)  # backend="auto"
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    calls = []
+    real = cpu_kernel._forward
+    monkeypatch.setattr(cpu_kernel, "_forward", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = f(q, k, v, lam, mask)
+        assert torch.equal(eager, diff_attention(q, k, v, lam, causal=True, attn_mask=mask, backend="cpu_fused"))
+        calls.clear()
+        compiled = torch.compile(f, fullgraph=True, **({"backend": counting} if compiler == "counting" else {}))
+        assert torch.equal(compiled(q, k, v, lam, mask), eager)
+    assert calls == [1]  # the kernel ran, once
+    if compiler == "counting":
+        (graph,) = graphs
+        ops = [n.target for n in graph.graph.nodes if n.op == "call_function" and "diffattn" in str(n.target)]
+        assert ops == [torch.ops.diffattn.cpu_fused_forward.default]

@@ -1,0 +1,276 @@
+"""The backend registry (``diffattn_tutorial.backends``): every entry says what its backend really does (a backend
+declared forward-only refuses a gradient, one declared without dropout refuses it, the dtypes it lists are the
+ones it takes, ...); ``"auto"`` and ``"sdpa"`` choose as the ranks say; and a backend registered in a test shows
+up in every list, status and ranking with nothing else edited."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from diffattn_tutorial import backends, cpu_kernel
+from diffattn_tutorial.backends import FLOAT_DTYPES, Backend, Needs, registered, registry, resolve
+from diffattn_tutorial.functional import (BACKENDS, FORWARD_ONLY, SDPA_FORMULATIONS, backend_status, diff_attention,
+                                          resolve_backend)
+from diffattn_tutorial.modules import MultiheadDiffAttn
+
+ENTRIES = {b.name: b for b in registry()}
+FUSED_OK = backend_status("cpu")["cpu_fused"][0]
+
+
+def usable_here(name):
+    ok, why = backend_status("cpu")[name]
+    if not ok:
+        pytest.skip(f"{name} does not work here: {why}")
+    return ENTRIES[name]
+
+
+def inputs(dtype=torch.float32, seed=0, nq=6, nk=7):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, 4, nq, 8, generator=g), torch.randn(1, 2, nk, 8, generator=g)
+    v = torch.randn(1, 1, nk, 16, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype), torch.tensor(0.3, dtype=dtype)
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The names of the backends that ran, in order: every registered ``run`` wrapped by a recorder."""
+    log = []
+    for name, b in list(backends._REGISTRY.items()):
+        def run(call, _name=name, _run=b.run):
+            log.append(_name)
+            return _run(call)
+
+        monkeypatch.setitem(backends._REGISTRY, name, dataclasses.replace(b, run=run))
+    return log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every entry agrees with what its backend does
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_backward_as_declared(name):
+    b = usable_here(name)
+    q, k, v, lam = inputs()
+    q.requires_grad_()
+    if not b.backward:
+        with pytest.raises(ValueError, match=f"backend '{name}' is forward-only .* torch.no_grad"):
+            diff_attention(q, k, v, lam, backend=name)
+        return
+    (dq,) = torch.autograd.grad(diff_attention(q, k, v, lam, backend=name).square().sum(), q)
+    assert dq.isfinite().all() and dq.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_dropout_as_declared(name):
+    b = usable_here(name)
+    q, k, v, lam = inputs()
+    with torch.no_grad():
+        if not b.dropout:
+            with pytest.raises(ValueError, match=f"backend '{name}' does not support attention dropout"):
+                diff_attention(q, k, v, lam, dropout_p=0.5, backend=name)
+            return
+        torch.manual_seed(0)
+        dropped = diff_attention(q, k, v, lam, dropout_p=0.5, backend=name)
+    assert not torch.allclose(dropped, diff_attention(q, k, v, lam, backend=name))  # dropout did something
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_learned_mask_gradient_as_declared(name):
+    b = usable_here(name)
+    q, k, v, lam = inputs()
+    bias = torch.zeros(6, 7, requires_grad=True)
+    if not b.mask_grad:
+        with pytest.raises(ValueError, match=f"attn_mask requires grad .* backend '{name}' gives a mask no gradient"):
+            diff_attention(q, k, v, lam, attn_mask=bias, backend=name)
+        return
+    (grad,) = torch.autograd.grad(diff_attention(q, k, v, lam, attn_mask=bias, backend=name).square().sum(), bias)
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_dtypes_as_declared(name, dtype):
+    b = usable_here(name)
+    q, k, v, lam = inputs(dtype)
+    with torch.no_grad():
+        if dtype not in b.dtypes:
+            with pytest.raises(TypeError, match=f"backend '{name}' takes .* got {str(dtype)[6:]}; .* 'naive'"):
+                diff_attention(q, k, v, lam, backend=name)
+            return
+        out = diff_attention(q, k, v, lam, backend=name)
+        expected = diff_attention(q.double(), k.double(), v.double(), lam.double(), backend="naive")
+    assert out.dtype == dtype
+    tol = 1e-9 if dtype == torch.float64 and b.compute_dtype is None else 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_torch_compile_as_declared(name):
+    """A backend declared to compile runs inside ``torch.compile(fullgraph=True)`` with eager's numbers; one
+    declared not to cannot (when it becomes a registered operator, flip ``compiles``)."""
+    usable_here(name)
+    q, k, v, lam = inputs()
+    f = torch.compile(lambda *t: diff_attention(*t, causal=True, backend=name), fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        if not ENTRIES[name].compiles:
+            with pytest.raises(Exception):  # noqa: B017 - any refusal of the full graph will do
+                f(q, k, v, lam)
+            return
+        assert torch.equal(f(q, k, v, lam), diff_attention(q, k, v, lam, causal=True, backend=name))
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_devices_and_status_as_declared(name):
+    b = ENTRIES[name]
+    ok, why = b.status(torch.device("cpu"))
+    assert isinstance(ok, bool) and why
+    assert backend_status("cpu")[name] == ((ok, why) if b.runs_on(torch.device("cpu")) else
+                                           (False, backends.backend_status("cpu")[name][1]))
+    meta = torch.device("meta")  # a device no backend names: only those declared for any device run there
+    if not b.runs_on(meta):
+        assert backend_status(meta)[name][0] is False and "only" in backend_status(meta)[name][1]
+        q, k, v, lam = (t.to("meta") for t in inputs())
+        with pytest.raises(ValueError, match=f"backend '{name}' runs on .* the inputs are on meta"):
+            diff_attention(q, k, v, lam, backend=name)
+
+
+def test_the_lists_are_views_of_the_registry():
+    assert BACKENDS == ("naive", "sdpa", "sdpa_wide", "sdpa_split", "sdpa_stacked", "sdpa_padded", "chunked",
+                        "triton", "cpu_fused")
+    assert FORWARD_ONLY == tuple(n for n, b in ENTRIES.items() if not b.backward) == ("cpu_fused",)
+    assert SDPA_FORMULATIONS == ("sdpa_wide", "sdpa_split", "sdpa_stacked")
+    assert ("auto",) + BACKENDS == ("auto", *BACKENDS) and BACKENDS + ("auto",) == (*BACKENDS, "auto")
+    assert repr(BACKENDS) == repr(tuple(BACKENDS)) and "sdpa" in BACKENDS and "auto" not in BACKENDS
+    assert list(backend_status("cpu")) == [*BACKENDS, "auto"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what "auto" and "sdpa" choose
+# ---------------------------------------------------------------------------------------------------------------
+
+CPU_FUSED_OR_PADDED = "cpu_fused" if FUSED_OK else "sdpa_padded"
+
+
+@pytest.mark.parametrize("device, needs, expected", [
+    ("cpu", Needs(torch.float32), CPU_FUSED_OR_PADDED),
+    ("cpu", Needs(torch.float32, compiling=True), CPU_FUSED_OR_PADDED),  # a registered operator: it compiles
+    ("cpu", Needs(torch.float32, grad=True), "sdpa_padded"),
+    ("cpu", Needs(torch.float32, mask_grad=True), "sdpa_padded"),
+    ("cpu", Needs(torch.float64), "sdpa_padded"),
+    ("cpu", Needs(torch.bfloat16), "sdpa_padded"),  # the kernel takes it, but auto is measured on float32 only
+    ("cpu", Needs(torch.float32, dropout=True), "sdpa_wide"),
+    ("cpu", backends.ANY_CALL, "sdpa_padded"),
+    ("cuda", Needs(torch.float16), "sdpa_split"),
+    ("cuda", Needs(torch.float32, grad=True), "sdpa_split"),
+    ("cuda", Needs(torch.bfloat16, dropout=True), "sdpa_wide"),
+    ("mps", Needs(torch.float32), "sdpa_split"),
+])
+def test_auto_chooses_by_rank_what_takes_the_call(device, needs, expected):
+    assert resolve("auto", device, needs) == expected
+
+
+def test_sdpa_is_the_best_sdpa_formulation():
+    for device in ("cpu", "cuda"):
+        assert resolve_backend("sdpa", device) == "sdpa_split"
+        assert resolve_backend("sdpa", device, dropout=True) == "sdpa_wide"
+
+
+def test_diff_attention_runs_what_auto_chooses(ran):
+    q, k, v, lam = inputs()
+    with torch.no_grad():
+        diff_attention(q, k, v, lam)
+        diff_attention(q.double(), k.double(), v.double(), lam)
+        diff_attention(q, k, v, lam, attn_mask=torch.zeros(6, 7, requires_grad=True))  # no_grad: no gradient
+    diff_attention(q.requires_grad_(), k, v, lam)
+    diff_attention(q, k, v, lam, dropout_p=0.1)
+    assert ran == [CPU_FUSED_OR_PADDED, "sdpa_padded", CPU_FUSED_OR_PADDED, "sdpa_padded", "sdpa_wide"]
+
+
+def test_auto_skips_a_backend_that_does_not_work_here(monkeypatch, ran):
+    def unavailable():
+        raise cpu_kernel.KernelUnavailable("no C++ compiler found (test)")
+
+    monkeypatch.setattr(cpu_kernel, "_kernel", unavailable)
+    with torch.no_grad():
+        diff_attention(*inputs())
+    assert ran == ["sdpa_padded"]
+    assert backend_status("cpu")["auto"] == (True, "-> sdpa_padded (sdpa_wide with dropout)")
+
+
+def test_the_prose_comes_from_the_registry():
+    assert backends.describe_auto("cpu") == ('On a CPU, `backend="auto"` runs `cpu_fused` for float32 inference '
+                                             '(needs a C++ compiler), else `sdpa_padded` (`sdpa_wide` with dropout).')
+    assert backends.describe_auto("cuda") == 'On a GPU, `backend="auto"` runs `sdpa_split` (`sdpa_wide` with dropout).'
+    table = backends.backend_table().splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == [f"| `{n}`" for n in (*BACKENDS, "auto")]
+    assert "| float32, float16, bfloat16 (computed in float32) | no | no | no | yes |" in table[2 + BACKENDS.index(
+        "cpu_fused")]
+    if FUSED_OK:
+        assert backend_status("cpu")["auto"][1] == "-> cpu_fused for float32 inference, else sdpa_padded (sdpa_wide " \
+                                                   "with dropout)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a backend registered here appears everywhere, with nothing else edited
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fake_backend(**fields):
+    def run(call):  # naive's numbers, times 2: recognisable
+        return 2 * ENTRIES["naive"].run(call)
+
+    declared = {"name": "fake", "summary": "a test's backend", "run": run, "backward": False,
+                "dtypes": (torch.float64,), "auto_rank": {"cpu": -1}}
+    return Backend(**{**declared, **fields})
+
+
+def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
+    status = lambda device: (True, "fake status")  # noqa: E731
+    with registered(fake_backend(status=status)):
+        assert BACKENDS[-1] == "fake" and "fake" in FORWARD_ONLY and "fake" not in SDPA_FORMULATIONS
+        assert backend_status("cpu")["fake"] == (True, "fake status")
+        assert backend_status("cpu")["auto"][1].startswith("-> fake for float64 inference, ")
+        assert "`fake` for float64 inference" in backends.describe_auto("cpu")
+        assert "| `fake` | a test's backend | any device | float64 | no |" in backends.backend_table()
+        q, k, v, lam = inputs(torch.float64)
+        with torch.no_grad():
+            out = diff_attention(q, k, v, lam)  # ranked first on a CPU, and it takes float64 inference
+            diff_attention(q.float(), k.float(), v.float(), lam)  # not float32: the next in rank
+        torch.testing.assert_close(out, 2 * diff_attention(q, k, v, lam, backend="naive"))  # fake's numbers
+        assert ran[0] == CPU_FUSED_OR_PADDED  # (``ran`` records the backends registered before it)
+        assert resolve_backend("auto", "cpu") == "sdpa_padded"  # any call: it has no backward
+        assert MultiheadDiffAttn(32, 2, depth=0, backend="fake").backend == "fake"
+        with pytest.raises(ValueError, match="'fake' is forward-only .* use backend='auto' or 'sdpa_padded'"):
+            diff_attention(q.requires_grad_(), k, v, lam, backend="fake")
+    assert "fake" not in BACKENDS and "fake" not in backend_status("cpu")
+    with pytest.raises(ValueError, match="unknown backend 'fake'"):
+        diff_attention(*inputs(), backend="fake")
+
+
+def test_a_registered_backend_that_does_not_work_here_is_skipped_by_auto(ran):
+    with registered(fake_backend(status=lambda device: (False, "broken (test)"))):
+        assert backend_status("cpu")["fake"] == (False, "broken (test)")
+        q, k, v, lam = inputs(torch.float64)
+        with torch.no_grad():
+            diff_attention(q, k, v, lam)
+            with pytest.raises(RuntimeError, match="backend 'fake' is unavailable here: broken"):
+                diff_attention(q, k, v, lam, backend="fake")
+    assert ran == ["sdpa_padded"]
+
+
+def test_registering_refuses_what_would_be_ambiguous():
+    with pytest.raises(ValueError, match="already registered"):
+        backends.register_backend(fake_backend(name="naive"))
+    for name in ("auto", "sdpa", "not a name"):
+        with pytest.raises(ValueError, match="must be an identifier other than"):
+            fake_backend(name=name)
+    with pytest.raises(ValueError, match="causal must be one of"):
+        fake_backend(causal="top_left")
+    with pytest.raises(ValueError, match="auto_dtypes must be some of its dtypes"):
+        fake_backend(auto_dtypes=(torch.float32,))
+    with pytest.raises(TypeError, match="takes a Backend"):
+        backends.register_backend("naive")
