@@ -85,6 +85,11 @@ EQUIVALENT = {
     "09_triton_kernel task 3 | clamp added: (start of the function) -> p1 = tl.maximum(p1, 0.0)",
     "09_triton_kernel task 3 | abs added: (start of the function) -> p2 = tl.abs(p2)",
     "09_triton_kernel task 3 | clamp added: (start of the function) -> p2 = tl.maximum(p2, 0.0)",
+    # k_new and v_new hold one token, (B, H, 1, d): index 0 and index -1 of that dim are the same slice.
+    "13_serving task 1 | index: 0 -> (-1)",
+    "13_serving task 1 | index: 0 (#2) -> (-1)",
+    # min is symmetric in its two arguments.
+    "13_serving task 3 | arguments swapped: min(top_k, scaled.shape[-1]) -> min(scaled.shape[-1], top_k)",
 }
 
 

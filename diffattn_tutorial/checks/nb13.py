@@ -146,7 +146,7 @@ def check_combine_splits(fn: Callable) -> None:
 # (rows, vocab, temperature, top_k, logit scale)
 _SAMPLE_CASES = [(64, 10, 0.0, None, 1.0), (256, 12, 1.0, None, 1.0), (256, 12, 0.5, None, 1.0),
                  (256, 12, 2.0, 3, 1.0), (256, 8, 1.0, 1, 1.0), (128, 6, 1.0, 6, 1.0), (256, 10, 0.7, 4, 1.0),
-                 (256, 9, 1.0, 2, 0.0)]
+                 (256, 9, 1.0, 2, 0.0), (8, 40, 1.0, 50, 1.0)]
 
 
 def _filtered_draw(logits: Tensor, temperature: float, top_k: Optional[int], seed: int, *,
