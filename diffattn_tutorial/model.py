@@ -15,6 +15,14 @@ RMSNorm and an untied LM head. The attention layers are the library's own module
 >>> m = TinyLM(LMConfig(vocab_size=32, attention="diff"))
 >>> m(torch.randint(0, 32, (2, 10))).shape
 torch.Size([2, 10, 32])
+
+:meth:`TinyLM.generate` decodes with a dynamic KV cache (grown by concatenation), a static one (preallocated,
+written in place: fixed shapes, so ``compile=True`` compiles the decode step once), or none (recompute), greedy
+or sampled (:func:`next_token`); every cache gives the same tokens.
+
+>>> prompt = torch.randint(0, 32, (1, 4))
+>>> torch.equal(m.generate(prompt, 5, cache="static"), m.generate(prompt, 5, cache=None))
+True
 """
 
 from __future__ import annotations
