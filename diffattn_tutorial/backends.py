@@ -84,6 +84,16 @@ ANY_CALL = Needs(dtype=None, grad=True, mask_grad=True)
 """The needs of a call :func:`resolve_backend` knows nothing about: any dtype, gradients wanted."""
 
 
+def constant_under_compile(fn: Callable) -> Callable:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does: while ``torch.compile`` traces a call of it,
+    it runs once, eagerly, and its answer is kept as a constant (a backend's ``status`` is asked while ``"auto"``
+    is traced, and a status that builds or loads something cannot be traced). Unlike the public decorator this does
+    not import ``torch._dynamo`` (a second, and the allocator state of every process that imports the library);
+    ``tests/test_backends.py`` checks the mark is the one the decorator sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _pure_pytorch(device: torch.device) -> tuple[bool, str]:
     return True, "pure PyTorch"
 
@@ -98,7 +108,8 @@ class Backend:
     run: Callable[[Call], Tensor]
     """Computes ``(B, H, Nq, 2d)`` in q's dtype from a :class:`Call` (fully masked rows: anything finite)."""
     status: Callable[[torch.device], tuple[bool, str]] = _pure_pytorch
-    """``(works here, why / note)`` on a device it runs on; never raises."""
+    """``(works here, why / note)`` on a device it runs on; never raises. It is asked while ``torch.compile`` traces
+    ``"auto"``: one that does more than return constants calls a function marked :func:`constant_under_compile`."""
     devices: Optional[tuple[str, ...]] = None
     """Device types it runs on; None: every device PyTorch runs on."""
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
@@ -455,6 +466,6 @@ def backend_table() -> str:
 
 
 __all__ = ["Backend", "Call", "Needs", "ANY_CALL", "ALIASES", "REFERENCE", "FLOAT_DTYPES", "BACKENDS",
-           "FORWARD_ONLY", "SDPA_FORMULATIONS", "register_backend", "unregister_backend", "registered",
-           "get_backend", "registry", "names", "resolve", "resolve_backend", "check_call", "backend_status",
-           "describe_auto", "backend_table"]
+           "FORWARD_ONLY", "SDPA_FORMULATIONS", "constant_under_compile", "register_backend", "unregister_backend",
+           "registered", "get_backend", "registry", "names", "resolve", "resolve_backend", "check_call",
+           "backend_status", "describe_auto", "backend_table"]

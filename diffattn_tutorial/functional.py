@@ -465,7 +465,7 @@ def _sdpa_padded(q, k, v, lam, mask, is_causal, scale, dropout_p):
     return o1.sub_(o2.mul_(lam))  # inference: the first output holds the result, no third buffer
 
 
-@torch.compiler.assume_constant_result  # asked while torch.compile traces a call: answered eagerly, once
+@backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
 def _triton_available() -> tuple[bool, str]:
     """Whether the Triton kernels can run here (:func:`diffattn_tutorial.triton_diff.triton_available`)."""
     try:
@@ -475,7 +475,7 @@ def _triton_available() -> tuple[bool, str]:
     return triton_available()
 
 
-@torch.compiler.assume_constant_result  # asked while torch.compile traces a call: answered eagerly, once
+@backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
 def _cpu_kernel_status() -> tuple[bool, str]:
     """Whether the fused CPU kernel builds, loads and passes its self-check here (:func:`~diffattn_tutorial.
     cpu_kernel.kernel_status`)."""

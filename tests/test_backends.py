@@ -4,6 +4,8 @@ ones it takes, ...); ``"auto"`` and ``"sdpa"`` choose as the ranks say; and a ba
 up in every list, status and ranking with nothing else edited."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -287,3 +289,15 @@ def test_registering_refuses_what_would_be_ambiguous():
         fake_backend(auto_dtypes=(torch.float32,))
     with pytest.raises(TypeError, match="takes a Backend"):
         backends.register_backend("naive")
+
+
+def test_importing_the_library_does_not_import_the_compiler():
+    """Marking the status functions with torch.compiler.assume_constant_result imported torch._dynamo (and sympy)
+    with the library: a second more per import, and another allocator state in every process (it showed in
+    test_cpu's peak-memory figures). The mark is set without it, and is the one the decorator sets."""
+    code = ("import sys; import diffattn_tutorial, diffattn_tutorial.cpu_kernel, diffattn_tutorial.cli; "
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    marked = backends.constant_under_compile(lambda: 0)
+    assert vars(torch.compiler.assume_constant_result(lambda: 0)) == vars(marked) == {"_dynamo_marked_constant": True}
