@@ -802,7 +802,8 @@ _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     **{("_diff_attn_bwd_dkdv", form): {d: _FP32_KV for d in (16, 32, 64, 128)} for form in ("dkdv", "dv", "dk", "dk1")},
     **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq2", "dq1")},
 }
-# Ampere (sm_80: mma.sync, both operands in registers): one map per program at every head dim, smaller tiles
+# Ampere and Ada (sm_80, sm_86, sm_89: mma.sync, both operands in registers): one map per program at every head
+# dim, smaller tiles; each entry clean on all three targets (their ptxas allocate registers differently)
 _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "map"): {
         16: [_C(64, 64, 4, 2), _C(128, 64, 8, 2), _C(64, 32, 4, 2)],
@@ -819,14 +820,14 @@ _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_bwd_dkdv", "dk1"): {
         16: [_C(32, 64, 4, 2), _C(32, 128, 8, 2)],
         32: [_C(32, 64, 4, 2), _C(32, 128, 8, 2)],
-        64: [_C(16, 64, 4, 2)],
+        64: [_C(16, 64, 4, 1), _C(16, 32, 2, 2)],  # 16x64 w4 s2 spilled 4 B on sm_86 (GQA 4:1)
         128: [_C(32, 32, 4, 2)],
     },
-    ("_diff_attn_bwd_dq", "dq1"): {
-        16: [_C(64, 32, 4, 2)],
-        32: [_C(64, 64, 4, 2), _C(64, 32, 4, 2), _C(128, 32, 8, 2)],
-        64: [_C(128, 32, 8, 2)],
-        128: [_C(32, 32, 4, 2)],
+    ("_diff_attn_bwd_dq", "dq1"): {  # spilled 4-32 B on sm_80/86/89 at 255 registers: 64x64 w4 (d 32),
+        16: [_C(64, 32, 4, 2)],  # 128x32 w8 (d 64), 32x32 w4 (d 128); 8 warps over 32 or 64 rows compute
+        32: [_C(64, 32, 4, 2), _C(128, 32, 8, 2)],  # the same product twice (dup 2): not kept either
+        64: [_C(64, 16, 4, 2), _C(128, 16, 8, 2)],
+        128: [_C(32, 32, 2, 2), _C(32, 16, 2, 2)],
     },
 }
 # Turing (sm_75: T4, RTX 20xx; float16 only, 64 KiB of shared memory per block). This Triton (3.9) has no
@@ -1051,7 +1052,11 @@ def _grad_buffer(t: Tensor, written: bool) -> Tensor:
 
 
 def _lam4(lam: Tensor, B: int, H: int, Nq: int) -> Tensor:
-    return lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
+    """``lam`` as a ``(B, H, Nq, 1)`` view for the kernels, which index its rows as ``row * stride`` in int32: a
+    per-token lambda whose row stride times ``Nq`` reaches 2**31 (a slice of a wide tensor) is copied (``B H Nq``
+    values, read-only: its gradient is computed on the host)."""
+    lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
+    return lam4.contiguous() if abs(lam4.stride(2)) * Nq >= 2**31 else lam4
 
 
 class _DiffAttnFn(torch.autograd.Function):

@@ -509,3 +509,14 @@ def test_gradient_for_lambda_only():
         out = diff_attention(q, k, v, lam_leaf, causal=True, backend=backend)
         grads[backend] = torch.autograd.grad(out.square().sum(), lam_leaf)[0]
     torch.testing.assert_close(grads["triton"], grads["naive"], rtol=1e-4, atol=1e-4)
+
+
+def test_lambda_rows_past_int32_offsets_are_copied():
+    """The kernels index lambda's rows as ``row * stride`` in int32: a per-token lambda cut from a wide tensor
+    whose row stride times Nq reaches 2**31 is passed as a contiguous copy (shapes only: meta tensors)."""
+    from diffattn_tutorial.triton_diff import _lam4
+
+    wide = torch.empty(1, 2, 65536, 2**15, device="meta")[..., :1]  # row stride 2**15, 2**16 rows
+    assert _lam4(wide, 1, 2, 65536).stride() == (131072, 65536, 1, 1)
+    narrow = torch.empty(1, 2, 1000, 8, device="meta")[..., :1]
+    assert _lam4(narrow, 1, 2, 1000).stride()[2] == 8  # read in place

@@ -10,8 +10,9 @@ of a slice) is part of what is compared.
 
 The kernels write raw pointers: a gradient buffer written with the wrong strides corrupts the heap (issue 23: the
 backward wrote with the input's strides into a dense buffer). So the examples run in a **worker subprocess**
-under Triton's interpreter: a crash fails the example (and hypothesis shrinks it) instead of ending pytest. Every
-buffer the kernels write is filled with NaN first (``DIFFATTN_TRITON_POISON=1``), so an unwritten gradient shows.
+(under Triton's interpreter without a GPU, compiled on one): a crash fails the example (and hypothesis shrinks it)
+instead of ending pytest. Every buffer the kernels write is filled with NaN first (``DIFFATTN_TRITON_POISON=1``),
+so an unwritten gradient shows.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ EXAMPLE_TIMEOUT_S = 300
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the worker: runs in a subprocess with TRITON_INTERPRET=1; one JSON example per stdin line, one answer per line
+# the worker: a subprocess (Triton interpreted without a GPU); one JSON example per stdin line, one answer per line
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -84,25 +85,25 @@ def _lam_layout(kind, B, H, Nq, g):
 
 
 def _mask_layout(kind, B, H, Nq, Nk, g):
-    """The mask (no gradient) in layout ``kind``; None for ``none``."""
+    """``(stored, view)``: the mask (no gradient) in layout ``kind`` is ``view(stored)``; ``(None, None)`` for
+    ``none``."""
     import torch
 
     allowed = torch.rand(B, 1, Nq, Nk, generator=g) < 0.75
-    bias = torch.randn(Nq, Nk, generator=g)
+    bias = torch.randn(Nq, Nk, generator=g).masked_fill(~allowed[0, 0], float("-inf"))
     if kind == "bool_2d":
-        return allowed[0, 0]
+        return allowed[0, 0], lambda t: t
     if kind == "bool_expanded":  # (B, 1, Nq, Nk) expanded over the heads: stride 0
-        return allowed.expand(B, H, Nq, Nk)
+        return allowed, lambda t: t.expand(B, H, Nq, Nk)
     if kind == "additive_transposed":  # stored (Nk, Nq): the last dim is strided
-        return bias.masked_fill(~allowed[0, 0], float("-inf")).t().contiguous().t()
+        return bias.t().contiguous(), lambda t: t.t()
     if kind == "additive_gap":  # a slice of a wider buffer: rows with a gap, at an offset
         wide = torch.randn(Nq, Nk + 4, generator=g)
-        wide[:, 1:Nk + 1] = bias.masked_fill(~allowed[0, 0], float("-inf"))
-        return wide[:, 1:Nk + 1]
+        wide[:, 1:Nk + 1] = bias
+        return wide, lambda t: t[:, 1:Nk + 1]
     if kind == "additive_offset":
-        flat = torch.cat([torch.randn(3, generator=g), bias.flatten()])
-        return flat[3:].view(Nq, Nk)
-    return None
+        return torch.cat([torch.randn(3, generator=g), bias.flatten()]), lambda t: t[3:].view(Nq, Nk)
+    return None, None
 
 
 def run_example(ex: dict) -> dict:
@@ -111,16 +112,18 @@ def run_example(ex: dict) -> dict:
 
     from diffattn_tutorial.functional import diff_attention
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU compiles the kernels; a CPU interprets them
     g = torch.Generator().manual_seed(ex["seed"])
     B, H, Hkv, Nq, Nk, d = ex["B"], ex["H"], ex["Hkv"], ex["Nq"], ex["Nk"], ex["d"]
     shapes = {"q": (B, 2 * H, Nq, d), "k": (B, 2 * Hkv, Nk, d), "v": (B, Hkv, Nk, 2 * d)}
     made = {name: _tensor_layout(torch.randn(*shape, generator=g), ex[name]) for name, shape in shapes.items()}
     made["lam"] = _lam_layout(ex["lam"], B, H, Nq, g)
-    mask = _mask_layout(ex["mask"], B, H, Nq, Nk, g)
-    upstream = torch.randn(B, H, Nq, 2 * d, generator=g)
+    stored, mask_view = _mask_layout(ex["mask"], B, H, Nq, Nk, g)
+    mask = None if stored is None else mask_view(stored.to(device))  # the layout made where it is used
+    upstream = torch.randn(B, H, Nq, 2 * d, generator=g).to(device)
     results = {}
     for backend in ("triton", "naive"):
-        leaves = {n: leaf.detach().clone().requires_grad_() for n, (leaf, _) in made.items()}
+        leaves = {n: leaf.detach().clone().to(device).requires_grad_() for n, (leaf, _) in made.items()}
         views = {n: made[n][1](leaves[n]) for n in made}
         out = diff_attention(views["q"], views["k"], views["v"], views["lam"], causal=ex["causal"],
                              attn_mask=mask, backend=backend)
@@ -140,8 +143,10 @@ def run_example(ex: dict) -> dict:
 
 def worker_main() -> None:
     """Answer one JSON line per example read from stdin (an exception is an answer too; a crash is not)."""
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-    import torch  # noqa: F401  (imported before reading, so the first example is not slower)
+    import torch  # before triton: whether the interpreter is needed (no GPU) must be known first
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
     from diffattn_tutorial import functional  # noqa: F401
 
@@ -180,8 +185,8 @@ class Worker:
     """A subprocess answering examples; restarted after a crash, which it reports as a failed answer."""
 
     def __init__(self):
-        self.env = dict(os.environ, TRITON_INTERPRET="1", DIFFATTN_TRITON_POISON="1",
-                        DIFFATTN_TRITON_AUTOTUNE="0", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        self.env = dict(os.environ, DIFFATTN_TRITON_POISON="1", DIFFATTN_TRITON_AUTOTUNE="0",
+                        PYTHONPATH=str(Path(__file__).resolve().parents[1]))
         self.proc = None
         self.stderr = None
 
