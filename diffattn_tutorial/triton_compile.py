@@ -5,21 +5,27 @@ kernel to PTX and assembles it with the ``ptxas`` shipped inside the Triton whee
 many registers each thread uses and how many bytes it spills to local memory. This module compiles every
 launch :func:`diffattn_tutorial.triton_diff.triton_diff_attention` makes (captured from the real host code, so
 the arguments, strides and constexprs are exactly those of a run) for every configuration its autotuner may
-pick, and records per compile (:class:`Facts`):
+pick, for each target of :data:`ARCHS` (the GPUs learners have: T4 sm_75, A100 sm_80, RTX 30xx sm_86, L4 and
+RTX 40xx sm_89, H100 sm_90a), and records per compile (:class:`Facts`):
 
 * ``regs``, ``spill_stores``, ``spill_loads``, ``stack``: from ``ptxas -v`` (255 registers is the ceiling);
-* ``shared``: bytes of shared memory (limits: 227 KiB per block on an H100, 163 KiB on an A100);
+* ``shared``: bytes of shared memory (limits per block: 227 KiB H100, 163 KiB A100, 99 KiB sm_86/sm_89, 64 KiB
+  T4);
 * ``wgmma`` / ``mma_sync``: Hopper's warpgroup matrix instructions vs the Ampere path, counted in the PTX,
-  and the ``wgmma`` shapes (``m64n64k16``...);
+  and the ``wgmma`` shapes (``m64n64k16``...); neither on sm_75, where this Triton (3.9) lowers dots to FMA;
 * ``dup``: how many times a matrix product is computed redundantly. Triton spreads a dot over the warps of
   a program; on Hopper each warpgroup (4 warps) owns 64 rows, so a dot of 64 rows run by 8 warps is done
   twice, once per warpgroup (read from the layouts in the TTGIR);
 * ``p_via_smem``: the probabilities P change layout through shared memory before the ``P V`` product.
 
-:meth:`Facts.problems` turns them into failures: a compile error, any spill, shared memory over the limit,
-or on sm_90a a 16-bit dot that is not ``wgmma`` or a duplicated dot. ``tests/test_triton_compile.py`` runs a
-representative subset; ``python -m diffattn_tutorial.triton_compile --all --write`` runs every case and writes
-``diffattn_tutorial/recorded/compile_facts.json`` (read it with :func:`recorded_facts`, from any folder).
+:meth:`Facts.problems` turns them into failures: a compile error, any spill, shared memory or registers over the
+target's limits, on sm_90a a 16-bit dot that is not ``wgmma`` or a duplicated dot, on sm_80-89 a 16-bit dot that
+is not ``mma.sync``. Each case runs on a target as the library runs it there (:func:`case_on`: no bf16 on sm_75,
+training there up to d = 64). ``tests/test_triton_compile.py`` runs a representative subset for sm_90a and sm_75;
+``python -m diffattn_tutorial.triton_compile --all --write`` runs every case for every target and writes
+``diffattn_tutorial/recorded/compile_facts.json`` (read it with :func:`recorded_facts`, from any folder);
+``--all --archs sm_80 --write`` redoes one target and keeps the others' facts (:func:`merge_runs`), so the full
+check can be recorded in one run per target.
 
 Triton's compiler cannot run in a process where ``TRITON_INTERPRET=1`` was set before triton was imported
 (the kernels are interpreter functions there), so :func:`compile_check` then runs itself in a subprocess.
