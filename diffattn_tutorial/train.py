@@ -740,6 +740,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     check_backend_here(cfg.attn_backend, ctx.device)
+    _mixed_precision(cfg, ctx)  # its refusals (a precision this device lacks) come before the run folder is touched
     run = D.on_main(lambda: _resume_from(cfg) if cfg.resume else _start_fresh(cfg), ctx)
     for reason in run.skipped if ctx.is_main else ():
         print(f"warning: {reason}; skipped", file=sys.stderr, flush=True)
@@ -773,7 +774,6 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
                "params_per_rank": D.gather_ints(D.local_numel(model), ctx), "config": cfg.to_json(),
                **({"resumed_from": Path(run.checkpoint).name} if run.checkpoint else {}),
                **({"skipped_checkpoints": list(run.skipped)} if run.skipped else {})})
-    _mixed_precision(cfg, ctx)  # its refusals (a precision this device lacks) come before the run folder is touched
     losses, t0 = [], time.perf_counter()
     tokens = sum(cfg.global_batch * source.row_len(s) for s in range(start))
     bar = tqdm(range(start, stop), desc=f"{cfg.attention} x{ctx.world_size}", disable=not (cfg.progress and ctx.is_main),
