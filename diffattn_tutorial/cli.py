@@ -3,7 +3,7 @@
     diffattn-tutorial doctor              versions, devices, and which attention backends work here
     diffattn-tutorial bench [options]     time and peak memory of every backend, side by side
     diffattn-tutorial check NOTEBOOK      run your exercise notebook and print a scorecard
-    diffattn-tutorial train [options]     train a TinyLM (python -m diffattn_tutorial.train; torchrun for many processes)
+    diffattn-tutorial train [options]     train a TinyLM (python -m diffattn_tutorial.training.loop; torchrun for many processes)
 
 Bad input ends with one line on stderr naming the fix, and exit code 2: no traceback.
 """
@@ -18,6 +18,8 @@ import tempfile
 from typing import Callable, NoReturn, Optional
 
 import torch
+
+from diffattn_tutorial.argtypes import int_at_least
 
 
 def _version(module: str) -> str:
@@ -43,7 +45,7 @@ class CommandError(Exception):
 def cache_report() -> str:
     """One line on the cache folder (``experiments.cache_dir``: trained models, compiled kernels): where it is
     and whether this process can write there, with the fix when not."""
-    from diffattn_tutorial.experiments import CACHE_ENV, cache_dir
+    from diffattn_tutorial.training.study import CACHE_ENV, cache_dir
 
     folder = cache_dir()
     if folder is None:
@@ -86,22 +88,6 @@ def doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number ``>= minimum``; the error names the value and the bound."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-
-    parse.__name__ = "whole number"  # what argparse calls the type in its own messages
-    return parse
-
-
 _positive_int = int_at_least(1)
 
 
@@ -142,7 +128,7 @@ def _bench_device_here(device: Optional[torch.device]) -> torch.device:
 
 def bench(args: argparse.Namespace) -> int:
     """Time every backend side by side and print a Markdown table (ratios against naive)."""
-    from diffattn_tutorial import bench as B
+    from diffattn_tutorial.measure import timing as B
     from diffattn_tutorial.functional import backend_status
 
     device = _bench_device_here(args.device)
@@ -169,8 +155,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    """Run a learner's exercise notebook and print one line per task (see ``diffattn_tutorial.scorecard``)."""
-    from diffattn_tutorial.scorecard import check_notebook
+    """Run a learner's exercise notebook and print one line per task (see ``diffattn_tutorial.course.scorecard``)."""
+    from diffattn_tutorial.course.scorecard import check_notebook
 
     return check_notebook(args.notebook, timeout=args.timeout)
 
@@ -199,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell (at least 1)")
     p.set_defaults(func=check)
     sub.add_parser("train", add_help=False, help="train a TinyLM: see 'diffattn-tutorial train --help' "
-                                                 "(torchrun -m diffattn_tutorial.train for several processes)")
+                                                 "(torchrun -m diffattn_tutorial.training.loop for several processes)")
     return ap
 
 
@@ -207,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """The command: returns the exit code (2 after a one-line error naming the fix, 130 after Ctrl-C)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the training entry point parses its own options
-        from diffattn_tutorial.train import main as train_main
+        from diffattn_tutorial.training.loop import main as train_main
 
         return train_main(argv[1:], prog="diffattn-tutorial train")
     args = build_parser().parse_args(argv)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from diffattn_tutorial import backends
+from diffattn_tutorial.constants import LOG2E  # noqa: F401 (the functional API names it too)
 from diffattn_tutorial.backends import Backend, Call, Needs
 
 Tensor = torch.Tensor
@@ -55,8 +56,6 @@ FORWARD_ONLY = backends.FORWARD_ONLY
 resolve_backend = backends.resolve_backend
 backend_status = backends.backend_status
 
-LOG2E = 1.4426950408889634
-"""``1 / ln 2``: the fused kernels (Triton's and the CPU's) use ``exp2``, so their scores are in base-2 units."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,21 +466,12 @@ def _sdpa_padded(q, k, v, lam, mask, is_causal, scale, dropout_p):
 
 @backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
 def _triton_available() -> tuple[bool, str]:
-    """Whether the Triton kernels can run here (:func:`diffattn_tutorial.triton_diff.triton_available`)."""
+    """Whether the Triton kernels can run here (:func:`diffattn_tutorial.kernels.triton.flash_diff.triton_available`)."""
     try:
-        from diffattn_tutorial.triton_diff import triton_available
+        from diffattn_tutorial.kernels.triton.flash_diff import triton_available
     except ImportError as e:  # triton not installed (e.g. macOS)
         return False, f"triton is not importable ({e})"
     return triton_available()
-
-
-@backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
-def _cpu_kernel_status() -> tuple[bool, str]:
-    """Whether the fused CPU kernel builds, loads and passes its self-check here (:func:`~diffattn_tutorial.
-    cpu_kernel.kernel_status`)."""
-    from diffattn_tutorial.cpu_kernel import kernel_status
-
-    return kernel_status()
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
@@ -505,15 +495,9 @@ def _on_sdpa(formulation):
 
 
 def _run_triton(c: Call) -> Tensor:
-    from diffattn_tutorial.triton_diff import triton_diff_attention
+    from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
 
     return triton_diff_attention(c.q, c.k, c.v, c.lam, causal=c.causal, attn_mask=c.mask, scale=c.scale)
-
-
-def _run_cpu_fused(c: Call) -> Tensor:
-    from diffattn_tutorial.cpu_kernel import fused_diff_attention
-
-    return fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
 
 
 def _sdpa_status(device: torch.device) -> tuple[bool, str]:
@@ -553,11 +537,6 @@ for _backend in (
             "CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status, devices=("cuda", "cpu"),
             dtypes=_HALF, dropout=False, mask_grad=False, compiles=False, family="kernel",
             requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
-    Backend("cpu_fused", "a fused C++ CPU kernel (`csrc/diff_attention_cpu.cpp`, compiled on first use by the "
-            "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
-            "in cache", _run_cpu_fused, status=lambda device: _cpu_kernel_status(), devices=("cpu",), dtypes=_HALF,
-            compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
-            requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)),
 ):
     backends.register_backend(_backend)
 del _backend

@@ -1,4 +1,4 @@
-"""Run folders and checkpoints of ``python -m diffattn_tutorial.train`` under faults: a reused ``--out``, damaged,
+"""Run folders and checkpoints of ``python -m diffattn_tutorial.training.loop`` under faults: a reused ``--out``, damaged,
 unfinished, foreign and crafted checkpoints, a broken ``config.json``, Ctrl-C, a diverging loss.
 
 Runs are tiny (a ``d_model=16`` DIFF model, a global batch of 2, a few steps: about a second each) and happen in
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn_tutorial import train as T
-from diffattn_tutorial.runlog import read_records, read_steps
-from diffattn_tutorial.train import MANIFEST, CheckpointError, checkpoint_dir, load_model, main, verify_checkpoint
+from diffattn_tutorial.training import loop as T
+from diffattn_tutorial.training.runlog import read_records, read_steps
+from diffattn_tutorial.training.loop import MANIFEST, CheckpointError, checkpoint_dir, load_model, main, verify_checkpoint
 
 TINY = ["--d-model", "16", "--steps", "4", "--warmup", "1", "--global-batch", "2", "--batch-size", "2",
         "--no-progress"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial import flops
+from diffattn_tutorial.measure import flops
 from diffattn_tutorial.checks import CheckFailed, check_sdpa_split, check_sdpa_split_flops
 from diffattn_tutorial.functional import causal_mask, diff_attention
 

@@ -103,7 +103,7 @@ def _library_backends() -> tuple[str, ...]:
 
 
 def _relative_flops() -> dict[str, float]:
-    from diffattn_tutorial import flops
+    from diffattn_tutorial.measure import flops
 
     out = {}
     for name in _library_backends():

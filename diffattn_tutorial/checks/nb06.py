@@ -13,7 +13,7 @@ from einops import rearrange
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import blocked_as_interleaved, kv_heads_one_by_one, seeded, swap_pairs, tiled_kv
 from diffattn_tutorial.functional import causal_mask, diff_attention, expand_kv_groups, lambda_init_fn, rms_norm
-from diffattn_tutorial.modules import MultiheadDiffAttn
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 
 __all__ = ["check_causal_mask", "check_expand_kv", "check_forward"]
 

@@ -1,23 +1,23 @@
-"""Train the library's :class:`~diffattn_tutorial.model.TinyLM` with the standard PyTorch stack, on one CPU or
-many GPUs: ``python -m diffattn_tutorial.train`` (also ``diffattn-tutorial train``), launched by ``torchrun``.
+"""Train the library's :class:`~diffattn_tutorial.training.model.TinyLM` with the standard PyTorch stack, on one CPU or
+many GPUs: ``python -m diffattn_tutorial.training.loop`` (also ``diffattn-tutorial train``), launched by ``torchrun``.
 
-    python -m diffattn_tutorial.train --attention diff --steps 200 --out runs/diff             # one process
-    torchrun --nproc_per_node=2 -m diffattn_tutorial.train --attention diff --strategy fsdp2 \\
+    python -m diffattn_tutorial.training.loop --attention diff --steps 200 --out runs/diff             # one process
+    torchrun --nproc_per_node=2 -m diffattn_tutorial.training.loop --attention diff --strategy fsdp2 \\
         --global-batch 32 --batch-size 8 --out runs/diff                                          # two processes
 
 What the script does, and where each piece lives:
 
-* **Data** (:class:`RunConfig` ``task``): the multi-needle retrieval task (:class:`~diffattn_tutorial.data.
+* **Data** (:class:`RunConfig` ``task``): the multi-needle retrieval task (:class:`~diffattn_tutorial.training.needle.
   NeedleTask`, step ``t`` on setting ``SETTINGS[t % 4]`` as in notebook 07) or the generated text corpus
-  (:class:`~diffattn_tutorial.corpus.TextTask`). Row ``i`` of step ``t``'s global batch is drawn from its own
+  (:class:`~diffattn_tutorial.training.corpus.TextTask`). Row ``i`` of step ``t``'s global batch is drawn from its own
   generator seeded by ``(seed, t, i)``, so the global batch is the same whatever the number of processes; each
-  rank builds only its rows (:func:`~diffattn_tutorial.distributed.micro_batch_rows`).
+  rank builds only its rows (:func:`~diffattn_tutorial.training.distributed.micro_batch_rows`).
 * **Global batch** = ``batch_size`` (per rank and micro-step) x world size x ``grad_accum``. Give
   ``--global-batch`` and the accumulation is derived for the world size at hand, so the same command trains the
   same model on 1 CPU process or 8 GPUs. Each micro-step's loss is its rows' mean divided by ``grad_accum``;
   all rows hold the same number of targets, so the averaged gradients are those of the global batch's mean loss.
 * **Parallelism** (``--strategy``): ``ddp`` or ``fsdp2`` (``fully_shard``, one unit per block), gloo on CPUs,
-  NCCL on GPUs (:mod:`diffattn_tutorial.distributed`).
+  NCCL on GPUs (:mod:`diffattn_tutorial.training.distributed`).
 * **Mixed precision** on GPU only (``--precision auto`` = the GPU's 16-bit dtype, fp32 on CPU): bf16 from compute
   capability 8.0 (A100, RTX 30xx/40xx, L4, H100), fp16 below (Colab's T4), as ``gpu_bench.preferred_half_dtype``
   decides; ``bf16`` asked for on a T4 is refused, naming fp16. DDP runs the forward under ``torch.autocast`` in
@@ -44,8 +44,8 @@ What the script does, and where each piece lives:
   hashes catch accidents, not attacks. A checkpoint without a valid manifest is refused unless you pass
   ``--allow-unverified-checkpoint`` (``allow_unverified=True``).
 * **Output** (``--out DIR``, a new or empty folder; ``--resume`` continues the run in it, ``--overwrite`` clears
-  it first): ``config.json``, ``metrics.jsonl`` (JSON lines, :mod:`diffattn_tutorial.runlog`, plotted by
-  :func:`~diffattn_tutorial.runlog.plot_loss_curves`), ``checkpoints/step_NNNNNN/``; a ``tqdm`` bar on rank 0.
+  it first): ``config.json``, ``metrics.jsonl`` (JSON lines, :mod:`diffattn_tutorial.training.runlog`, plotted by
+  :func:`~diffattn_tutorial.training.runlog.plot_loss_curves`), ``checkpoints/step_NNNNNN/``; a ``tqdm`` bar on rank 0.
   Ctrl-C stops a run with "stopped at step N" and the checkpoint to resume from, exit code 130 (under ``torchrun``,
   torchrun reports its workers' end); bad options exit with 2 and one line naming the fix.
 """
@@ -74,15 +74,15 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from diffattn_tutorial import distributed as D
-from diffattn_tutorial.cli import int_at_least
-from diffattn_tutorial.corpus import TextTask
-from diffattn_tutorial.data import NeedleTask
-from diffattn_tutorial.experiments import SETTINGS, lr_factor, retrieval_loss
+from diffattn_tutorial.training import distributed as D
+from diffattn_tutorial.argtypes import int_at_least
+from diffattn_tutorial.training.corpus import TextTask
+from diffattn_tutorial.training.needle import NeedleTask
+from diffattn_tutorial.training.study import SETTINGS, lr_factor, retrieval_loss
 from diffattn_tutorial.functional import BACKENDS, FORWARD_ONLY
-from diffattn_tutorial.model import ATTENTIONS, LMConfig, TinyLM
-from diffattn_tutorial.modules import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
-from diffattn_tutorial.runlog import MetricsLog, read_records
+from diffattn_tutorial.training.model import ATTENTIONS, LMConfig, TinyLM
+from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
+from diffattn_tutorial.training.runlog import MetricsLog, read_records
 
 Tensor = torch.Tensor
 
@@ -100,7 +100,7 @@ class RunConfig:
     """Everything that defines a training run (the command line's options, resolved for the world size).
 
     Model: ``attention`` (baseline / diff / diff_v2), ``d_model``, ``n_layers``, ``n_heads`` (the baseline's
-    heads, as in :class:`~diffattn_tutorial.model.LMConfig`), ``attn_backend``. Data: ``task`` (needle / text),
+    heads, as in :class:`~diffattn_tutorial.training.model.LMConfig`), ``attn_backend``. Data: ``task`` (needle / text),
     ``seq_len`` (text windows). Optimisation: ``steps``, AdamW ``lr`` (linear warm-up over ``warmup`` steps, then
     cosine to 0), ``weight_decay``, gradient-norm ``clip``, ``seed``. Batch: ``batch_size`` rows per rank and
     micro-step, ``grad_accum`` micro-steps, ``global_batch = batch_size x world x grad_accum``. Run:
@@ -331,7 +331,7 @@ def half_dtype(precision: str, device: torch.device, strategy: str = "ddp") -> O
     """The 16-bit dtype a run computes in, or None for float32: ``auto`` is fp32 on a CPU and
     ``gpu_bench.preferred_half_dtype`` on a GPU (bf16 from compute capability 8.0, fp16 below); ``bf16`` and
     ``fp16`` need a GPU, ``bf16`` one with bf16 arithmetic, ``fp16`` (loss-scaled) the ``ddp`` strategy."""
-    from diffattn_tutorial.gpu_bench import check_half_dtype, preferred_half_dtype
+    from diffattn_tutorial.measure.gpu import check_half_dtype, preferred_half_dtype
 
     if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
         return None
@@ -848,7 +848,7 @@ class UsageError(ValueError):
     """A bad command line: the message names the option and the fix."""
 
 
-def build_parser(prog: str = "python -m diffattn_tutorial.train") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m diffattn_tutorial.training.loop") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=__doc__.splitlines()[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = RunConfig()
@@ -911,7 +911,7 @@ _finite.__name__ = "number"
 
 
 def config_from_args(argv: Optional[list[str]], world_size: int,
-                     prog: str = "python -m diffattn_tutorial.train") -> RunConfig:
+                     prog: str = "python -m diffattn_tutorial.training.loop") -> RunConfig:
     """Parse ``argv`` into a :class:`RunConfig` for ``world_size`` processes; bad input raises
     :class:`UsageError` naming the option and the fix."""
     args = vars(build_parser(prog).parse_args(argv))
@@ -935,7 +935,7 @@ def config_from_args(argv: Optional[list[str]], world_size: int,
         raise UsageError(str(e)) from None
 
 
-def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutorial.train") -> int:
+def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutorial.training.loop") -> int:
     """The command line: parse, join the process group (under ``torchrun``), train, leave. Returns the exit
     code: 0 on success, 2 for a usage error or a run that cannot start (one line on stderr naming the fix), 1 when
     training fails (a diverging loss, a full disk), 130 after Ctrl-C (``prog``: the command's name in messages)."""

@@ -206,7 +206,7 @@ def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int,
             "b": b, "h": h, "n": n, "d": d, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
             "threads": threads or torch.get_num_threads(), "include_output": include_output}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.bench", "--memory-child", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.measure.timing", "--memory-child", json.dumps(spec)],
                           capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"the memory-measuring child failed:\n{proc.stderr[-3000:]}")
