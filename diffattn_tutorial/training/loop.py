@@ -54,10 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import hashlib
 import json
-import logging
 import math
 import os
 import platform
@@ -65,259 +62,43 @@ import shutil
 import sys
 import time
 import uuid
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional, Union
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from diffattn_tutorial.training import distributed as D
 from diffattn_tutorial.argtypes import int_at_least
-from diffattn_tutorial.training.corpus import TextTask
-from diffattn_tutorial.training.needle import NeedleTask
-from diffattn_tutorial.training.study import SETTINGS, lr_factor, retrieval_loss
-from diffattn_tutorial.functional import BACKENDS, FORWARD_ONLY
-from diffattn_tutorial.training.model import ATTENTIONS, LMConfig, TinyLM
-from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
+from diffattn_tutorial.functional import BACKENDS
+from diffattn_tutorial.training import distributed as D
+from diffattn_tutorial.training.checkpoints import (
+    RUN_FILES,
+    CheckpointError,
+    CheckpointSaveError,
+    UnverifiedCheckpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_run_config,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from diffattn_tutorial.training.config import (
+    MAX_LR,
+    PRECISIONS,
+    RUN_DEFINING,
+    TASKS,
+    DataSource,
+    LMBatch,
+    RunConfig,
+    build,
+    check_backend_here,
+)
+from diffattn_tutorial.training.model import ATTENTIONS
 from diffattn_tutorial.training.runlog import MetricsLog, read_records
+from diffattn_tutorial.training.study import lr_factor, retrieval_loss
 
 Tensor = torch.Tensor
-
-TASKS: tuple[str, ...] = ("needle", "text")
-PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
-
-RUN_DEFINING: tuple[str, ...] = ("task", "attention", "d_model", "n_layers", "n_heads", "seq_len", "steps", "lr",
-                                 "warmup", "weight_decay", "clip", "seed", "global_batch")
-"""The fields a resumed run must share with its checkpoint (the rest, such as the world size, the strategy or
-how the global batch is split into micro-batches, may change between the two)."""
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything that defines a training run (the command line's options, resolved for the world size).
-
-    Model: ``attention`` (baseline / diff / diff_v2), ``d_model``, ``n_layers``, ``n_heads`` (the baseline's
-    heads, as in :class:`~diffattn_tutorial.training.model.LMConfig`), ``attn_backend``. Data: ``task`` (needle / text),
-    ``seq_len`` (text windows). Optimisation: ``steps``, AdamW ``lr`` (linear warm-up over ``warmup`` steps, then
-    cosine to 0), ``weight_decay``, gradient-norm ``clip``, ``seed``. Batch: ``batch_size`` rows per rank and
-    micro-step, ``grad_accum`` micro-steps, ``global_batch = batch_size x world x grad_accum``. Run:
-    ``strategy``, ``precision``, ``compile``, ``device``, ``threads`` (torch CPU threads; None: as set, which
-    ``torchrun`` makes 1 per process), ``out``, ``checkpoint_every`` (0: only at the end),
-    ``stop_at`` (stop after that step, as a time-limited job would), ``resume``, ``overwrite`` (clear ``out``
-    first), ``allow_unverified`` (load checkpoints without a valid manifest: trusted folders only), ``progress``.
-    """
-
-    task: str = "needle"
-    attention: str = "diff"
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    attn_backend: str = "auto"
-    seq_len: int = 128
-    steps: int = 200
-    lr: float = 3e-3
-    warmup: int = 20
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    seed: int = 0
-    batch_size: int = 8
-    grad_accum: int = 1
-    global_batch: int = 8
-    strategy: str = "ddp"
-    precision: str = "auto"
-    compile: bool = False
-    compile_backend: str = "inductor"
-    device: str = "auto"
-    threads: Optional[int] = None
-    out: str = "runs/train"
-    checkpoint_every: int = 0
-    stop_at: Optional[int] = None
-    resume: bool = False
-    overwrite: bool = False
-    allow_unverified: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        choices = {"task": TASKS, "attention": ATTENTIONS, "strategy": D.STRATEGIES, "precision": PRECISIONS,
-                   "attn_backend": ("auto",) + BACKENDS, "device": ("auto", "cpu", "cuda")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("d_model", "n_layers", "n_heads", "seq_len", "steps", "batch_size", "grad_accum",
-                     "global_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"threads must be a whole number >= 1 or None, got {self.threads!r}")
-        if self.warmup < 0 or self.checkpoint_every < 0:
-            raise ValueError("warmup and checkpoint_every must be >= 0")
-        self._check_floats()
-        if self.resume and self.overwrite:
-            raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of the two")
-        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
-            raise ValueError(f"stop_at must lie in 1..steps={self.steps}, got {self.stop_at}")
-        if self.global_batch % (self.batch_size * self.grad_accum):
-            raise ValueError(f"global_batch={self.global_batch} is not batch_size={self.batch_size} x world x "
-                             f"grad_accum={self.grad_accum}")
-        if self.attn_backend != "auto" and self.attention != "diff" and self.attn_backend not in ("naive", "sdpa"):
-            raise ValueError(f"attn_backend {self.attn_backend!r} is a differential-attention backend; "
-                             f"attention={self.attention!r} takes 'auto', 'naive' or 'sdpa'")
-        if self.attn_backend in FORWARD_ONLY:
-            raise ValueError(f"attn_backend {self.attn_backend!r} is forward-only (inference, no gradients); to "
-                             f"train use 'auto', 'naive', 'chunked' or an sdpa formulation")
-        if self.compile or self.compile_backend != "inductor":
-            _check_compile_backend(self.compile_backend)
-
-    def _check_floats(self) -> None:
-        """``lr``, ``weight_decay`` and ``clip``: finite, in the ranges where AdamW and clipping mean something."""
-        bad = [f"{name}={value!r}" for name in ("lr", "weight_decay", "clip")
-               for value in [getattr(self, name)] if isinstance(value, bool) or not isinstance(value, (int, float))
-               or not math.isfinite(value)]
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: lr, weight_decay and clip must be finite numbers (e.g. lr=3e-3, "
-                             f"weight_decay=0.01, clip=1.0)")
-        if not 0 < self.lr <= MAX_LR:
-            raise ValueError(f"lr must lie in (0, {MAX_LR}], got {self.lr}: AdamW moves every weight by about lr "
-                             f"per step, so a larger one diverges at once (try 1e-4 to 1e-2)")
-        if not 0 <= self.weight_decay * self.lr < 1:
-            raise ValueError(f"weight_decay must be >= 0 and below 1/lr = {1 / self.lr:.4g} (AdamW multiplies the "
-                             f"weights by 1 - lr x weight_decay each step), got {self.weight_decay}; try 0.01")
-        if not self.clip > 0:
-            raise ValueError(f"clip (the gradient-norm limit) must be > 0, got {self.clip}; try 1.0")
-
-    @property
-    def world_size(self) -> int:
-        return self.global_batch // (self.batch_size * self.grad_accum)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-MAX_LR = 1.0
-"""The largest learning rate :class:`RunConfig` accepts."""
-
-
-def _check_compile_backend(name: str) -> None:
-    import torch._dynamo
-
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if name not in known:
-        raise ValueError(f"compile_backend {name!r} is not a torch.compile backend; choose one of "
-                         f"{', '.join(torch._dynamo.list_backends())} or 'eager' (trace only)")
-
-
-def check_backend_here(backend: str, device: torch.device) -> None:
-    """Refuse an attention backend that cannot run on ``device`` before any model is built (``triton`` needs a
-    CUDA GPU, or ``TRITON_INTERPRET=1`` on a CPU), naming the fix."""
-    if backend != "triton":
-        return
-    from diffattn_tutorial.functional import _triton_available
-
-    ok, why = _triton_available()
-    if not ok:
-        raise ValueError(f"--attn-backend triton cannot run here ({why}); use --attn-backend auto")
-
-
-# --- data ------------------------------------------------------------------------------------------------------
-
-class LMBatch(NamedTuple):
-    """Rows of a global batch: ``tokens (b, L)`` and ``targets (b, L)`` (the next token, or ``IGNORE``)."""
-
-    tokens: Tensor
-    targets: Tensor
-
-
-def row_generator(seed: int, step: int, row: int) -> torch.Generator:
-    """The generator of row ``row`` of step ``step``'s global batch: the same in every process."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_033 + row) % (2 ** 63))
-
-
-class DataSource:
-    """The rows of each step's global batch for a run's ``task`` (see the module doc)."""
-
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
-        self.needle = NeedleTask() if cfg.task == "needle" else None
-        self.text = TextTask(seq_len=cfg.seq_len) if cfg.task == "text" else None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.needle.vocab_size if self.needle else self.text.vocab_size
-
-    @property
-    def max_len(self) -> int:
-        return max(self.needle.seq_len(r) for _, r in SETTINGS) if self.needle else self.cfg.seq_len
-
-    def row_len(self, step: int) -> int:
-        """Tokens in each row of step ``step`` (the needle task's length depends on the step's setting)."""
-        return self.needle.seq_len(SETTINGS[step % len(SETTINGS)][1]) if self.needle else self.cfg.seq_len
-
-    def rows(self, step: int, rows: range) -> LMBatch:
-        """Rows ``rows`` of step ``step``'s global batch (0-based step)."""
-        toks, tgts = [], []
-        for row in rows:
-            g = row_generator(self.cfg.seed, step, row)
-            if self.needle is not None:
-                n, r = SETTINGS[step % len(SETTINGS)]
-                b = self.needle.sample(1, n, r, generator=g)
-                toks.append(b.tokens[0])
-                tgts.append(b.targets[0])
-            else:
-                t, y = self.text.sample_row(g)
-                toks.append(t)
-                tgts.append(y)
-        return LMBatch(torch.stack(toks), torch.stack(tgts))
-
-
-# --- model -----------------------------------------------------------------------------------------------------
-
-def build(cfg: RunConfig, vocab_size: int, max_len: int) -> TinyLM:
-    """The run's model, initialised from ``cfg.seed`` on the CPU (the same weights on every device and rank)."""
-    torch.manual_seed(cfg.seed)
-    model = TinyLM(LMConfig(vocab_size=vocab_size, attention=cfg.attention, d_model=cfg.d_model,
-                            n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_len=max_len))
-    set_attention_backend(model, cfg.attn_backend)
-    return model
-
-
-def set_attention_backend(model: TinyLM, backend: str) -> None:
-    """Make every attention layer of ``model`` call ``backend`` (see ``functional.diff_attention``)."""
-    for block in model.blocks:
-        attn = block.attn
-        plain = isinstance(attn, (MultiheadAttention, DiffAttnV2))
-        if plain and backend not in ("auto", "naive", "sdpa"):
-            raise ValueError(f"{type(attn).__name__} takes backend 'auto', 'naive' or 'sdpa', got {backend!r}")
-        if not isinstance(attn, (MultiheadAttention, DiffAttnV2, MultiheadDiffAttn)):
-            raise TypeError(f"unknown attention layer {type(attn).__name__}")
-        attn.backend = backend
-
-
-def graph_breaks(attention: str, backend: str, *, d_model: int = 32, n_heads: int = 4, seq_len: int = 16) -> int:
-    """Graph breaks ``torch.compile`` meets in one training forward of a ``TinyLM`` block, from
-    ``torch._dynamo.explain`` (0: the block compiles as a single graph). Runs on the CPU in a second or two."""
-    import torch._dynamo
-
-    model = TinyLM(LMConfig(vocab_size=16, attention=attention, d_model=d_model, n_heads=n_heads, n_layers=1,
-                            max_len=seq_len))
-    set_attention_backend(model, backend)
-    block, x = model.blocks[0], torch.randn(2, seq_len, d_model)
-    rope = (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
-    dynamo_log = logging.getLogger("torch._dynamo")
-    level = dynamo_log.level
-    dynamo_log.setLevel(logging.ERROR)  # explain() counts the breaks; their warnings would repeat them
-    try:
-        torch._dynamo.reset()
-        explanation = torch._dynamo.explain(block)(x, rope)
-    finally:
-        torch._dynamo.reset()
-        dynamo_log.setLevel(level)
-    return explanation.graph_break_count
-
 
 def _autocast(cfg: RunConfig, ctx: D.DistContext) -> contextlib.AbstractContextManager:
     """16-bit autocast for DDP (and single-process) runs on a GPU; FSDP2 casts through its own policy."""
@@ -358,270 +139,7 @@ def _grad_scaler(cfg: RunConfig, ctx: D.DistContext) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(ctx.device.type, enabled=fp16)
 
 
-# --- checkpoints -----------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns that it saves or loads "in a single process" when there is no process group: that is the
-    intended use here (one process, or ``load_model`` after a run), so the warning is dropped."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-MANIFEST = "manifest.json"
-"""The file rank 0 writes last into a complete checkpoint folder (see :func:`write_manifest`)."""
-
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")
-"""What a run folder holds: the only entries ``--overwrite`` deletes."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is not loaded: damaged, unfinished, unverified or of another run. The message names the
-    folder, what is wrong and what to do."""
-
-
-class UnverifiedCheckpoint(CheckpointError):
-    """A checkpoint without a usable manifest (an unfinished save, or not written by this library)."""
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (a full disk, a lost folder): the message names it."""
-
-
-def checkpoint_dir(out: Union[str, Path], step: int) -> Path:
-    return Path(out) / "checkpoints" / f"step_{step:06d}"
-
-
-def list_checkpoints(out: Union[str, Path]) -> list[Path]:
-    """Every ``step_NNNNNN`` folder under ``out/checkpoints``, complete or not, oldest first."""
-    folder = Path(out) / "checkpoints"
-    return sorted(p for p in folder.glob("step_*") if p.is_dir()) if folder.is_dir() else []
-
-
-def latest_checkpoint(out: Union[str, Path]) -> Optional[Path]:
-    """The newest checkpoint under ``out/checkpoints`` whose save finished (its :data:`MANIFEST` is written last),
-    or None. Whether its files are intact is :func:`verify_checkpoint`'s question."""
-    done = [p for p in list_checkpoints(out) if (p / MANIFEST).is_file()]
-    return done[-1] if done else None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(path: Union[str, Path], *, step: int, run_id: Optional[str], config: Optional[dict]) -> Path:
-    """Write ``path/manifest.json``: the size and sha256 of every file of the finished checkpoint ``path``, its
-    ``step``, the run's ``config`` and ``run_id``. Written to a temporary name, flushed to disk, then renamed, so
-    a manifest exists only complete, and only for a complete checkpoint."""
-    path = Path(path)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(MANIFEST)}
-    manifest = {"format": 1, "step": step, "run_id": run_id, "config": config, "files": files}
-    tmp = path / f"{MANIFEST}.tmp"
-    with tmp.open("w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / MANIFEST)
-    with contextlib.suppress(OSError):  # make the rename itself durable where the platform allows it
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return path / MANIFEST
-
-
-def _read_manifest(path: Path) -> dict:
-    """``path/manifest.json`` parsed and shape-checked; :class:`CheckpointError` when missing or unreadable."""
-    where = path / MANIFEST
-    if not where.is_file():
-        raise UnverifiedCheckpoint(f"checkpoint {path} has no {MANIFEST} (its save did not finish, or it was "
-                                   f"not written by this library)")
-    try:
-        manifest = json.loads(where.read_text())
-        files = manifest["files"]
-        if not (isinstance(files, dict) and all(isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
-                                                for v in files.values()) and isinstance(manifest["step"], int)):
-            raise ValueError("unexpected layout")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UnverifiedCheckpoint(f"checkpoint {path} has a damaged {MANIFEST} ({type(e).__name__}: "
-                                   f"{' '.join(str(e).split())[:120]})") from None
-    return manifest
-
-
-def verify_checkpoint(path: Union[str, Path], *, allow_unverified: bool = False) -> Optional[dict]:
-    """Check a checkpoint folder against its manifest before anything reads it; returns the manifest.
-
-    Raises :class:`CheckpointError` naming ``path`` when a file is missing, has another size (truncated) or
-    another sha256 (damaged or changed), or when the manifest is missing or unreadable (an unfinished save). With
-    ``allow_unverified=True`` a checkpoint without a usable manifest is let through (None is returned): only for
-    folders you trust, since torch unpickles ``.metadata`` (see the module doc). Files the manifest does not list
-    are not read by a load and are ignored.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist (or is not a folder)")
-    try:
-        manifest = _read_manifest(path)
-    except UnverifiedCheckpoint:
-        if allow_unverified:
-            return None
-        raise
-    if ".metadata" not in manifest["files"]:
-        raise CheckpointError(f"checkpoint {path}: its {MANIFEST} does not cover .metadata")
-    for name, want in manifest["files"].items():
-        file = path / name
-        if Path(name).name != name or not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} is missing")
-        size = file.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} has {size} bytes, the manifest says "
-                                  f"{want['bytes']} (truncated?)")
-        if _sha256(file) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} differs from the sha256 in its manifest")
-    if path.name.startswith("step_") and path.name != f"step_{manifest['step']:06d}":
-        raise CheckpointError(f"checkpoint {path}: its manifest says step {manifest['step']}")
-    return manifest
-
-
-def _is_main_rank() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def save_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, step: int, out: Union[str, Path], *,
-                    run_id: Optional[str] = None, config: Optional[dict] = None) -> Path:
-    """Model and optimizer state after ``step`` optimizer steps, sharded by DCP (every rank writes its part),
-    then rank 0's :func:`write_manifest` (with ``run_id`` and ``config``). A folder left by an earlier attempt at
-    the same step is cleared first, so the manifest lists this save's files only."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    path = checkpoint_dir(out, step)
-    if _is_main_rank() and path.exists():
-        shutil.rmtree(path)
-    _barrier()
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with _single_process_quiet():
-            dcp.save({"model": model_sd, "optim": optim_sd, "progress": {"step": step}}, checkpoint_id=str(path))
-    except CheckpointException as e:  # DCP wraps each rank's error, Ctrl-C included, in this BaseException
-        inner = next(iter(e.failures.values()))[0] if e.failures else e
-        if isinstance(inner, KeyboardInterrupt):
-            raise KeyboardInterrupt from None
-        raise CheckpointSaveError(f"cannot save checkpoint {path} ({type(inner).__name__}: "
-                                  f"{' '.join(str(inner).split())[:200]}); it has no manifest, so --resume skips "
-                                  f"it") from None
-    if _is_main_rank():
-        write_manifest(path, step=step, run_id=run_id, config=config)
-    _barrier()
-    return path
-
-
-def _dcp_load(state: dict, path: Path) -> None:
-    """``dcp.load`` with its failure as one :class:`CheckpointError` naming ``path`` (not a traceback per rank)."""
-    import torch.distributed.checkpoint as dcp
-
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, holding each rank's error
-
-    disabled = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # DCP logs each failed metadata read with a traceback on the root logger
-    try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - unpickling, shapes, keys: "not this checkpoint"
-        if isinstance(e, CheckpointException) and e.failures:
-            e = next(iter(e.failures.values()))[0]
-        what = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        raise CheckpointError(f"checkpoint {path} could not be loaded ({what}); it is damaged or not this run's: "
-                              f"delete it to resume from an earlier one") from None
-    finally:
-        logging.disable(disabled)
-
-
-def load_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, path: Union[str, Path], *,
-                    allow_unverified: bool = False, verified: bool = False) -> int:
-    """Load a :func:`save_checkpoint` folder into ``model`` and ``opt`` (any world size or strategy, DCP
-    reshards); returns the step it was saved after.
-
-    Only load checkpoints you trust: DCP unpickles ``.metadata``. The folder is first checked against its
-    manifest (:func:`verify_checkpoint`; ``verified=True`` when the caller just did), so a damaged one raises
-    :class:`CheckpointError` naming it, before torch reads anything.
-    """
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    path = Path(path)
-    if not verified:
-        verify_checkpoint(path, allow_unverified=allow_unverified)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd, "progress": {"step": -1}}
-    _dcp_load(state, path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["progress"]["step"])
-
-
-def read_run_config(out: Union[str, Path]) -> tuple[dict, Optional[str]]:
-    """``(config, run_id)`` of run folder ``out`` from its ``config.json``; a missing, broken or edited file is a
-    ``ValueError`` naming it."""
-    where = Path(out) / "config.json"
-    try:
-        saved = json.loads(where.read_text())
-        if not isinstance(saved, dict):
-            raise ValueError(f"a JSON {type(saved).__name__}, not an object")
-    except FileNotFoundError:
-        raise ValueError(f"{where} does not exist: {out} is not a training run's folder") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{where} is broken ({' '.join(str(e).split())[:120]}); restore it, or start the run "
-                         f"again with --overwrite") from None
-    run_id = saved.pop("run_id", None)
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(set(saved) - fields)
-    if unknown:
-        raise ValueError(f"{where} has keys RunConfig does not know ({', '.join(unknown)}); restore the file "
-                         f"(it was written by another version of this library, or edited)")
-    return saved, run_id
-
-
-def load_model(out: Union[str, Path], step: Optional[int] = None, *, allow_unverified: bool = False) -> TinyLM:
-    """The model of run folder ``out`` (its latest checkpoint, or that of ``step``), in one process, on the CPU,
-    in eval mode: whatever world size and strategy trained it.
-
-    Only load run folders you trust: DCP unpickles the checkpoint's ``.metadata``. The checkpoint is checked
-    against its manifest first (:func:`verify_checkpoint`): a damaged or unverified one raises
-    :class:`CheckpointError` naming it (``allow_unverified=True`` loads one without a manifest).
-    """
-    path = checkpoint_dir(out, step) if step is not None else latest_checkpoint(out)
-    if path is None and allow_unverified:
-        done = [p for p in list_checkpoints(out) if (p / ".metadata").is_file()]
-        path = done[-1] if done else None
-    if path is None or not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint {'for step ' + str(step) + ' ' if step else ''}in {out}/checkpoints")
-    manifest = verify_checkpoint(path, allow_unverified=allow_unverified)
-    saved = manifest["config"] if manifest and manifest.get("config") else read_run_config(out)[0]
-    saved = {k: v for k, v in saved.items() if k != "out"}
-    try:
-        cfg = RunConfig(**saved, out=str(out))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: its config is not a valid RunConfig ({e})") from None
-    source = DataSource(cfg)
-    model = build(cfg, source.vocab_size, source.max_len)
-    state = {"model": model.state_dict()}
-    _dcp_load(state, path)
-    model.load_state_dict(state["model"])
-    return model.eval()
-
+# --- starting or resuming a run ------------------------------------------------------------------------------
 
 def _differences(cfg: RunConfig, saved: dict) -> list[str]:
     return [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RUN_DEFINING
@@ -982,12 +500,7 @@ def _error(parser: argparse.ArgumentParser, message: object, code: int, main_onl
     return code
 
 
-__all__ = ["TASKS", "PRECISIONS", "RUN_DEFINING", "RunConfig", "LMBatch", "DataSource", "row_generator",
-           "lr_factor", "build", "set_attention_backend", "graph_breaks", "checkpoint_dir", "latest_checkpoint",
-           "list_checkpoints", "write_manifest", "verify_checkpoint", "save_checkpoint", "load_checkpoint",
-           "read_run_config", "load_model", "CheckpointError", "UnverifiedCheckpoint",
-           "CheckpointSaveError", "MANIFEST", "MAX_LR",
-           "check_backend_here", "Interrupted", "train", "UsageError", "build_parser", "config_from_args", "main"]
+__all__ = ["Interrupted", "train", "UsageError", "build_parser", "config_from_args", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

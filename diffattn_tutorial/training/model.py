@@ -36,8 +36,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diffattn_tutorial.functional import diff_attention_maps, diff_attention_v2, expand_kv_groups, softmax_attention
-from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm, StaticKVCache
+from diffattn_tutorial.functional import (
+    diff_attention_maps,
+    diff_attention_v2,
+    expand_kv_groups,
+    softmax_attention,
+)
+from diffattn_tutorial.layers.attention import (
+    DiffAttnV2,
+    KVCache,
+    MultiheadAttention,
+    MultiheadDiffAttn,
+    RMSNorm,
+    StaticKVCache,
+)
 from diffattn_tutorial.layers.rope import rope_cos_sin
 
 Tensor = torch.Tensor

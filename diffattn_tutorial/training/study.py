@@ -35,10 +35,18 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from diffattn_tutorial.measure.attention_stats import (
+    answer_noise_shares,
+    top1_over_median,
+)
 from diffattn_tutorial.paths import CACHE_ENV, cache_dir
+from diffattn_tutorial.training.model import (
+    ATTENTIONS,
+    AttentionProbe,
+    LMConfig,
+    TinyLM,
+)
 from diffattn_tutorial.training.needle import IGNORE, NeedleBatch, NeedleTask
-from diffattn_tutorial.measure.attention_stats import answer_noise_shares, top1_over_median
-from diffattn_tutorial.training.model import ATTENTIONS, AttentionProbe, LMConfig, TinyLM
 
 Tensor = torch.Tensor
 
@@ -218,11 +226,11 @@ def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Optional[Pat
     folder = cache_dir() if cache is True else Path(cache)
     if folder is None:
         return None
-    import diffattn_tutorial.training.needle as data_mod
     import diffattn_tutorial.functional as functional_mod
-    import diffattn_tutorial.measure.attention_stats as metrics_mod
     import diffattn_tutorial.layers.attention as modules_mod
     import diffattn_tutorial.layers.rope as rope_mod
+    import diffattn_tutorial.measure.attention_stats as metrics_mod
+    import diffattn_tutorial.training.needle as data_mod
 
     h = hashlib.sha256(repr(sorted(key.items())).encode() + torch.__version__.encode())
     for mod in (data_mod, functional_mod, metrics_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],

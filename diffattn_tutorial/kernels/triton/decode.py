@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.functional import check_diff_inputs
+from diffattn_tutorial.validation import check_diff_inputs
 from diffattn_tutorial.kernels.triton.flash_diff import (
     INTERPRETER_BLOCK,
     MAX_HEAD_DIM,
