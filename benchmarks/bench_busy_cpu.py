@@ -34,11 +34,9 @@ from pathlib import Path
 
 import torch
 
-from diffattn_tutorial.measure import timing
-
-from diffattn_tutorial.measure import cpu_threads
-from diffattn_tutorial.training.study import SETTINGS, StudyConfig, retrieval_loss
+from diffattn_tutorial.measure import cpu_threads, timing
 from diffattn_tutorial.training.model import TinyLM
+from diffattn_tutorial.training.study import SETTINGS, StudyConfig, retrieval_loss
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("baseline", "diff")

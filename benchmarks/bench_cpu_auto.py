@@ -45,10 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial.measure import timing
-
-from diffattn_tutorial.measure import cpu_threads
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure import cpu_threads, timing
 
 HERE = Path(__file__).resolve().parent
 

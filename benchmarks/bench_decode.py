@@ -40,12 +40,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from diffattn_tutorial import gpu_bench  # noqa: E402
-
-from diffattn_tutorial.measure import timing
-
-from diffattn_tutorial.measure import cpu_threads
-from diffattn_tutorial.training.needle import NeedleTask  # noqa: E402
+from diffattn_tutorial.measure import cpu_threads, timing
 from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model  # noqa: E402
+from diffattn_tutorial.training.needle import NeedleTask  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIG = dict(d_model=64, n_layers=2, n_heads=4)  # notebook 07's (experiments.StudyConfig's defaults)

@@ -40,11 +40,19 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffattn_tutorial import flops  # noqa: E402
-from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention  # noqa: E402
-from diffattn_tutorial.measure.gpu import (SDPA_SCHEMA, check_half_dtype, median_seconds,  # noqa: E402
-                                         preferred_half_dtype, recorded_path, refusal, results_header, sdpa_backend,
-                                         write_json)
+from diffattn_tutorial.measure.gpu import (  # noqa: E402
+    SDPA_SCHEMA,
+    check_half_dtype,
+    median_seconds,
+    preferred_half_dtype,
+    recorded_path,
+    refusal,
+    results_header,
+    sdpa_backend,
+    write_json,
+)
+from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 
 V1_FORMULATIONS = ("naive", "sdpa_wide", "sdpa_split", "sdpa_stacked")
 DEFAULT_FORMULATIONS = (*V1_FORMULATIONS, "diff_v2", "baseline")

@@ -49,11 +49,23 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffattn_tutorial import flops  # noqa: E402
-from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 from diffattn_tutorial.functional import SDPA_FORMULATIONS, diff_attention  # noqa: E402
-from diffattn_tutorial.measure.gpu import (SDPA_BACKENDS, TRITON_SCHEMA, check_half_dtype,  # noqa: E402
-                                         is_refusal, median_seconds, preferred_half_dtype, recorded_path, refusal,
-                                         results_header, sdpa_backend, shape_for, triton_summary, write_json)
+from diffattn_tutorial.measure.gpu import (  # noqa: E402
+    SDPA_BACKENDS,
+    TRITON_SCHEMA,
+    check_half_dtype,
+    is_refusal,
+    median_seconds,
+    preferred_half_dtype,
+    recorded_path,
+    refusal,
+    results_header,
+    sdpa_backend,
+    shape_for,
+    triton_summary,
+    write_json,
+)
+from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 
 ROW_KEYS = ("impl", "backend", "mode", "causal", "n", "d", "batch", "heads", "status", "ms", "tflops",
             "peak_extra_mib", "best_sdpa", "speedup_vs_best_sdpa", "max_abs_err")

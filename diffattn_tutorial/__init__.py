@@ -30,9 +30,9 @@ from diffattn_tutorial.functional import (
     rms_norm,
     softmax_attention,
 )
+from diffattn_tutorial.kernels.cpu import cpu_fused as _cpu_fused  # noqa: F401 (registers the cpu_fused backend)
 from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
 from diffattn_tutorial.layers.rope import apply_rope, rope_cos_sin
-from diffattn_tutorial.kernels.cpu import cpu_fused as _cpu_fused  # noqa: F401 (registers the cpu_fused backend)
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ import importlib
 import platform
 import sys
 import tempfile
-from typing import Callable, NoReturn, Optional
+from typing import NoReturn, Optional
 
 import torch
 
@@ -128,8 +128,8 @@ def _bench_device_here(device: Optional[torch.device]) -> torch.device:
 
 def bench(args: argparse.Namespace) -> int:
     """Time every backend side by side and print a Markdown table (ratios against naive)."""
-    from diffattn_tutorial.measure import timing as B
     from diffattn_tutorial.functional import backend_status
+    from diffattn_tutorial.measure import timing as B
 
     device = _bench_device_here(args.device)
     backends = list(args.backends or B.DEFAULT_BACKENDS)

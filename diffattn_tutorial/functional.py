@@ -40,7 +40,6 @@ from diffattn_tutorial.backends import Backend, Call, Needs
 from diffattn_tutorial.constants import LOG2E  # noqa: F401 (the functional API names it too)
 from diffattn_tutorial.validation import (  # noqa: F401 (causal_mask, check_diff_inputs: the functional API)
     LambdaLike,
-    causal_mask,
     _check_lambda,
     _check_mask,
     _check_same,
@@ -51,6 +50,7 @@ from diffattn_tutorial.validation import (  # noqa: F401 (causal_mask, check_dif
     _may_hold_nonfinite,
     _rows_reading_nonfinite,
     _zero_nonfinite,
+    causal_mask,
     check_diff_inputs,
 )
 

@@ -11,8 +11,6 @@ import pytest
 import torch
 
 from diffattn_tutorial import backends
-
-from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.backends import (
     FLOAT_DTYPES,
     Backend,
@@ -29,6 +27,7 @@ from diffattn_tutorial.functional import (
     diff_attention,
     resolve_backend,
 )
+from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 
 ENTRIES = {b.name: b for b in registry()}
@@ -246,7 +245,9 @@ def fake_backend(**fields):
 
 
 def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
-    status = lambda device: (True, "fake status")
+    def status(device):
+        return True, "fake status"
+
     with registered(fake_backend(status=status)):
         assert BACKENDS[-1] == "fake" and "fake" in FORWARD_ONLY and "fake" not in SDPA_FORMULATIONS
         assert backend_status("cpu")["fake"] == (True, "fake status")

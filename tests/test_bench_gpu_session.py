@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from diffattn_tutorial.measure import gpu
 from diffattn_tutorial import recorded
+from diffattn_tutorial.measure import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 

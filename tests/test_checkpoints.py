@@ -21,9 +21,16 @@ import pytest
 import torch
 
 from diffattn_tutorial.training import loop as T
-from diffattn_tutorial.training.runlog import read_records, read_steps
-from diffattn_tutorial.training.checkpoints import MANIFEST, CheckpointError, checkpoint_dir, latest_checkpoint, load_model, verify_checkpoint
+from diffattn_tutorial.training.checkpoints import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_model,
+    verify_checkpoint,
+)
 from diffattn_tutorial.training.loop import main
+from diffattn_tutorial.training.runlog import read_records, read_steps
 
 TINY = ["--d-model", "16", "--steps", "4", "--warmup", "1", "--global-batch", "2", "--batch-size", "2",
         "--no-progress"]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn_tutorial.measure import timing
 from diffattn_tutorial.cli import main
+from diffattn_tutorial.measure import timing
 
 
 def test_doctor_lists_every_backend(capsys):

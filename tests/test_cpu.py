@@ -6,10 +6,8 @@ import functools
 import pytest
 import torch
 
-from diffattn_tutorial.measure import timing
-
-from diffattn_tutorial.measure import cpu_threads
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure import cpu_threads, timing
 
 
 def test_busy_cores_is_a_share_of_the_usable_cores():

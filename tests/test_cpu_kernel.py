@@ -6,8 +6,8 @@ applies, and refused with a message that names the fix where it does not. Its sp
 import pytest
 import torch
 
-from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.functional import backend_status, diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
 
 NO_COMPILER = cpu_fused.compiler() is None
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler here: backend='auto' uses sdpa_padded "

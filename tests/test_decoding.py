@@ -5,9 +5,9 @@ sampling, and refuses bad arguments by name."""
 import pytest
 import torch
 
-from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model, next_token
 from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
 from diffattn_tutorial.layers.rope import rope_cos_sin
+from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model, next_token
 
 LAYERS = {
     "baseline": lambda: MultiheadAttention(64, 8, num_kv_heads=2),

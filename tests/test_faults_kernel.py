@@ -19,8 +19,8 @@ import textwrap
 import pytest
 import torch
 
-from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
 
 pytestmark = [
     pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers that)"),

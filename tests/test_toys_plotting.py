@@ -14,8 +14,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from einops import rearrange  # noqa: E402
 
-from diffattn_tutorial.functional import diff_attention_maps  # noqa: E402
-from diffattn_tutorial.measure.attention_stats import answer_noise_shares  # noqa: E402
 from diffattn_tutorial.course.plotting import attention_heatmaps, curves, share_bars, symmetric_limit, to_numpy  # noqa: E402
 from diffattn_tutorial.course.toys import (  # noqa: E402
     amplifier_gains,
@@ -24,7 +22,8 @@ from diffattn_tutorial.course.toys import (  # noqa: E402
     cmrr_db,
     retrieval_toy,
 )
-
+from diffattn_tutorial.functional import diff_attention_maps  # noqa: E402
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares  # noqa: E402
 
 # ---------------------------------------------------------------- amplifier
 

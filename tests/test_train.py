@@ -20,11 +20,11 @@ import torch
 from torch.testing import assert_close
 
 from diffattn_tutorial.training import distributed as D
-from diffattn_tutorial.training.runlog import loss_curve, read_records, read_steps
-from diffattn_tutorial.training.config import DataSource, RunConfig, graph_breaks
 from diffattn_tutorial.training.checkpoints import latest_checkpoint, load_model
-from diffattn_tutorial.training.study import lr_factor
+from diffattn_tutorial.training.config import DataSource, RunConfig, graph_breaks
 from diffattn_tutorial.training.loop import main
+from diffattn_tutorial.training.runlog import loss_curve, read_records, read_steps
+from diffattn_tutorial.training.study import lr_factor
 
 STEPS = 4
 COMMON = ["--attention", "diff", "--d-model", "32", "--steps", str(STEPS), "--warmup", "1", "--lr", "0.01",

@@ -28,13 +28,16 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from diffattn_tutorial.functional import diff_attention  # noqa: E402
-from diffattn_tutorial.layers.attention import MultiheadDiffAttn  # noqa: E402
-from diffattn_tutorial.functional import causal_mask  # noqa: E402
-from diffattn_tutorial.functional import check_diff_inputs  # noqa: E402
 from diffattn_tutorial import gpu_bench  # noqa: E402
+from diffattn_tutorial.functional import causal_mask, check_diff_inputs, diff_attention  # noqa: E402
 from diffattn_tutorial.kernels.triton.flash_diff import (  # noqa: E402
-    capture_launches, tile_schedule, train_head_dim_limit, triton_available, triton_diff_attention)
+    capture_launches,
+    tile_schedule,
+    train_head_dim_limit,
+    triton_available,
+    triton_diff_attention,
+)
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn  # noqa: E402
 
 pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from diffattn_tutorial.training.study import retrieval_study
 from diffattn_tutorial.training.model import ATTENTIONS
+from diffattn_tutorial.training.study import retrieval_study
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "diffattn_tutorial" / "recorded"
 

@@ -15,10 +15,10 @@ import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.checks._helpers import as_numbers, seeded
-from diffattn_tutorial.training.needle import NeedleTask
-from diffattn_tutorial.training.study import attention_scores, logit_outliers
 from diffattn_tutorial.measure.attention_stats import answer_noise_shares
 from diffattn_tutorial.training.model import AttentionProbe, build_model
+from diffattn_tutorial.training.needle import NeedleTask
+from diffattn_tutorial.training.study import attention_scores, logit_outliers
 
 __all__ = ["check_query_shares", "check_logit_outlier_ratio"]
 

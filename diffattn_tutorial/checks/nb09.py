@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, fail, passed, randn
-from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, softmax_attention
+from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps
 
 __all__ = ["check_online_softmax_step", "check_diff_combine", "check_diff_softmax_grads"]
 

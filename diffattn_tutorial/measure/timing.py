@@ -256,7 +256,7 @@ def run(device: str | torch.device = "cpu", *, lengths: Sequence[int] = DEFAULT_
                 rows.append(Row(name, n, sec * 1e3, None if extra is None else extra / 2**20, err))
                 if progress:
                     progress(f"N={n} {name}: {sec * 1e3:.1f} ms")
-        del q, k, v, ref
+        q = k = v = ref = None  # free this length's inputs before the next one is made
     return rows
 
 

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """A compile target and what one block (program) may use on its GPUs."""
@@ -484,9 +485,9 @@ def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Se
 
 def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
-    from diffattn_tutorial.kernels.triton import flash_diff
-
     import inspect
+
+    from diffattn_tutorial.kernels.triton import flash_diff
 
     h = hashlib.sha256()
     for name in sorted(dir(flash_diff)):

@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.validation import check_diff_inputs
 from diffattn_tutorial.kernels.triton.flash_diff import (
     INTERPRETER_BLOCK,
     MAX_HEAD_DIM,
@@ -48,6 +47,7 @@ from diffattn_tutorial.kernels.triton.flash_diff import (
     _online_softmax_step,
     triton_available,
 )
+from diffattn_tutorial.validation import check_diff_inputs
 
 Tensor = torch.Tensor
 
