@@ -45,7 +45,7 @@ from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model  # 
 from diffattn_tutorial.training.needle import NeedleTask  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-CONFIG = dict(d_model=64, n_layers=2, n_heads=4)  # notebook 07's (experiments.StudyConfig's defaults)
+CONFIG = dict(d_model=64, n_layers=2, n_heads=4)  # notebook 07's (training.study.StudyConfig's defaults)
 GOAL_VS_RECOMPUTE = 2.0
 """Static compiled at least this many times the tokens/s of recomputation (issue 27)."""
 

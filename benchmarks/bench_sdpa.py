@@ -59,7 +59,7 @@ DEFAULT_FORMULATIONS = (*V1_FORMULATIONS, "diff_v2", "baseline")
 ALL_FORMULATIONS = (*V1_FORMULATIONS, "triton", "diff_v2", "baseline")
 SDPA_KERNELS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn",
                 "MATH": "math"}
-"""The SDPA kernels probed, as ``torch.nn.attention.SDPBackend`` members -> ``gpu_bench.sdpa_backend`` names."""
+"""The SDPA kernels probed, as ``torch.nn.attention.SDPBackend`` members -> ``measure.gpu.sdpa_backend`` names."""
 ROW_KEYS = ("formulation", "mode", "causal", "n", "d", "status", "ms", "tflops", "flops", "peak_extra_mib",
             "max_abs_err")
 

@@ -7,10 +7,10 @@
 
 It runs on any CUDA GPU the library targets (T4, RTX 30xx/40xx, L4, A100, H100) and records which one: every
 step's file carries the device name, compute capability, memory, driver, versions and date, and the results
-files are named after the device. The 16-bit dtype is the GPU's own (``gpu_bench.preferred_half_dtype``: bf16
+files are named after the device. The 16-bit dtype is the GPU's own (``measure.gpu.preferred_half_dtype``: bf16
 from compute capability 8.0, fp16 below), and the benchmarks run at N = 8192 on GPUs with at least 40 GiB (A100,
 H100) and N = 4096 on smaller ones (:func:`bench_length`), so each step fits its limit there too. Issue 13's
-goals are judged on an H100 only (``gpu_bench.GOALS_DEVICE``); elsewhere they are recorded as not judged.
+goals are judged on an H100 only (``measure.gpu.GOALS_DEVICE``); elsewhere they are recorded as not judged.
 
 The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
 
@@ -158,7 +158,7 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
 
 
 def _problems(facts: dict) -> list[str]:
-    """One line per compile with a problem in a ``triton_compile --json`` file."""
+    """One line per compile with a problem in a ``kernels.triton.aot --json`` file."""
     from diffattn_tutorial.kernels.triton.aot import Facts
 
     found = [Facts.from_row(r) for r in facts["facts"]]

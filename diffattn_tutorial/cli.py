@@ -43,7 +43,7 @@ class CommandError(Exception):
 
 
 def cache_report() -> str:
-    """One line on the cache folder (``experiments.cache_dir``: trained models, compiled kernels): where it is
+    """One line on the cache folder (``training.study.cache_dir``: trained models, compiled kernels): where it is
     and whether this process can write there, with the fix when not."""
     from diffattn_tutorial.training.study import CACHE_ENV, cache_dir
 

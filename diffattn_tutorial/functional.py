@@ -327,7 +327,7 @@ for _backend in (
             status=_sdpa_status, auto_rank={"cpu": 1}),
     Backend("chunked", "the same arithmetic over cache-sized query chunks; causal chunks skip invisible keys",
             _run_chunked),
-    Backend("triton", "the fused differential flash-attention kernel (`triton_diff`), forward and backward; on a "
+    Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and backward; on a "
             "CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status, devices=("cuda", "cpu"),
             dtypes=_HALF, dropout=False, mask_grad=False, compiles=False, family="kernel",
             requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),

@@ -1,10 +1,10 @@
 """The package's shape is its architecture: layered subpackages, no import cycle (imports inside functions
-included), no module too long to read, and a README layout table that matches the folders."""
+included), no module too long to read, ruff clean. (The README's layout table is generated from the package by
+``tools/make_readme_tables.py``; ``tests/test_readme_tables.py`` checks it.)"""
 
 from __future__ import annotations
 
 import ast
-import re
 import shutil
 import subprocess
 import sys
@@ -106,23 +106,6 @@ def test_few_modules_directly_under_the_package():
 def test_no_module_is_too_long_to_read(name):
     lines = len(modules()[name].read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{name} has {lines} lines; split it by job (limit {MAX_MODULE_LINES})"
-
-
-def layout_rows() -> dict[str, str]:
-    """The README's package layout table: ``| `diffattn_tutorial/x/` | what |`` rows."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### The package", 1)[1].split("\n## ", 1)[0]
-    return dict(re.findall(r"^\| `(diffattn_tutorial/[^`]*)` \| (.*) \|$", section, re.M))
-
-
-def test_the_readme_layout_table_is_the_package():
-    rows = layout_rows()
-    expected = {f"diffattn_tutorial/{p.name}/" for p in PKG.iterdir() if (p / "__init__.py").exists()}
-    expected |= {f"diffattn_tutorial/{p.name}" for p in PKG.glob("*.py")}
-    expected |= {f"diffattn_tutorial/{p.parent.relative_to(PKG).as_posix()}/" for p in PKG.glob("*/*/__init__.py")}
-    assert set(rows) == expected, (f"README layout table: missing {sorted(expected - set(rows))}, "
-                                   f"stale {sorted(set(rows) - expected)}")
-    assert all(what.strip() for what in rows.values())
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"],

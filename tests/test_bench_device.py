@@ -1,4 +1,4 @@
-"""The 16-bit dtype and the SDPA kernels per device (``gpu_bench.preferred_half_dtype``, ``check_half_dtype``,
+"""The 16-bit dtype and the SDPA kernels per device (``measure.gpu.preferred_half_dtype``, ``check_half_dtype``,
 ``sdpa_kernels_here``) and the training precision built on them (``train.half_dtype``, fp16 with a GradScaler),
 checked without a GPU: the CUDA capability is faked with monkeypatch, and the GradScaler path runs on the CPU."""
 

@@ -1,4 +1,4 @@
-"""cpu.recommended_threads (threads from the cores other programs leave free) and bench.peak_extra_memory
+"""measure.cpu_threads.recommended_threads (threads from the cores other programs leave free) and measure.timing.peak_extra_memory
 (any function's peak extra resident memory, measured in a fresh process)."""
 
 import functools

@@ -1,6 +1,6 @@
 """Checks for ``exercises/02_softmax_attention_and_noise.ipynb``: scaled dot-product attention and the
 share of attention that lands on the answer versus the noise. References: ``functional.softmax_attention``
-and ``metrics.answer_noise_shares``."""
+and ``measure.attention_stats.answer_noise_shares``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checks for ``exercises/07_experiments.ipynb``: the two measurements notebook 07 makes on a model's attention,
 attention to the answer and to the noise from the query rows of a retrieval batch (the paper's Table 3), and the
-attention-logit outlier ratio (Table 5). References: ``experiments.attention_scores`` and
-``experiments.logit_outliers`` (through ``metrics.answer_noise_shares`` and ``metrics.top1_over_median``).
+attention-logit outlier ratio (Table 5). References: ``training.study.attention_scores`` and
+``training.study.logit_outliers`` (through ``measure.attention_stats.answer_noise_shares`` and ``measure.attention_stats.top1_over_median``).
 
 The inputs are maps and logits built here (causal, differential ones with negative entries, logits with
 outliers of either sign) and the probes of small untrained models: no training, so the checks take a second.

@@ -46,7 +46,7 @@ def _check_jit(fn, name: str) -> None:
 
 def _log2e() -> float:
     """The kernels' factor from natural-log to base-2 scores, the library's ``LOG2E`` (imported when a check runs,
-    after :func:`_harness`: ``triton_diff`` imports triton)."""
+    after :func:`_harness`: ``kernels.triton.flash_diff`` imports triton)."""
     from diffattn_tutorial.constants import LOG2E
 
     return LOG2E

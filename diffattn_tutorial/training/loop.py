@@ -19,7 +19,7 @@ What the script does, and where each piece lives:
 * **Parallelism** (``--strategy``): ``ddp`` or ``fsdp2`` (``fully_shard``, one unit per block), gloo on CPUs,
   NCCL on GPUs (:mod:`diffattn_tutorial.training.distributed`).
 * **Mixed precision** on GPU only (``--precision auto`` = the GPU's 16-bit dtype, fp32 on CPU): bf16 from compute
-  capability 8.0 (A100, RTX 30xx/40xx, L4, H100), fp16 below (Colab's T4), as ``gpu_bench.preferred_half_dtype``
+  capability 8.0 (A100, RTX 30xx/40xx, L4, H100), fp16 below (Colab's T4), as ``measure.gpu.preferred_half_dtype``
   decides; ``bf16`` asked for on a T4 is refused, naming fp16. DDP runs the forward under ``torch.autocast`` in
   that dtype, FSDP2 gathers 16-bit weights (``MixedPrecisionPolicy``) and reduces gradients in float32; the
   optimizer always holds float32 weights. fp16 trains with a ``torch.amp.GradScaler`` (the loss scaled before the
@@ -110,7 +110,7 @@ def _autocast(cfg: RunConfig, ctx: D.DistContext) -> contextlib.AbstractContextM
 
 def half_dtype(precision: str, device: torch.device, strategy: str = "ddp") -> Optional[torch.dtype]:
     """The 16-bit dtype a run computes in, or None for float32: ``auto`` is fp32 on a CPU and
-    ``gpu_bench.preferred_half_dtype`` on a GPU (bf16 from compute capability 8.0, fp16 below); ``bf16`` and
+    ``measure.gpu.preferred_half_dtype`` on a GPU (bf16 from compute capability 8.0, fp16 below); ``bf16`` and
     ``fp16`` need a GPU, ``bf16`` one with bf16 arithmetic, ``fp16`` (loss-scaled) the ``ddp`` strategy."""
     from diffattn_tutorial.measure.gpu import check_half_dtype, preferred_half_dtype
 

@@ -464,11 +464,11 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
 
 
 @backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
-def _status(device: torch.device) -> tuple[bool, str]:
+def _backend_status(device: torch.device) -> tuple[bool, str]:
     return kernel_status()
 
 
-def _run(c: backends.Call) -> Tensor:
+def _backend_run(c: backends.Call) -> Tensor:
     return fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
 
 
@@ -477,7 +477,7 @@ def _run(c: backends.Call) -> Tensor:
 backends.register_backend(backends.Backend(
     "cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
     "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept in cache",
-    _run, status=_status, devices=("cpu",), dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    _backend_run, status=_backend_status, devices=("cpu",), dtypes=(torch.float32, torch.float16, torch.bfloat16),
     compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
     requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)))
 
