@@ -87,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.rounds} rounds (median)")
     print(table(rows))
     out = args.out or HERE / f"results_cpu_queries_{slug(header['device'])}.json"
-    write_json(out, {"recorded": header, "threads": args.threads, "rows": rows})
+    write_json(out, {**header, "threads": args.threads, "rows": rows})
     print(f"wrote {out}")
     return 0
 

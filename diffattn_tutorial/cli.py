@@ -15,6 +15,7 @@ import importlib
 import platform
 import sys
 import tempfile
+from pathlib import Path
 from typing import NoReturn, Optional
 
 import torch
@@ -43,9 +44,9 @@ class CommandError(Exception):
 
 
 def cache_report() -> str:
-    """One line on the cache folder (``training.study.cache_dir``: trained models, compiled kernels): where it is
-    and whether this process can write there, with the fix when not."""
-    from diffattn_tutorial.training.study import CACHE_ENV, cache_dir
+    """One line on the cache folder (``paths.cache_dir``: trained models, compiled kernels): where it is (the home
+    folder written ``~``) and whether this process can write there, with the fix when not."""
+    from diffattn_tutorial.paths import CACHE_ENV, cache_dir
 
     folder = cache_dir()
     if folder is None:
@@ -55,9 +56,16 @@ def cache_report() -> str:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".doctor-"):
             pass
     except OSError as e:
-        return (f"cache: {folder} is not writable ({e.strerror or e}); set {CACHE_ENV} to a folder you can write "
-                f"to, or {CACHE_ENV}=0 to switch the cache off")
-    return f"cache: {folder} (writable; {CACHE_ENV} moves it)"
+        return (f"cache: {_home_as_tilde(folder)} is not writable ({e.strerror or e}); set {CACHE_ENV} to a folder "
+                f"you can write to, or {CACHE_ENV}=0 to switch the cache off")
+    return f"cache: {_home_as_tilde(folder)} (writable; {CACHE_ENV} moves it)"
+
+
+def _home_as_tilde(folder: Path) -> str:
+    """``~/.cache/diffattn_tutorial`` rather than the home folder's full path (a report shared, or kept in a
+    notebook's output, should not carry it)."""
+    home = Path.home()
+    return f"~/{folder.relative_to(home).as_posix()}" if folder.is_relative_to(home) else str(folder)
 
 
 def doctor(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ with torch.no_grad():
     ref = diff_attention(q, k, v, 0.4, backend="naive")
     out = diff_attention(q, k, v, 0.4)
 assert (out - ref).abs().max() < 1e-5, "wrong answer"
-ok, why = kernels.cpu.cpu_fused.kernel_status()
+ok, why = cpu_fused.kernel_status()
 print("STATUS", ok, why.splitlines()[0])
 """
 
@@ -192,7 +192,7 @@ def first_use():
     start.wait()
     try:
         with torch.no_grad():
-            results.append((diff_attention(q, k, v, 0.4), kernels.cpu.cpu_fused.kernel_status()))
+            results.append((diff_attention(q, k, v, 0.4), cpu_fused.kernel_status()))
     except BaseException as e:
         errors.append(repr(e))
 
@@ -299,7 +299,7 @@ def test_a_hanging_compiler_is_stopped(tmp_path):
         if [ "$1" = "--version" ]; then echo "hanging stand-in 1.0"; exit 0; fi
         sleep 600
     """)
-    code = "from diffattn_tutorial.kernels.cpu import cpu_fused\ncpu_kernel.TIMEOUT_S = 1.0\n" + CALL
+    code = "from diffattn_tutorial.kernels.cpu import cpu_fused\ncpu_fused.TIMEOUT_S = 1.0\n" + CALL
     line = status_line(child(code, tmp_path / "cache", timeout=60, CXX=str(hang)))
     assert line.startswith("STATUS False") and "timed out after 1.0 seconds" in line
 
