@@ -2,11 +2,11 @@
 
 Both models (``baseline`` and ``diff``, ``StudyConfig``'s defaults: d_model 64, 2 layers, 4 heads, batch 32,
 the needle task cycling through its settings) take the same AdamW training steps as
-``experiments.train`` (forward, loss, backward, gradient clipping, optimiser step). Each is timed under two
+``training.study.train`` (forward, loss, backward, gradient clipping, optimiser step). Each is timed under two
 thread policies:
 
 * ``torch default``: one intra-op thread per core, as a fresh ``import torch`` gives;
-* ``recommended``: :func:`diffattn_tutorial.cpu.recommended_threads`, the cores not kept busy by other
+* ``recommended``: :func:`diffattn_tutorial.measure.cpu_threads.recommended_threads`, the cores not kept busy by other
   programs (decided again at the start of each phase).
 
 Phase 1 is "idle" (no load of ours; other programs on the machine may run), phase 2 "loaded": this script
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from diffattn_tutorial import bench, cpu
-from diffattn_tutorial.experiments import SETTINGS, StudyConfig, retrieval_loss
-from diffattn_tutorial.model import TinyLM
+from diffattn_tutorial.measure import cpu_threads, timing
+from diffattn_tutorial.training.model import TinyLM
+from diffattn_tutorial.training.study import SETTINGS, StudyConfig, retrieval_loss
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("baseline", "diff")
@@ -72,7 +72,7 @@ def step_seconds(attention: str, threads: int, steps: int) -> float:
 
 def phase(default_threads: int, steps: int) -> dict:
     """Step time of every model under every policy, in the machine's current state."""
-    chosen = cpu.recommended_threads()
+    chosen = cpu_threads.recommended_threads()
     threads = {"torch default": default_threads, "recommended": chosen}
     return {"threads": threads, "seconds": {f"{m} | {p}": step_seconds(m, threads[p], steps)
                                             for m in MODELS for p in POLICIES}}
@@ -84,7 +84,7 @@ def run(steps: int, repeats: int) -> dict:
     rounds = []
     for _ in range(repeats):
         idle = phase(default_threads, steps)
-        with cpu.cpu_load():
+        with cpu_threads.cpu_load():
             loaded = phase(default_threads, steps)
         rounds.append({"idle": idle, "loaded": loaded})
     return {"default_threads": default_threads, "rounds": rounds}
@@ -137,16 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results_busy_cpu_<cpu>.json")
     args = ap.parse_args(argv)
-    device = bench.device_name("cpu")
+    device = timing.device_name("cpu")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     result = run(args.steps, args.repeats)
     rows = summary(result)
-    print(f"{device}, torch {torch.__version__}, {cpu.usable_cores()} usable cores, load average before {load}")
+    print(f"{device}, torch {torch.__version__}, {cpu_threads.usable_cores()} usable cores, load average before {load}")
     print(table(rows))
     met = goals(rows)
     for goal, ok in met.items():
         print(f"{'met' if ok else 'MISSED'}: {goal}")
-    out = args.out or HERE / f"results_busy_cpu_{bench.slug(device)}.json"
+    out = args.out or HERE / f"results_busy_cpu_{timing.slug(device)}.json"
     command = "python benchmarks/bench_busy_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
                                "date": datetime.date.today().isoformat(), "command": command.strip(),

@@ -15,14 +15,14 @@ count. Candidates:
   ``[k1 | k2]`` per KV group, V as it is (GQA).
 * ``split_into_one``: ``sdpa_split`` writing its four products into one preallocated output.
 * ``chunked``: explicit maps over query chunks.
-* ``cpu_fused``: the fused C++ kernel (``diffattn_tutorial.cpu_kernel``): naive's arithmetic, one pass per block
+* ``cpu_fused``: the fused C++ kernel (``diffattn_tutorial.kernels.cpu.cpu_fused``): naive's arithmetic, one pass per block
   of query rows, the maps kept in cache.
 * ``auto``: what ``diff_attention`` runs by default here (``cpu_fused`` where it builds, else ``sdpa_padded``).
 
 Time: ``rounds`` rounds, each timing every candidate once (so a burst of load from other programs hits all of
 them alike); the table shows each candidate's median time, its speed-up (naive's median time over its median
 time, the project's one definition) and the spread (min-max) of the per-round ratios.
-Memory: :func:`diffattn_tutorial.bench.peak_extra_memory`, the growth of the resident-set high-water mark
+Memory: :func:`diffattn_tutorial.measure.timing.peak_extra_memory`, the growth of the resident-set high-water mark
 of a fresh process, output included. Writes ``benchmarks/results_cpu_auto_<cpu>.json``.
 
     python benchmarks/bench_cpu_auto.py [--n 2048] [--rounds 7] [--causal] [--load]
@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial import bench, cpu
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure import cpu_threads, timing
 
 HERE = Path(__file__).resolve().parent
 
@@ -104,7 +104,7 @@ def candidates() -> dict:
 def measure(n: int, rounds: int, causal: bool) -> dict:
     """Times (every round) and peak memory of every candidate; errors against naive."""
     fns = candidates()
-    q, k, v, lam = bench.make_inputs(1, 8, n, 64)
+    q, k, v, lam = timing.make_inputs(1, 8, n, 64)
     times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
         ref = fns["naive"](q, k, v, lam, causal=causal)
@@ -114,7 +114,7 @@ def measure(n: int, rounds: int, causal: bool) -> dict:
                 t0 = time.perf_counter()
                 f(q, k, v, lam, causal=causal)
                 times[name].append(time.perf_counter() - t0)
-    mem = bench.peak_extra_memory(fns, b=1, h=8, n=n, d=64, causal=causal, include_output=True)
+    mem = timing.peak_extra_memory(fns, b=1, h=8, n=n, d=64, causal=causal, include_output=True)
     return {"times_s": times, "peak_extra_bytes": mem, "max_abs_err": err}
 
 
@@ -145,15 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="results file (default benchmarks/results_cpu_auto_<cpu>[_loaded].json)")
     args = ap.parse_args(argv)
-    device = bench.device_name("cpu")
+    device = timing.device_name("cpu")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    with cpu.cpu_load() if args.load else contextlib.nullcontext():
+    with cpu_threads.cpu_load() if args.load else contextlib.nullcontext():
         result = measure(args.n, args.rounds, args.causal)
     ours = ", one CPU-bound process of ours running" if args.load else ""
     print(f"{device}, torch {torch.__version__}, B=1 H=8 N={args.n} d=64 float32, causal={args.causal}, "
           f"{args.rounds} rounds, load average before {load}{ours}")
     print(table(result))
-    out = args.out or HERE / f"results_cpu_auto_{bench.slug(device)}{'_loaded' if args.load else ''}.json"
+    out = args.out or HERE / f"results_cpu_auto_{timing.slug(device)}{'_loaded' if args.load else ''}.json"
     command = "python benchmarks/bench_cpu_auto.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
                                "date": datetime.date.today().isoformat(), "command": command.strip(),

@@ -25,8 +25,8 @@ import torch
 
 from diffattn_tutorial.backends import Needs, resolve
 from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.gpu_bench import results_header, write_json
-from diffattn_tutorial.bench import slug
+from diffattn_tutorial.measure.gpu import results_header, write_json
+from diffattn_tutorial.measure.timing import slug
 
 HERE = Path(__file__).resolve().parent
 CANDIDATES = ("naive", "sdpa_padded", "cpu_fused")
@@ -87,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.rounds} rounds (median)")
     print(table(rows))
     out = args.out or HERE / f"results_cpu_queries_{slug(header['device'])}.json"
-    write_json(out, {"recorded": header, "threads": args.threads, "rows": rows})
+    write_json(out, {**header, "threads": args.threads, "rows": rows})
     print(f"wrote {out}")
     return 0
 

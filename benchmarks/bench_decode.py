@@ -39,12 +39,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import torch  # noqa: E402
 
-from diffattn_tutorial import bench, cpu, gpu_bench  # noqa: E402
-from diffattn_tutorial.data import NeedleTask  # noqa: E402
-from diffattn_tutorial.model import ATTENTIONS, CACHES, build_model  # noqa: E402
+from diffattn_tutorial import gpu_bench  # noqa: E402
+from diffattn_tutorial.measure import cpu_threads, timing
+from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model  # noqa: E402
+from diffattn_tutorial.training.needle import NeedleTask  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-CONFIG = dict(d_model=64, n_layers=2, n_heads=4)  # notebook 07's (experiments.StudyConfig's defaults)
+CONFIG = dict(d_model=64, n_layers=2, n_heads=4)  # notebook 07's (training.study.StudyConfig's defaults)
 GOAL_VS_RECOMPUTE = 2.0
 """Static compiled at least this many times the tokens/s of recomputation (issue 27)."""
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     header = gpu_bench.results_header("cpu", "benchmarks/bench_decode.py", sys.argv[1:] if argv is None else argv)
-    busy = cpu.busy_cores()
+    busy = cpu_threads.busy_cores()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     calls, compiles, prompt = tinylm_candidates(args.prompt, args.new)
     calls.update(diffllama_candidates(prompt, args.new, NeedleTask().vocab_size))
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     met = goals(rows)
     for g in met:
         print(f"goal {g['kind']}: {g['goal']}: {g['value']} -> {'met' if g['met'] else 'MISSED'}")
-    out = args.out or HERE / f"results_decode_{bench.slug(header['device'])}.json"
+    out = args.out or HERE / f"results_decode_{timing.slug(header['device'])}.json"
     gpu_bench.write_json(out, {"recorded": header, "config": {**CONFIG, "vocab_size": NeedleTask().vocab_size,
                                                               "prompt": args.prompt, "new": args.new, "batch": 1,
                                                               "dtype": "float32", "rounds": args.rounds},

@@ -16,10 +16,10 @@ What runs (``H`` differential heads of q/k dim ``d``; every layer has model widt
 * ``baseline``: softmax attention of the same width, ``2H`` heads of dim ``d`` (``softmax_attention``).
 
 Each runs forward (``fwd``, inference mode) and forward + backward (``fwd_bwd``, lambda trainable), causal
-and not, for every length and head dim. Per row: median milliseconds (``diffattn_tutorial.gpu_bench.
+and not, for every length and head dim. Per row: median milliseconds (``diffattn_tutorial.measure.gpu.
 median_seconds``: ``triton.testing.do_bench`` on CUDA, device events, no host sync between calls), achieved
-TFLOP/s (FLOPs from ``diffattn_tutorial.flops``: the work each formulation really does), peak extra memory above
-the inputs, output excluded (CUDA only, ``diffattn_tutorial.bench.cuda_peak_extra``), and the largest
+TFLOP/s (FLOPs from ``diffattn_tutorial.measure.flops``: the work each formulation really does), peak extra memory above
+the inputs, output excluded (CUDA only, ``diffattn_tutorial.measure.timing.cuda_peak_extra``), and the largest
 difference from a reference V1 formulation on the same inputs. Out-of-memory is
 recorded as ``"status": "oom"``. The file also records which SDPA kernels (flash, memory-efficient, cuDNN,
 math) accept each formulation's calls on this device, probed with ``torch.nn.attention.sdpa_kernel``.
@@ -40,18 +40,26 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffattn_tutorial import flops  # noqa: E402
-from diffattn_tutorial.bench import cuda_peak_extra, make_inputs  # noqa: E402
 from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention  # noqa: E402
-from diffattn_tutorial.gpu_bench import (SDPA_SCHEMA, check_half_dtype, median_seconds,  # noqa: E402
-                                         preferred_half_dtype, recorded_path, refusal, results_header, sdpa_backend,
-                                         write_json)
+from diffattn_tutorial.measure.gpu import (  # noqa: E402
+    SDPA_SCHEMA,
+    check_half_dtype,
+    median_seconds,
+    preferred_half_dtype,
+    recorded_path,
+    refusal,
+    results_header,
+    sdpa_backend,
+    write_json,
+)
+from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 
 V1_FORMULATIONS = ("naive", "sdpa_wide", "sdpa_split", "sdpa_stacked")
 DEFAULT_FORMULATIONS = (*V1_FORMULATIONS, "diff_v2", "baseline")
 ALL_FORMULATIONS = (*V1_FORMULATIONS, "triton", "diff_v2", "baseline")
 SDPA_KERNELS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn",
                 "MATH": "math"}
-"""The SDPA kernels probed, as ``torch.nn.attention.SDPBackend`` members -> ``gpu_bench.sdpa_backend`` names."""
+"""The SDPA kernels probed, as ``torch.nn.attention.SDPBackend`` members -> ``measure.gpu.sdpa_backend`` names."""
 ROW_KEYS = ("formulation", "mode", "causal", "n", "d", "status", "ms", "tflops", "flops", "peak_extra_mib",
             "max_abs_err")
 
@@ -97,7 +105,7 @@ def forward_fn(formulation: str, causal: bool) -> Callable[..., Tensor]:
 
 
 def count_flops(formulation: str, b: int, h: int, n: int, d: int, causal: bool, mode: str) -> float:
-    """FLOPs one call performs, from ``diffattn_tutorial.flops`` (the work each formulation really does)."""
+    """FLOPs one call performs, from ``diffattn_tutorial.measure.flops`` (the work each formulation really does)."""
     pass_ = "fwd" if mode == "fwd" else "fwd_bwd"
     if formulation == "diff_v2":
         return flops.diff_v2_attention_flops(b, 2 * h, n, d, causal=causal, pass_=pass_)
@@ -224,7 +232,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                 "diff_v2": "q (B, 4H, N, d), k and v (B, 2H, N, d): 2H output heads of dim d",
                 "baseline": "q, k, v (B, 2H, N, d): softmax attention of the same width 2Hd",
             },
-            "flops": "diffattn_tutorial.flops; causal counts half; fwd_bwd = 3.5 x fwd",
+            "flops": "diffattn_tutorial.measure.flops; causal counts half; fwd_bwd = 3.5 x fwd",
             "peak_extra_mib": "bench.cuda_peak_extra: CUDA bytes allocated above the inputs while the call runs, "
                               "output excluded",
         },

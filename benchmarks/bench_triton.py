@@ -24,12 +24,12 @@ Per (head dim, causal, mode, N), one row per implementation and SDPA backend, al
   per configuration is marked ``best_sdpa``, and ``triton``'s ``speedup_vs_best_sdpa`` is taken against it;
 * ``naive``: explicit maps, up to ``--naive-max-n`` (default 4096: it needs ``O(N^2)`` memory).
 
-Time: ``diffattn_tutorial.gpu_bench.median_seconds`` (on CUDA ``triton.testing.do_bench``: median, CUDA
+Time: ``diffattn_tutorial.measure.gpu.median_seconds`` (on CUDA ``triton.testing.do_bench``: median, CUDA
 events, no host sync between calls). ``fwd`` runs under ``torch.inference_mode()``; ``fwd_bwd`` runs forward
-and backward with lambda trainable. ``peak_extra_mib``: ``diffattn_tutorial.bench.cuda_peak_extra``, bytes
+and backward with lambda trainable. ``peak_extra_mib``: ``diffattn_tutorial.measure.timing.cuda_peak_extra``, bytes
 allocated above what was allocated before the call, the output excluded (gradients included for ``fwd_bwd``).
 TFLOP/s use one FLOP count for every implementation, the DIFF V1 layer's ``12 B H N^2 d`` forward, half for
-causal, 3.5x for forward + backward (``diffattn_tutorial.flops.diff_v1_attention_flops``): it compares layer
+causal, 3.5x for forward + backward (``diffattn_tutorial.measure.flops.diff_v1_attention_flops``): it compares layer
 throughput (``sdpa_split`` really does 16/12 of that work). ``max_abs_err`` compares with the first SDPA row
 that ran.
 """
@@ -49,11 +49,23 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffattn_tutorial import flops  # noqa: E402
-from diffattn_tutorial.bench import cuda_peak_extra, make_inputs  # noqa: E402
 from diffattn_tutorial.functional import SDPA_FORMULATIONS, diff_attention  # noqa: E402
-from diffattn_tutorial.gpu_bench import (SDPA_BACKENDS, TRITON_SCHEMA, check_half_dtype,  # noqa: E402
-                                         is_refusal, median_seconds, preferred_half_dtype, recorded_path, refusal,
-                                         results_header, sdpa_backend, shape_for, triton_summary, write_json)
+from diffattn_tutorial.measure.gpu import (  # noqa: E402
+    SDPA_BACKENDS,
+    TRITON_SCHEMA,
+    check_half_dtype,
+    is_refusal,
+    median_seconds,
+    preferred_half_dtype,
+    recorded_path,
+    refusal,
+    results_header,
+    sdpa_backend,
+    shape_for,
+    triton_summary,
+    write_json,
+)
+from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 
 ROW_KEYS = ("impl", "backend", "mode", "causal", "n", "d", "batch", "heads", "status", "ms", "tflops",
             "peak_extra_mib", "best_sdpa", "speedup_vs_best_sdpa", "max_abs_err")
@@ -161,7 +173,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                             r["max_abs_err"] = err.abs().max().item()
                     rows.extend(group)
                     del inputs, outs, ref
-    from diffattn_tutorial.triton_diff import chosen_configs
+    from diffattn_tutorial.kernels.triton.flash_diff import chosen_configs
 
     return {
         "schema": TRITON_SCHEMA,

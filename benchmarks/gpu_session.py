@@ -7,15 +7,15 @@
 
 It runs on any CUDA GPU the library targets (T4, RTX 30xx/40xx, L4, A100, H100) and records which one: every
 step's file carries the device name, compute capability, memory, driver, versions and date, and the results
-files are named after the device. The 16-bit dtype is the GPU's own (``gpu_bench.preferred_half_dtype``: bf16
+files are named after the device. The 16-bit dtype is the GPU's own (``measure.gpu.preferred_half_dtype``: bf16
 from compute capability 8.0, fp16 below), and the benchmarks run at N = 8192 on GPUs with at least 40 GiB (A100,
 H100) and N = 4096 on smaller ones (:func:`bench_length`), so each step fits its limit there too. Issue 13's
-goals are judged on an H100 only (``gpu_bench.GOALS_DEVICE``); elsewhere they are recorded as not judged.
+goals are judged on an H100 only (``measure.gpu.GOALS_DEVICE``); elsewhere they are recorded as not judged.
 
 The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
 
 0. ``compile`` (only when named with ``--step compile``; it needs no GPU): ``python -m
-   diffattn_tutorial.triton_compile --all`` with the Triton installed there (the GPU machine's may be older than
+   diffattn_tutorial.kernels.triton.aot --all`` with the Triton installed there (the GPU machine's may be older than
    the one that wrote ``diffattn_tutorial/recorded/compile_facts.json``, and registers can differ between
    versions);
 1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
@@ -36,7 +36,7 @@ Each step writes ``session_<step>.json`` (command, exit code, seconds, device, v
 and ``session_<step>.log`` into ``--out-dir``; the benchmark steps also write their results part. ``--collect``
 merges them into ``diffattn_tutorial/recorded/``: ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json``
 and ``gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, issue 13's goals
-checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.gpu_bench.find_recorded``). Where
+checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.measure.gpu.find_recorded``). Where
 each command has a time limit, run one step per command, all with the same ``--out-dir`` (or one folder each),
 on the same machine so the Triton cache carries over, then ``--collect`` the folders and commit the three files.
 The scripts import the package from this checkout (``PYTHONPATH`` is set for each step), so the GPU machine needs
@@ -63,11 +63,11 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
     sys.path.insert(0, str(ROOT))
 
 from diffattn_tutorial import gpu_bench  # noqa: E402  (imports torch, not triton)
-from diffattn_tutorial.gpu_bench import SESSION_SCHEMA as SCHEMA  # noqa: E402
+from diffattn_tutorial.measure.gpu import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
 STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
     "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 6,
-                ["-m", "diffattn_tutorial.triton_compile", "--all", "--jobs", "16", "--json",
+                ["-m", "diffattn_tutorial.kernels.triton.aot", "--all", "--jobs", "16", "--json",
                  "{out}/compile_facts_gpu_machine.json"]),
     "tests": ("GPU tests: the CPU suite's cases compiled, every input layout, grid and int32 limits; pinned, "
               "poisoned", 5,
@@ -158,8 +158,8 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
 
 
 def _problems(facts: dict) -> list[str]:
-    """One line per compile with a problem in a ``triton_compile --json`` file."""
-    from diffattn_tutorial.triton_compile import Facts
+    """One line per compile with a problem in a ``kernels.triton.aot --json`` file."""
+    from diffattn_tutorial.kernels.triton.aot import Facts
 
     found = [Facts.from_row(r) for r in facts["facts"]]
     return [f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: {'; '.join(f.problems())}"
@@ -232,7 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if not torch.cuda.is_available():
         print("no CUDA GPU here: the session needs one (the CPU half is `pytest` and "
-              "`python -m diffattn_tutorial.triton_compile --all`)", file=sys.stderr)
+              "`python -m diffattn_tutorial.kernels.triton.aot --all`)", file=sys.stderr)
         return 2
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="gpu_session_"))
     out.mkdir(parents=True, exist_ok=True)

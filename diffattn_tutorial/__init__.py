@@ -1,27 +1,21 @@
 """diffattn_tutorial: differential attention (Differential Transformer, arXiv 2410.05258, and DIFF V2), built to be exact.
 
-Modules:
-    functional  diff_attention, softmax_attention, diff_attention_v2, lambda_init_fn, reparam_lambda,
-                dual_lambda, rms_norm, causal_mask, BACKENDS
-    rope        rope_cos_sin, apply_rope (interleaved GPT-J and half-split NeoX layouts)
-    modules     MultiheadAttention, MultiheadDiffAttn, DiffAttnV2, KVCache, RMSNorm
-    interop     from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2,
-                from_diffllama / to_diffllama (Hugging Face)
-    triton_diff the fused differential flash-attention kernel (forward and backward), backend="triton"
-    triton_compile  ahead-of-time compile checks of every kernel config for sm_90a / sm_80, no GPU needed
-    flops       attention FLOP and byte accounting (baseline, V1, V2, each SDPA formulation)
-    metrics     attention shares (answer vs noise) and activation-outlier ratios
-    model, data, experiments   a tiny LM with switchable attention, a retrieval task, the paper's measurements
-    recorded    results files recorded by the project's scripts (seed and budget studies, compile facts, GPU
-                benchmarks), with their provenance
-    golden      the reference implementations' recorded runs (names(), load(name)), shipped in the package
-    toys, plotting             the opening notebooks' toy problems, and heatmaps/curves
-    bench       side-by-side timing and peak memory of the backends (diffattn-tutorial bench), peak_extra_memory
-    gpu_bench   the GPU benchmarks' shared helpers (one GPU timer, SDPA backend selection, recorded results)
-    cpu         how many threads to use on a CPU that other programs share (recommended_threads)
-    train, distributed, corpus, runlog   training under torchrun (DDP, FSDP2, checkpoints), a generated text
-                corpus, and the JSON-lines metrics log and its plots (diffattn-tutorial train)
-    checks      the exercise checks; scorecard runs an exercise notebook (diffattn-tutorial check)
+The folders are the layers, each importing only from those above it in this list:
+
+    constants, paths, argtypes   leaves: LOG2E; the cache folder (DIFFATTN_CACHE); argument types
+    backends    the backend registry: every diff_attention backend declared once; "auto" and "sdpa" resolved from it
+    functional  the formulas as functions: diff_attention (and its backends naive, chunked, the SDPA forms),
+                softmax_attention, diff_attention_v2, lambda_init_fn, reparam_lambda, dual_lambda, rms_norm, masks
+    kernels/    fused kernels behind backend=: cpu/ (a C++ kernel, compiled on first use, a torch operator) and
+                triton/ (flash-attention forward and backward, split-K decode, ahead-of-time compile checks)
+    layers/     attention layers (MultiheadDiffAttn, DiffAttnV2, MultiheadAttention), KV caches, RMSNorm, RoPE
+    interop     from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2, from_diffllama / to_diffllama
+    training/   the tiny LM and its data, the toy study, the torchrun loop (DDP, FSDP2, checkpoints), the run log
+    measure/    FLOP and byte models, timing and peak memory, CPU threads, GPU benchmark helpers, attention statistics
+    course/     notebook set-up, the opening notebooks' toys, plotting, the exercise scorecard
+    checks/     the exercise checks;  golden/  the reference implementations' recorded runs;
+    recorded/   results files recorded by the project's scripts, with their provenance
+    cli         the diffattn-tutorial command (doctor, bench, check, train)
 """
 
 from diffattn_tutorial.functional import (
@@ -36,8 +30,9 @@ from diffattn_tutorial.functional import (
     rms_norm,
     softmax_attention,
 )
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
-from diffattn_tutorial.rope import apply_rope, rope_cos_sin
+from diffattn_tutorial.kernels.cpu import cpu_fused as _cpu_fused  # noqa: F401 (registers the cpu_fused backend)
+from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
+from diffattn_tutorial.layers.rope import apply_rope, rope_cos_sin
 
 __version__ = "0.1.0"
 

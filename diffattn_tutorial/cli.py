@@ -3,7 +3,7 @@
     diffattn-tutorial doctor              versions, devices, and which attention backends work here
     diffattn-tutorial bench [options]     time and peak memory of every backend, side by side
     diffattn-tutorial check NOTEBOOK      run your exercise notebook and print a scorecard
-    diffattn-tutorial train [options]     train a TinyLM (python -m diffattn_tutorial.train; torchrun for many processes)
+    diffattn-tutorial train [options]     train a TinyLM (python -m diffattn_tutorial.training.loop; torchrun for many processes)
 
 Bad input ends with one line on stderr naming the fix, and exit code 2: no traceback.
 """
@@ -15,9 +15,12 @@ import importlib
 import platform
 import sys
 import tempfile
-from typing import Callable, NoReturn, Optional
+from pathlib import Path
+from typing import NoReturn, Optional
 
 import torch
+
+from diffattn_tutorial.argtypes import int_at_least
 
 
 def _version(module: str) -> str:
@@ -41,9 +44,9 @@ class CommandError(Exception):
 
 
 def cache_report() -> str:
-    """One line on the cache folder (``experiments.cache_dir``: trained models, compiled kernels): where it is
-    and whether this process can write there, with the fix when not."""
-    from diffattn_tutorial.experiments import CACHE_ENV, cache_dir
+    """One line on the cache folder (``paths.cache_dir``: trained models, compiled kernels): where it is (the home
+    folder written ``~``) and whether this process can write there, with the fix when not."""
+    from diffattn_tutorial.paths import CACHE_ENV, cache_dir
 
     folder = cache_dir()
     if folder is None:
@@ -53,9 +56,16 @@ def cache_report() -> str:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".doctor-"):
             pass
     except OSError as e:
-        return (f"cache: {folder} is not writable ({e.strerror or e}); set {CACHE_ENV} to a folder you can write "
-                f"to, or {CACHE_ENV}=0 to switch the cache off")
-    return f"cache: {folder} (writable; {CACHE_ENV} moves it)"
+        return (f"cache: {_home_as_tilde(folder)} is not writable ({e.strerror or e}); set {CACHE_ENV} to a folder "
+                f"you can write to, or {CACHE_ENV}=0 to switch the cache off")
+    return f"cache: {_home_as_tilde(folder)} (writable; {CACHE_ENV} moves it)"
+
+
+def _home_as_tilde(folder: Path) -> str:
+    """``~/.cache/diffattn_tutorial`` rather than the home folder's full path (a report shared, or kept in a
+    notebook's output, should not carry it)."""
+    home = Path.home()
+    return f"~/{folder.relative_to(home).as_posix()}" if folder.is_relative_to(home) else str(folder)
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -84,22 +94,6 @@ def doctor(args: argparse.Namespace) -> int:
         for name, (ok, why) in backend_status(device).items():
             print(f"  {'ok ' if ok else 'no '} {name:<13} {why}")
     return 0
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number ``>= minimum``; the error names the value and the bound."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-
-    parse.__name__ = "whole number"  # what argparse calls the type in its own messages
-    return parse
 
 
 _positive_int = int_at_least(1)
@@ -142,8 +136,8 @@ def _bench_device_here(device: Optional[torch.device]) -> torch.device:
 
 def bench(args: argparse.Namespace) -> int:
     """Time every backend side by side and print a Markdown table (ratios against naive)."""
-    from diffattn_tutorial import bench as B
     from diffattn_tutorial.functional import backend_status
+    from diffattn_tutorial.measure import timing as B
 
     device = _bench_device_here(args.device)
     backends = list(args.backends or B.DEFAULT_BACKENDS)
@@ -169,8 +163,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    """Run a learner's exercise notebook and print one line per task (see ``diffattn_tutorial.scorecard``)."""
-    from diffattn_tutorial.scorecard import check_notebook
+    """Run a learner's exercise notebook and print one line per task (see ``diffattn_tutorial.course.scorecard``)."""
+    from diffattn_tutorial.course.scorecard import check_notebook
 
     return check_notebook(args.notebook, timeout=args.timeout)
 
@@ -199,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell (at least 1)")
     p.set_defaults(func=check)
     sub.add_parser("train", add_help=False, help="train a TinyLM: see 'diffattn-tutorial train --help' "
-                                                 "(torchrun -m diffattn_tutorial.train for several processes)")
+                                                 "(torchrun -m diffattn_tutorial.training.loop for several processes)")
     return ap
 
 
@@ -207,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """The command: returns the exit code (2 after a one-line error naming the fix, 130 after Ctrl-C)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the training entry point parses its own options
-        from diffattn_tutorial.train import main as train_main
+        from diffattn_tutorial.training.loop import main as train_main
 
         return train_main(argv[1:], prog="diffattn-tutorial train")
     args = build_parser().parse_args(argv)

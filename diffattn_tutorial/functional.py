@@ -29,7 +29,7 @@ autograd, and the forward-only ones refuse it by name.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +37,24 @@ from einops import rearrange
 
 from diffattn_tutorial import backends
 from diffattn_tutorial.backends import Backend, Call, Needs
+from diffattn_tutorial.constants import LOG2E  # noqa: F401 (the functional API names it too)
+from diffattn_tutorial.validation import (  # noqa: F401 (causal_mask, check_diff_inputs: the functional API)
+    LambdaLike,
+    _check_lambda,
+    _check_mask,
+    _check_same,
+    _check_scale_dropout,
+    _check_tensor,
+    _combine_masks,
+    _fix_fully_masked,
+    _may_hold_nonfinite,
+    _rows_reading_nonfinite,
+    _zero_nonfinite,
+    causal_mask,
+    check_diff_inputs,
+)
 
 Tensor = torch.Tensor
-LambdaLike = Union[Tensor, float]
 
 BACKENDS = backends.BACKENDS
 """Every backend name ``diff_attention`` accepts, besides ``"auto"`` (a view of :mod:`diffattn_tutorial.backends`'
@@ -55,8 +70,6 @@ FORWARD_ONLY = backends.FORWARD_ONLY
 resolve_backend = backends.resolve_backend
 backend_status = backends.backend_status
 
-LOG2E = 1.4426950408889634
-"""``1 / ln 2``: the fused kernels (Triton's and the CPU's) use ``exp2``, so their scores are in base-2 units."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,226 +122,6 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-5) -> T
     xf = x.float()
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
     return out * weight if weight is not None else out
-
-
-# --------------------------------------------------------------------------------------------
-# masks
-# --------------------------------------------------------------------------------------------
-
-
-def causal_mask(nq: int, nk: int, device: Optional[torch.device] = None) -> Tensor:
-    """Bool ``(nq, nk)`` causal mask, True = may attend, aligned **bottom-right**.
-
-    Query ``i`` sees keys ``j <= i + (nk - nq)``: with a KV cache the newest query is the last key.
-    (SDPA's ``is_causal=True`` aligns top-left, which differs when ``nq != nk``.)
-    """
-    i = torch.arange(nq, device=device)[:, None]
-    j = torch.arange(nk, device=device)[None, :]
-    return j <= i + (nk - nq)
-
-
-def _combine_masks(
-    attn_mask: Optional[Tensor], causal: bool, nq: int, nk: int, device: torch.device
-) -> Optional[Tensor]:
-    """One 4-D mask (bool or additive float) from ``attn_mask`` and ``causal``; None if neither."""
-    if causal:
-        cm = causal_mask(nq, nk, device)[None, None]
-        if attn_mask is None:
-            return cm
-        if attn_mask.dtype == torch.bool:
-            return attn_mask & cm
-        return attn_mask.masked_fill(~cm, float("-inf"))
-    return attn_mask
-
-
-def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """Make fully masked rows harmless: they attend everywhere, and are zeroed after attention.
-
-    Returns ``(mask, valid)`` where ``valid`` is a bool ``(..., Nq, 1)`` tensor (None if every row
-    has at least one key it may attend to). In an additive mask, ``-inf`` and entries ``<= finfo(dtype).min``
-    (how Hugging Face models fill theirs) both mean masked, so a row of them is fully masked in every backend.
-    """
-    if mask is None:
-        return None, None
-    if mask.dtype == torch.bool:
-        valid = mask.any(-1, keepdim=True)
-    else:
-        valid = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
-    if not torch.compiler.is_compiling() and bool(valid.all()):  # compiled: no data-dependent branch, always fix
-        return mask, None
-    if mask.dtype == torch.bool:
-        return mask | ~valid, valid
-    return torch.where(valid, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)), valid
-
-
-def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
-    """Bool ``(B, H, Nq, 1)``: the output rows that read a NaN or an infinity, through their own query (either
-    map) or a key position they may attend to (in either key map or the value of their KV group there).
-
-    ``mask`` is a 4-D bool/additive mask or None; ``causal`` adds the bottom-right causal mask (used only
-    with ``mask=None``: a combined mask already holds it). O(N d), plus O(Nq Nk) where a mask is given.
-    """
-    q_nan = ~torch.isfinite(q).all(-1)  # (B, 2H, Nq)
-    rows = q_nan[:, 0::2] | q_nan[:, 1::2]  # (B, H, Nq)
-    H, nq, nk = rows.shape[1], q.shape[2], k.shape[2]
-    k_nan = ~torch.isfinite(k).all(-1)  # (B, 2Hkv, Nk)
-    key_nan = k_nan[:, 0::2] | k_nan[:, 1::2] | ~torch.isfinite(v).all(-1)  # (B, Hkv, Nk)
-    key_nan = key_nan.repeat_interleave(H // v.shape[1], dim=1)  # (B, H, Nk)
-    if mask is not None:
-        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
-        reads_key = (visible & key_nan.unsqueeze(2)).any(-1, keepdim=True)
-        return (rows.unsqueeze(-1) & visible.any(-1, keepdim=True)) | reads_key  # a fully masked row reads nothing
-    if causal:  # row i sees keys j <= i + Nk - Nq: it reads a NaN key iff the first one is among them
-        first = torch.where(key_nan.any(-1), key_nan.int().argmax(-1), nk)  # (B, H)
-        i = torch.arange(nq, device=q.device)
-        return (rows | (first.unsqueeze(-1) <= i + (nk - nq))).unsqueeze(-1)
-    return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
-
-
-def _may_hold_nonfinite(*tensors: Tensor) -> bool:
-    """False when every entry of ``tensors`` is finite: on a CPU one summing pass each (a NaN or an infinity
-    anywhere makes the total non-finite; a sum that merely overflows only sends the call down the careful
-    path). On other devices always True, so that no call waits for the device to answer, and under
-    ``torch.compile`` (a ``.item()`` would break the graph)."""
-    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent branch in a graph
-        return True
-    with torch.no_grad():
-        return not bool(torch.isfinite(sum(t.sum(dtype=torch.float32) for t in tensors)))
-
-
-def _zero_nonfinite(t: Tensor) -> Tensor:
-    """``t`` with NaN and infinite entries zeroed. Applied to k and v where a mask hides keys, so that a hidden
-    one cannot reach a row through ``-inf + NaN``, ``inf - inf`` or ``0 * inf`` (the rows that do read it get
-    NaN from :func:`_rows_reading_nonfinite`)."""
-    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-# --------------------------------------------------------------------------------------------
-# validation
-# --------------------------------------------------------------------------------------------
-
-
-def _check_tensor(name: str, t: object, ndim: int, layout: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}; convert with {name}.float()")
-    return t
-
-
-def _check_same(q: Tensor, **others: Tensor) -> None:
-    for name, t in others.items():
-        if t.dtype != q.dtype:
-            raise TypeError(f"q and {name} must share one dtype, got q {q.dtype} and {name} {t.dtype}; "
-                            f"cast with {name}.to(q.dtype)")
-        if t.device != q.device:
-            raise ValueError(f"q and {name} must be on one device, got q on {q.device} and {name} on "
-                             f"{t.device}; move with {name}.to(q.device)")
-
-
-def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:
-    """Validate ``attn_mask`` against ``target = (B, H, Nq, Nk)``; return it as a 4-D view."""
-    if attn_mask is None:
-        return None
-    if not isinstance(attn_mask, Tensor):
-        raise TypeError(f"attn_mask must be a bool or float tensor, got {type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask must be bool (True = may attend) or an additive float mask, got "
-                        f"{attn_mask.dtype}; for a 0/1 mask use attn_mask.bool()")
-    if attn_mask.device != q.device:
-        raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}; move it with "
-                         f"attn_mask.to(q.device)")
-    ok = 1 <= attn_mask.ndim <= 4
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
-        except RuntimeError:
-            ok = False
-    if not ok:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                         f"(B, H, Nq, Nk) = {target}; give it shape (Nq, Nk), (B, 1, Nq, Nk) or "
-                         f"(B, H, Nq, Nk) (padding masks: (B, 1, 1, Nk))")
-    attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
-    if attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
-        attn_mask = attn_mask.to(q.dtype)
-    return attn_mask
-
-
-def _check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor) -> Tensor:
-    """Validate ``lam`` (number, 0-dim tensor, or broadcastable to ``(B, H, Nq, 1)``); return a tensor."""
-    if isinstance(lam, (int, float)) and not isinstance(lam, bool):
-        return torch.tensor(float(lam), dtype=q.dtype, device=q.device)
-    if not isinstance(lam, Tensor):
-        raise TypeError(f"lam must be a float or a tensor, got {type(lam).__name__}")
-    if not lam.is_floating_point():
-        raise TypeError(f"lam must be a floating-point tensor, got {lam.dtype}; use lam.float()")
-    if lam.ndim > 0 and lam.device != q.device:
-        raise ValueError(f"lam is on {lam.device} but q is on {q.device}; move it with lam.to(q.device)")
-    ok = lam.ndim <= 4
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(lam.shape, target) == torch.Size(target)
-        except RuntimeError:
-            ok = False
-    if not ok:
-        raise ValueError(f"lam of shape {tuple(lam.shape)} does not broadcast to (B, H, Nq, 1) = {target}: "
-                         f"use a scalar, one value per head (H, 1, 1), or one per token and head (B, H, Nq, 1)")
-    if lam.ndim > 0:
-        lam = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape))
-    return lam.to(device=q.device, dtype=q.dtype)
-
-
-def _check_scale_dropout(scale: Optional[float], dropout_p: float) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None (1/sqrt(d)), got {scale!r}")
-    if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-
-
-def check_diff_inputs(
-    q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, attn_mask: Optional[Tensor] = None
-) -> tuple[Tensor, Optional[Tensor], tuple[int, int, int, int, int, int]]:
-    """Validate the inputs of :func:`diff_attention`.
-
-    Returns ``(lam, attn_mask, (B, H, Hkv, Nq, Nk, d))`` with ``lam`` a tensor and ``attn_mask`` a 4-D view.
-    Raises ``ValueError``/``TypeError`` naming the argument and the fix.
-    """
-    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
-    _check_tensor("k", k, 4, "(B, 2Hkv, Nk, d)")
-    _check_tensor("v", v, 4, "(B, Hkv, Nk, 2d)")
-    _check_same(q, k=k, v=v)
-    B, H2, Nq, d = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if H2 % 2:
-        raise ValueError(f"q has {H2} heads, an odd number: differential attention needs 2H query heads, "
-                         f"the two maps of head i at 2i and 2i+1 (did you pass baseline q with H heads?)")
-    if k.shape[1] % 2:
-        raise ValueError(f"k has {k.shape[1]} heads, an odd number: it needs 2Hkv key heads, two per KV group")
-    if k.shape[3] != d:
-        raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
-    if d == 0:
-        raise ValueError("q and k have head dim d = 0: give them at least one feature, q (B, 2H, Nq, d) and "
-                         "k (B, 2Hkv, Nk, d) with d >= 1")
-    if k.shape[1] == 0:
-        raise ValueError("k has no heads (Hkv = 0): pass at least one KV group, k (B, 2Hkv, Nk, d) and "
-                         "v (B, Hkv, Nk, 2d) with Hkv >= 1")
-    if v.shape[1] * 2 != k.shape[1]:
-        raise ValueError(f"v has {v.shape[1]} heads and k {k.shape[1]}: v must carry Hkv = {k.shape[1] // 2} "
-                         f"heads of width 2d (one value head per pair of key heads)")
-    if v.shape[3] != 2 * d:
-        raise ValueError(f"v head dim must be 2d = {2 * d} (twice the q/k head dim), got {v.shape[3]}")
-    if v.shape[2] != k.shape[2]:
-        raise ValueError(f"k and v sequence lengths differ: k {k.shape[2]}, v {v.shape[2]}")
-    H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
-    if H % Hkv:
-        raise ValueError(f"H = {H} differential heads is not a multiple of Hkv = {Hkv} KV groups: "
-                         f"choose num_kv_heads dividing num_heads")
-    lam_t = _check_lambda(lam, (B, H, Nq, 1), q)
-    mask = _check_mask(attn_mask, (B, H, Nq, Nk), q)
-    return lam_t, mask, (B, H, Hkv, Nq, Nk, d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,21 +260,12 @@ def _sdpa_padded(q, k, v, lam, mask, is_causal, scale, dropout_p):
 
 @backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
 def _triton_available() -> tuple[bool, str]:
-    """Whether the Triton kernels can run here (:func:`diffattn_tutorial.triton_diff.triton_available`)."""
+    """Whether the Triton kernels can run here (:func:`diffattn_tutorial.kernels.triton.flash_diff.triton_available`)."""
     try:
-        from diffattn_tutorial.triton_diff import triton_available
+        from diffattn_tutorial.kernels.triton.flash_diff import triton_available
     except ImportError as e:  # triton not installed (e.g. macOS)
         return False, f"triton is not importable ({e})"
     return triton_available()
-
-
-@backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
-def _cpu_kernel_status() -> tuple[bool, str]:
-    """Whether the fused CPU kernel builds, loads and passes its self-check here (:func:`~diffattn_tutorial.
-    cpu_kernel.kernel_status`)."""
-    from diffattn_tutorial.cpu_kernel import kernel_status
-
-    return kernel_status()
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
@@ -505,15 +289,9 @@ def _on_sdpa(formulation):
 
 
 def _run_triton(c: Call) -> Tensor:
-    from diffattn_tutorial.triton_diff import triton_diff_attention
+    from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
 
     return triton_diff_attention(c.q, c.k, c.v, c.lam, causal=c.causal, attn_mask=c.mask, scale=c.scale)
-
-
-def _run_cpu_fused(c: Call) -> Tensor:
-    from diffattn_tutorial.cpu_kernel import fused_diff_attention
-
-    return fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
 
 
 def _sdpa_status(device: torch.device) -> tuple[bool, str]:
@@ -549,15 +327,10 @@ for _backend in (
             status=_sdpa_status, auto_rank={"cpu": 1}),
     Backend("chunked", "the same arithmetic over cache-sized query chunks; causal chunks skip invisible keys",
             _run_chunked),
-    Backend("triton", "the fused differential flash-attention kernel (`triton_diff`), forward and backward; on a "
+    Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and backward; on a "
             "CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status, devices=("cuda", "cpu"),
             dtypes=_HALF, dropout=False, mask_grad=False, compiles=False, family="kernel",
             requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
-    Backend("cpu_fused", "a fused C++ CPU kernel (`csrc/diff_attention_cpu.cpp`, compiled on first use by the "
-            "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
-            "in cache", _run_cpu_fused, status=lambda device: _cpu_kernel_status(), devices=("cpu",), dtypes=_HALF,
-            compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
-            requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)),
 ):
     backends.register_backend(_backend)
 del _backend

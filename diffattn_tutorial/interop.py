@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from diffattn_tutorial.functional import lambda_init_fn
-from diffattn_tutorial.modules import DiffAttnV2, MultiheadDiffAttn
-from diffattn_tutorial.rope import interleaved_to_half_split
+from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadDiffAttn
+from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
 Tensor = torch.Tensor
 StateDict = Mapping[str, Tensor]
@@ -202,7 +202,7 @@ def from_unilm_v2(state_dict: StateDict, *, d_model: int, num_heads: int, num_kv
     """A :class:`DiffAttnV2` from unilm ``MultiheadFlashDiffV2`` weights (names match one to one)."""
     if not use_diff_v2:
         raise ValueError("use_diff_v2=False is unilm's baseline layer: load it into "
-                         "diffattn_tutorial.modules.MultiheadAttention instead")
+                         "diffattn_tutorial.layers.attention.MultiheadAttention instead")
     _check_options(from_unilm_v2, module_kwargs, DiffAttnV2, ("num_kv_heads", "head_dim"))
     layer = DiffAttnV2(d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, **module_kwargs)
     _load(layer, _detached(state_dict), "unilm V2")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from diffattn_tutorial import backends, cpu_kernel
+from diffattn_tutorial import backends
 from diffattn_tutorial.backends import (
     FLOAT_DTYPES,
     Backend,
@@ -27,7 +27,8 @@ from diffattn_tutorial.functional import (
     diff_attention,
     resolve_backend,
 )
-from diffattn_tutorial.modules import MultiheadDiffAttn
+from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 
 ENTRIES = {b.name: b for b in registry()}
 FUSED_OK = backend_status("cpu")["cpu_fused"][0]
@@ -207,9 +208,9 @@ def test_diff_attention_runs_what_auto_chooses(ran):
 
 def test_auto_skips_a_backend_that_does_not_work_here(monkeypatch, ran):
     def unavailable():
-        raise cpu_kernel.KernelUnavailable("no C++ compiler found (test)")
+        raise cpu_fused.KernelUnavailable("no C++ compiler found (test)")
 
-    monkeypatch.setattr(cpu_kernel, "_kernel", unavailable)
+    monkeypatch.setattr(cpu_fused, "_kernel", unavailable)
     with torch.no_grad():
         diff_attention(*inputs())
     assert ran == ["sdpa_padded"]
@@ -244,7 +245,9 @@ def fake_backend(**fields):
 
 
 def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
-    status = lambda device: (True, "fake status")
+    def status(device):
+        return True, "fake status"
+
     with registered(fake_backend(status=status)):
         assert BACKENDS[-1] == "fake" and "fake" in FORWARD_ONLY and "fake" not in SDPA_FORMULATIONS
         assert backend_status("cpu")["fake"] == (True, "fake status")
@@ -295,7 +298,7 @@ def test_importing_the_library_does_not_import_the_compiler():
     """Marking the status functions with torch.compiler.assume_constant_result imported torch._dynamo (and sympy)
     with the library: a second more per import, and another allocator state in every process (it showed in
     test_cpu's peak-memory figures). The mark is set without it, and is the one the decorator sets."""
-    code = ("import sys; import diffattn_tutorial, diffattn_tutorial.cpu_kernel, diffattn_tutorial.cli; "
+    code = ("import sys; import diffattn_tutorial, diffattn_tutorial.kernels.cpu.cpu_fused, diffattn_tutorial.cli; "
             "print('torch._dynamo' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"

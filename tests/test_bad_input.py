@@ -82,7 +82,7 @@ def test_nan_reaches_exactly_the_rows_that_read_it(backend, where, causal, mask_
     mask = key_mask(mask_kind, 8, 8)
     out = diff_attention(q, k, v, 0.4, causal=causal, attn_mask=mask, backend=backend)
     expected_nan = rows_reading(q, k, v, mask, causal)
-    assert torch.equal(out[0].isnan().any(-1), expected_nan), f"NaN rows differ from the rows that read a NaN"
+    assert torch.equal(out[0].isnan().any(-1), expected_nan), "NaN rows differ from the rows that read a NaN"
     assert not out[0][~expected_nan].isnan().any(), "a row mixes NaN and numbers"
     clean = [t.nan_to_num(0.0) for t in (q, k, v)]
     ref = reference(*clean, 0.4, causal=causal, attn_mask=mask)[0]

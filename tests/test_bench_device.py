@@ -1,4 +1,4 @@
-"""The 16-bit dtype and the SDPA kernels per device (``gpu_bench.preferred_half_dtype``, ``check_half_dtype``,
+"""The 16-bit dtype and the SDPA kernels per device (``measure.gpu.preferred_half_dtype``, ``check_half_dtype``,
 ``sdpa_kernels_here``) and the training precision built on them (``train.half_dtype``, fp16 with a GradScaler),
 checked without a GPU: the CUDA capability is faked with monkeypatch, and the GradScaler path runs on the CPU."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffattn_tutorial import gpu_bench
-from diffattn_tutorial import train as T
+from diffattn_tutorial.measure import gpu
+from diffattn_tutorial.training import loop as T
 
 GPUS = {(7, 5): "Tesla T4", (8, 0): "NVIDIA A100-SXM4-40GB", (8, 6): "NVIDIA GeForce RTX 3090", (8, 9): "NVIDIA L4",
         (9, 0): "NVIDIA H100 80GB HBM3", (7, 0): "Tesla V100-SXM2-16GB"}
@@ -32,23 +32,23 @@ def fake_gpu(monkeypatch):
                                               ((8, 9), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_preferred_half_dtype_follows_the_compute_capability(fake_gpu, capability, dtype):
     device = fake_gpu(capability)
-    assert gpu_bench.preferred_half_dtype(device) == dtype
-    assert gpu_bench.preferred_half_dtype() == dtype  # the current CUDA device
-    assert gpu_bench.preferred_half_dtype("cpu") == torch.bfloat16
+    assert gpu.preferred_half_dtype(device) == dtype
+    assert gpu.preferred_half_dtype() == dtype  # the current CUDA device
+    assert gpu.preferred_half_dtype("cpu") == torch.bfloat16
 
 
 def test_bf16_on_a_t4_is_refused_naming_fp16(fake_gpu):
     device = fake_gpu((7, 5))
     with pytest.raises(ValueError, match=r"Tesla T4 \(compute capability 7\.5\).*use float16"):
-        gpu_bench.check_half_dtype(torch.bfloat16, device)
-    gpu_bench.check_half_dtype(torch.float16, device)  # fine
-    gpu_bench.check_half_dtype(torch.bfloat16, "cpu")  # a CPU has bf16 autocast
-    gpu_bench.check_half_dtype(torch.bfloat16, fake_gpu((8, 9)))
+        gpu.check_half_dtype(torch.bfloat16, device)
+    gpu.check_half_dtype(torch.float16, device)  # fine
+    gpu.check_half_dtype(torch.bfloat16, "cpu")  # a CPU has bf16 autocast
+    gpu.check_half_dtype(torch.bfloat16, fake_gpu((8, 9)))
 
 
 def test_sdpa_kernels_here_on_a_cpu():
     """The kernels that exist on this CPU take a plain call; those that exist only on CUDA say unavailable."""
-    found = gpu_bench.sdpa_kernels_here("cpu")
+    found = gpu.sdpa_kernels_here("cpu")
     assert set(found) == {"flash", "cudnn", "efficient", "math"}
     assert found["math"] == "ok" and found["flash"] == "ok"  # torch's fused CPU flash kernel
     assert found["efficient"].startswith("unavailable: ") and found["cudnn"].startswith("unavailable: ")
@@ -92,7 +92,7 @@ def test_fp16_trains_with_a_grad_scaler(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.amp, "GradScaler", recording)
     assert T.main([*common, "--out", str(tmp_path / "fp16")]) == 0
     assert len(scalers) == 1 and scalers[0].is_enabled() and scalers[0].get_scale() > 1
-    from diffattn_tutorial.runlog import read_steps
+    from diffattn_tutorial.training.runlog import read_steps
 
     fp32, fp16 = (read_steps(tmp_path / run / "metrics.jsonl") for run in ("fp32", "fp16"))
     assert len(fp16) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in fp16)

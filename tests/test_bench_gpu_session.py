@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from diffattn_tutorial import gpu_bench
 from diffattn_tutorial import recorded
+from diffattn_tutorial.measure import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def _part(d):
                          "tflops": 400.0 if ms else None, "peak_extra_mib": 10.0 if ms else None,
                          "best_sdpa": (impl, backend) == ("sdpa_split", "cudnn"),
                          "speedup_vs_best_sdpa": 1.25 if impl == "triton" else None, "max_abs_err": 0.0})
-    return {"schema": gpu_bench.TRITON_SCHEMA, "recorded": {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda",
+    return {"schema": gpu.TRITON_SCHEMA, "recorded": {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda",
                                                  "command": f"d{d}", "date": "2026-01-01 00:00 UTC"},
             "config": {"head_dims": [d], "lengths": [8192], "modes": ["fwd", "fwd_bwd"], "causal": [False]},
             "chosen_configs": {f"_diff_attn_fwd/x/d{d}": {"k": "BLOCK_M: 128"}}, "rows": rows}
@@ -69,9 +69,9 @@ def test_collect_merges_steps_into_results(tmp_path):
     merged = json.loads((dest / "bench_triton_nvidia-h100-80gb-hbm3.json").read_text())
     assert merged["config"]["head_dims"] == [64, 128] and len(merged["rows"]) == 16
     assert [g["met"]["fwd_speedup_vs_best_sdpa"] for g in out["goals"]] == [True, True]
-    assert [name for name, _ in gpu_bench.find_recorded("gpu_session", None, dest)] == [
+    assert [name for name, _ in gpu.find_recorded("gpu_session", None, dest)] == [
         "gpu_session_nvidia-h100-80gb-hbm3"]
-    assert [name for name, _ in gpu_bench.find_recorded("bench_triton", folder=dest)] == [
+    assert [name for name, _ in gpu.find_recorded("bench_triton", folder=dest)] == [
         "bench_triton_nvidia-h100-80gb-hbm3"]
 
 

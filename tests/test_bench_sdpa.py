@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diffattn_tutorial import gpu_bench
+from diffattn_tutorial.measure import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_sdpa.py"
@@ -33,7 +33,7 @@ def results(tmp_path_factory):
 
 def test_header(results):
     mod, r = results
-    assert r["schema"] == gpu_bench.SDPA_SCHEMA
+    assert r["schema"] == gpu.SDPA_SCHEMA
     rec = r["recorded"]
     assert set(rec) >= {"date", "device", "device_type", "torch", "cuda", "python", "diffattn_tutorial", "command"}
     assert rec["device_type"] == "cpu" and rec["torch"] and rec["date"].endswith("UTC")
@@ -60,7 +60,7 @@ def test_rows(results):
 
 
 def test_flops_in_rows(results):
-    from diffattn_tutorial import flops
+    from diffattn_tutorial.measure import flops
 
     _, r = results
     get = {(x["formulation"], x["mode"], x["causal"], x["n"], x["d"]): x["flops"] for x in r["rows"]}
@@ -103,10 +103,10 @@ def test_find_and_summarise(results, tmp_path):
     mod, r = results
     (tmp_path / "bench_sdpa_cpu.json").write_text(json.dumps(r))
     (tmp_path / "bench_sdpa_broken.json").write_text("{not json")
-    assert gpu_bench.find_recorded("bench_sdpa", folder=tmp_path) == []  # only CUDA results by default
-    [(name, found)] = gpu_bench.find_recorded("bench_sdpa", device_type=None, folder=tmp_path)
+    assert gpu.find_recorded("bench_sdpa", folder=tmp_path) == []  # only CUDA results by default
+    [(name, found)] = gpu.find_recorded("bench_sdpa", device_type=None, folder=tmp_path)
     assert name == "bench_sdpa_cpu" and found == r
-    table = gpu_bench.sdpa_summary(r, d=8, mode="fwd")
+    table = gpu.sdpa_summary(r, d=8, mode="fwd")
     lines = table.splitlines()
     assert len(lines) == 2 + 2 * 2  # header, rule, (causal x N)
     assert all(line.count("|") == len(mod.DEFAULT_FORMULATIONS) + 6 for line in lines)

@@ -1,6 +1,6 @@
 """benchmarks/bench_triton.py on a CPU with tiny sizes (kernels in the interpreter): the plumbing runs every
 implementation on the same inputs, compares them and writes a well-formed results file; the helpers it shares
-with the notebooks (``diffattn_tutorial.gpu_bench``) summarise, merge, check goals and find recorded files. No
+with the notebooks (``diffattn_tutorial.measure.gpu``) summarise, merge, check goals and find recorded files. No
 timings are asserted."""
 
 import importlib.util
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from diffattn_tutorial import gpu_bench  # noqa: E402
-from diffattn_tutorial.bench import make_inputs  # noqa: E402
+from diffattn_tutorial.measure.timing import make_inputs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton.py"
 

@@ -1,4 +1,4 @@
-"""Run folders and checkpoints of ``python -m diffattn_tutorial.train`` under faults: a reused ``--out``, damaged,
+"""Run folders and checkpoints of ``python -m diffattn_tutorial.training.loop`` under faults: a reused ``--out``, damaged,
 unfinished, foreign and crafted checkpoints, a broken ``config.json``, Ctrl-C, a diverging loss.
 
 Runs are tiny (a ``d_model=16`` DIFF model, a global batch of 2, a few steps: about a second each) and happen in
@@ -20,9 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn_tutorial import train as T
-from diffattn_tutorial.runlog import read_records, read_steps
-from diffattn_tutorial.train import MANIFEST, CheckpointError, checkpoint_dir, load_model, main, verify_checkpoint
+from diffattn_tutorial.training import loop as T
+from diffattn_tutorial.training.checkpoints import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_model,
+    verify_checkpoint,
+)
+from diffattn_tutorial.training.loop import main
+from diffattn_tutorial.training.runlog import read_records, read_steps
 
 TINY = ["--d-model", "16", "--steps", "4", "--warmup", "1", "--global-batch", "2", "--batch-size", "2",
         "--no-progress"]
@@ -220,7 +228,7 @@ def test_ctrl_c_stops_with_the_step_and_how_to_resume(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err and err.count("\n") == 1, err
     last = read_records(out / "metrics.jsonl")[-1]
     assert last["event"] == "interrupted"
-    saved = int(T.latest_checkpoint(out).name.removeprefix("step_"))  # a save the signal cut short has no manifest
+    saved = int(latest_checkpoint(out).name.removeprefix("step_"))  # a save the signal cut short has no manifest
     assert f"stopped at step {last['step']} of 10000; resume with --resume from step {saved}" in err
     assert main([*TINY, "--steps", "10000", "--stop-at", str(saved + 1), "--checkpoint-every", "2", "--out",
                  str(out), "--resume"]) == 0

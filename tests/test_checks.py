@@ -10,6 +10,7 @@ import torch
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
+from diffattn_tutorial.course.toys import amplifier_gains, amplifier_output, cmrr_db
 from diffattn_tutorial.functional import (
     causal_mask,
     diff_attention,
@@ -19,9 +20,8 @@ from diffattn_tutorial.functional import (
     rms_norm,
     softmax_attention,
 )
-from diffattn_tutorial.metrics import answer_noise_shares
-from diffattn_tutorial.modules import MultiheadDiffAttn
-from diffattn_tutorial.toys import amplifier_gains, amplifier_output, cmrr_db
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares
 
 
 def fails(check, fn, match: str) -> None:

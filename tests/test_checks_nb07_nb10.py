@@ -9,10 +9,10 @@ from einops import rearrange
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
-from diffattn_tutorial.experiments import attention_scores, logit_outliers
 from diffattn_tutorial.functional import diff_attention_v2, rms_norm, softmax_attention
-from diffattn_tutorial.metrics import answer_noise_shares
-from diffattn_tutorial.model import AttentionProbe
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares
+from diffattn_tutorial.training.model import AttentionProbe
+from diffattn_tutorial.training.study import attention_scores, logit_outliers
 
 
 def fails(check, fn, match: str) -> None:

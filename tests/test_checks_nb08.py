@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial import flops
 from diffattn_tutorial.checks import CheckFailed, check_sdpa_split, check_sdpa_split_flops
 from diffattn_tutorial.functional import causal_mask, diff_attention
+from diffattn_tutorial.measure import flops
 
 
 def make_split(*, pairs="interleaved", halves="chunk", order="ab", lam_on=True, sign=-1.0, causal_mode="right",

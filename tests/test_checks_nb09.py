@@ -4,9 +4,8 @@ a stub counts as not attempted and a crash becomes a hint."""
 
 import os
 
-import torch
-
 import pytest  # noqa: E402
+import torch
 
 if torch.cuda.is_available():  # interpreter mode is process-wide; on a GPU the session tests compiled kernels
     pytest.skip("the notebook-09 checks run kernels in Triton's interpreter; the CPU run covers them",

@@ -4,11 +4,16 @@ import pytest
 import torch
 from einops import rearrange
 
-from diffattn_tutorial.checks import (CheckFailed, NotAttempted, check_axonml_fixed, check_block_causal_mask,
-                                      check_diffllama_rows, check_four_calls_gqa)
+from diffattn_tutorial.checks import (
+    CheckFailed,
+    NotAttempted,
+    check_axonml_fixed,
+    check_block_causal_mask,
+    check_diffllama_rows,
+    check_four_calls_gqa,
+)
 from diffattn_tutorial.functional import causal_mask, diff_attention
-from diffattn_tutorial.rope import interleaved_to_half_split
-
+from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
 # --- TASK 1 -----------------------------------------------------------------------------------------------------
 

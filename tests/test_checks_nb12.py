@@ -7,7 +7,7 @@ import torch
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed, NotAttempted
 from diffattn_tutorial.checks.nb12 import check_local_shard, check_rank_rows
-from diffattn_tutorial.distributed import fsdp_local_shard, micro_batch_rows
+from diffattn_tutorial.training.distributed import fsdp_local_shard, micro_batch_rows
 
 # --- TASK 1 -----------------------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import torch
 
 from diffattn_tutorial.checks import CheckFailed, NotAttempted
 from diffattn_tutorial.checks.nb13 import check_combine_splits, check_sample_next, check_static_step
-from diffattn_tutorial.model import next_token
+from diffattn_tutorial.training.model import next_token
 
 # --- TASK 1 -----------------------------------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn_tutorial import bench
 from diffattn_tutorial.cli import main
+from diffattn_tutorial.measure import timing
 
 
 def test_doctor_lists_every_backend(capsys):
@@ -23,31 +23,31 @@ def test_bench_prints_every_backend_with_the_same_result(capsys):
     assert main(["bench", "--lengths", "64", "96", "--reps", "1", "--no-memory"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 64 ") or line.startswith("| 96 ")]
-    assert len(rows) == 2 * len(bench.DEFAULT_BACKENDS)
+    assert len(rows) == 2 * len(timing.DEFAULT_BACKENDS)
     for line in rows:
         err = float(line.rstrip(" |").split("|")[-1])
         assert err < 1e-5, line
 
 
-@pytest.mark.skipif(not bench.cpu_memory_supported(), reason="CPU peak memory is measured on Linux only")
+@pytest.mark.skipif(not timing.cpu_memory_supported(), reason="CPU peak memory is measured on Linux only")
 def test_cpu_peak_memory_is_measured_not_guessed():
     b, h, n, d = 1, 2, 512, 16
-    mem = bench.cpu_peak_extra(["naive", "sdpa_split"], b=b, h=h, n=n, d=d, causal=False)
+    mem = timing.cpu_peak_extra(["naive", "sdpa_split"], b=b, h=h, n=n, d=d, causal=False)
     maps = b * h * 2 * n * n * 4  # the naive backend materialises both float32 maps
     assert mem["naive"] >= maps
     assert mem["sdpa_split"] < maps / 4  # the fused kernel keeps no N x N map
 
 
 def test_run_rows_and_table():
-    rows = bench.run("cpu", lengths=[32], backends=["sdpa_split"], h=2, d=8, reps=1, memory=False)
+    rows = timing.run("cpu", lengths=[32], backends=["sdpa_split"], h=2, d=8, reps=1, memory=False)
     assert [r.backend for r in rows] == ["naive", "sdpa_split"]
     assert all(r.ms > 0 and r.extra_mib is None and r.max_abs_err < 1e-5 for r in rows)
-    table = bench.format_table(rows)
+    table = timing.format_table(rows)
     assert "| 32 | sdpa_split |" in table and "n/a" in table
 
 
 def test_make_inputs_layout():
-    q, k, v, lam = bench.make_inputs(2, 3, 5, 4, dtype=torch.float64)
+    q, k, v, lam = timing.make_inputs(2, 3, 5, 4, dtype=torch.float64)
     assert q.shape == k.shape == (2, 6, 5, 4) and v.shape == (2, 3, 5, 8) and lam.ndim == 0
     assert q.dtype == torch.float64
 
@@ -72,7 +72,7 @@ def test_bench_rejects_bad_options_with_a_usage_message(argv, message, capsys):
 
 
 def test_train_subcommand_is_the_training_entry_point(capsys):
-    """`diffattn-tutorial train ARGS` is `python -m diffattn_tutorial.train ARGS`: same options, same errors."""
+    """`diffattn-tutorial train ARGS` is `python -m diffattn_tutorial.training.loop ARGS`: same options, same errors."""
     from diffattn_tutorial.cli import main as cli_main
 
     assert cli_main(["train", "--steps", "0"]) == 2

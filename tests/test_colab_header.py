@@ -19,7 +19,7 @@ _spec.loader.exec_module(header)
 URL = "https://github.com/someone/some-course"
 SETUP = ('# NBVAL_IGNORE_OUTPUT\nimport sys\nif "google.colab" in sys.modules:\n'
          '    get_ipython().run_line_magic("pip", "install -q git+https://github.com/old/place")\n'
-         'from diffattn_tutorial.nb import setup\ndevice = setup(seed=0)')
+         'from diffattn_tutorial.course.notebook import setup\ndevice = setup(seed=0)')
 
 
 def synthetic(title: str = "# 99 · A title\n\nSome text.") -> nbformat.NotebookNode:

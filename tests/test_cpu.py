@@ -1,4 +1,4 @@
-"""cpu.recommended_threads (threads from the cores other programs leave free) and bench.peak_extra_memory
+"""measure.cpu_threads.recommended_threads (threads from the cores other programs leave free) and measure.timing.peak_extra_memory
 (any function's peak extra resident memory, measured in a fresh process)."""
 
 import functools
@@ -6,28 +6,28 @@ import functools
 import pytest
 import torch
 
-from diffattn_tutorial import bench, cpu
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure import cpu_threads, timing
 
 
 def test_busy_cores_is_a_share_of_the_usable_cores():
-    busy = cpu.busy_cores(0.05)
-    assert 0.0 <= busy <= max(cpu.usable_cores(), torch.get_num_threads()) + 1e-9
+    busy = cpu_threads.busy_cores(0.05)
+    assert 0.0 <= busy <= max(cpu_threads.usable_cores(), torch.get_num_threads()) + 1e-9
 
 
 @pytest.mark.parametrize("busy, expected", [(0.0, "all"), (0.4, "all"), (0.6, "all - 1"), (99.0, 1)])
 def test_recommended_threads_leave_the_busy_cores_alone(monkeypatch, busy, expected):
-    monkeypatch.setattr(cpu, "usable_cores", lambda: 4)
-    monkeypatch.setattr(cpu, "busy_cores", lambda sample_s=0.2: busy)
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 4)
+    monkeypatch.setattr(cpu_threads, "busy_cores", lambda sample_s=0.2: busy)
     want = {"all": 4, "all - 1": 3}.get(expected, expected)
-    assert cpu.recommended_threads() == want
-    assert cpu.recommended_threads(max_threads=2) == min(want, 2)
+    assert cpu_threads.recommended_threads() == want
+    assert cpu_threads.recommended_threads(max_threads=2) == min(want, 2)
 
 
 def test_free_core_threads_sets_and_restores(monkeypatch):
-    monkeypatch.setattr(cpu, "recommended_threads", lambda sample_s=0.2, max_threads=None: 1)
+    monkeypatch.setattr(cpu_threads, "recommended_threads", lambda sample_s=0.2, max_threads=None: 1)
     before = torch.get_num_threads()
-    with cpu.free_core_threads() as n:
+    with cpu_threads.free_core_threads() as n:
         assert n == 1 == torch.get_num_threads()
     assert torch.get_num_threads() == before
 
@@ -42,19 +42,19 @@ def spare_buffer(n):
     return torch.ones(n, n)
 
 
-@pytest.mark.skipif(not bench.cpu_memory_supported(), reason="CPU peak memory is measured on Linux only")
+@pytest.mark.skipif(not timing.cpu_memory_supported(), reason="CPU peak memory is measured on Linux only")
 def test_peak_extra_memory_of_any_function():
     b, h, n, d = 1, 2, 512, 16
     functions = {"naive": functools.partial(diff_attention, backend="naive"),
                  "padded": functools.partial(diff_attention, backend="sdpa_padded"),
                  "mine": maps_beside_a_spare_buffer}
-    mem = bench.peak_extra_memory(functions, b=b, h=h, n=n, d=d, helpers=[spare_buffer])
+    mem = timing.peak_extra_memory(functions, b=b, h=h, n=n, d=d, helpers=[spare_buffer])
     out_bytes = b * h * n * 2 * d * 4
     maps = 2 * b * h * n * n * 4  # both maps of every head, float32
     assert mem["naive"] >= maps
     assert mem["mine"] >= mem["naive"] + 0.9 * n * n * 4  # the spare (n, n) float32 buffer on top
     assert out_bytes <= mem["padded"] < 0.1 * mem["naive"]  # output included, no N x N map
     big = dict(b=1, h=2, n=2048, d=64)  # an output of 2 MiB, well above the page-level noise of two children
-    with_out, no_out = (bench.peak_extra_memory({"padded": functions["padded"]}, **big, include_output=flag)["padded"]
+    with_out, no_out = (timing.peak_extra_memory({"padded": functions["padded"]}, **big, include_output=flag)["padded"]
                         for flag in (True, False))
     assert no_out <= with_out - 2**20

@@ -1,4 +1,4 @@
-"""The fused CPU kernel (``backend="cpu_fused"``, ``diffattn_tutorial.cpu_kernel``): exact against the paper's
+"""The fused CPU kernel (``backend="cpu_fused"``, ``diffattn_tutorial.kernels.cpu.cpu_fused``): exact against the paper's
 formula in float64, independent of the thread count and of input strides, chosen by ``auto`` only where it
 applies, and refused with a message that names the fix where it does not. Its speed is measured by
 ``benchmarks/bench_cpu_auto.py``, not here."""
@@ -6,10 +6,10 @@ applies, and refused with a message that names the fix where it does not. Its sp
 import pytest
 import torch
 
-from diffattn_tutorial import cpu_kernel
 from diffattn_tutorial.functional import backend_status, diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
 
-NO_COMPILER = cpu_kernel.compiler() is None
+NO_COMPILER = cpu_fused.compiler() is None
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler here: backend='auto' uses sdpa_padded "
                                                         "(test_without_a_compiler checks that)")
 
@@ -118,7 +118,7 @@ def test_contiguous_float32_inputs_reach_the_kernel_uncopied():
 
     for d, copied in ((64, False), (32, False), (20, True)):
         q, k, v, lam = inputs(1, 2, 1, 40, 40, d)
-        cpu_kernel._forward(Recorder(), q, k, v, lam, None, False, d ** -0.5)
+        cpu_fused._forward(Recorder(), q, k, v, lam, None, False, d ** -0.5)
         assert (seen == {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr()}) != copied
 
 
@@ -190,32 +190,32 @@ def test_a_kernel_that_computes_wrong_numbers_is_never_used():
         def diff_attention_cpu_forward(*args):
             return 0
 
-    with pytest.raises(cpu_kernel.KernelUnavailable, match="disagrees with the naive formula"):
-        cpu_kernel._self_check(Wrong())
+    with pytest.raises(cpu_fused.KernelUnavailable, match="disagrees with the naive formula"):
+        cpu_fused._self_check(Wrong())
 
 
 @needs_compiler
 def test_the_build_is_cached_per_source_compiler_and_cpu():
-    first = cpu_kernel.library_path()
+    first = cpu_fused.library_path()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernel.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert cpu_fused.library_path() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
 
 
 def test_without_a_compiler(monkeypatch, tmp_path):
     """No compiler (most Windows machines): the status says why, auto uses sdpa_padded, the name alone fails
     with the reason."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(cpu_kernel.KernelUnavailable, match="could not be run"):
-        cpu_kernel.library_path()
+    with pytest.raises(cpu_fused.KernelUnavailable, match="could not be run"):
+        cpu_fused.library_path()
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"no C\+\+ compiler found .* use backend='sdpa_padded'"):
-        cpu_kernel.library_path()
+    with pytest.raises(cpu_fused.KernelUnavailable, match=r"no C\+\+ compiler found .* use backend='sdpa_padded'"):
+        cpu_fused.library_path()
 
     def unavailable():
-        raise cpu_kernel.KernelUnavailable("no C++ compiler found (test)")
+        raise cpu_fused.KernelUnavailable("no C++ compiler found (test)")
 
-    monkeypatch.setattr(cpu_kernel, "_kernel", unavailable)
+    monkeypatch.setattr(cpu_fused, "_kernel", unavailable)
     assert backend_status()["cpu_fused"] == (False, "no C++ compiler found (test)")
     q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
     with torch.no_grad():
@@ -241,7 +241,7 @@ def test_the_operator_passes_opcheck():
              (q, k, v, lam, torch.randn(1, 2, 9, 11), True),
              (q.half(), k.half(), v.half(), lam, None, False)]
     for q_, k_, v_, lam_, mask, causal in cases:
-        torch.library.opcheck(cpu_kernel.cpu_fused_forward, (q_, k_, v_, lam_, mask, causal, 20 ** -0.5),
+        torch.library.opcheck(cpu_fused.cpu_fused_forward, (q_, k_, v_, lam_, mask, causal, 20 ** -0.5),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -249,7 +249,7 @@ def test_the_operator_passes_opcheck():
 def test_the_operator_refuses_a_gradient_by_name():
     q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
     with pytest.raises(ValueError, match="forward-only .* torch.no_grad"):
-        cpu_kernel.fused_diff_attention(q.requires_grad_(), k, v, lam, scale=0.2)
+        cpu_fused.fused_diff_attention(q.requires_grad_(), k, v, lam, scale=0.2)
 
 
 @needs_compiler
@@ -271,8 +271,8 @@ def test_auto_runs_the_operator_under_torch_compile_fullgraph(compiler, monkeypa
         return gm.forward
 
     calls = []
-    real = cpu_kernel._forward
-    monkeypatch.setattr(cpu_kernel, "_forward", lambda *a: calls.append(1) or real(*a))
+    real = cpu_fused._forward
+    monkeypatch.setattr(cpu_fused, "_forward", lambda *a: calls.append(1) or real(*a))
     torch._dynamo.reset()
     with torch.no_grad():
         eager = f(q, k, v, lam, mask)

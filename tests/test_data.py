@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from diffattn_tutorial.data import BOS, IGNORE, QUERY, NeedleTask
+from diffattn_tutorial.training.needle import BOS, IGNORE, QUERY, NeedleTask
 
 
 def sample(task=None, b=8, n=6, r=2, seed=0):

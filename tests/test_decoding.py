@@ -5,9 +5,9 @@ sampling, and refuses bad arguments by name."""
 import pytest
 import torch
 
-from diffattn_tutorial.model import ATTENTIONS, CACHES, build_model, next_token
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
-from diffattn_tutorial.rope import rope_cos_sin
+from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
+from diffattn_tutorial.layers.rope import rope_cos_sin
+from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model, next_token
 
 LAYERS = {
     "baseline": lambda: MultiheadAttention(64, 8, num_kv_heads=2),
@@ -165,13 +165,13 @@ def test_next_token_greedy_top_k_and_temperature():
 def test_float32_decode_step_runs_the_fused_cpu_kernel(monkeypatch):
     """In float32 inference ``backend="auto"`` sends DIFF's one-query steps to the fused CPU kernel (where it
     builds), with either cache, and the tokens agree with recomputation."""
-    from diffattn_tutorial import cpu_kernel
+    from diffattn_tutorial.kernels.cpu import cpu_fused
 
-    if not cpu_kernel.kernel_status()[0]:
-        pytest.skip(f"the fused CPU kernel is unavailable here: {cpu_kernel.kernel_status()[1]}")
+    if not cpu_fused.kernel_status()[0]:
+        pytest.skip(f"the fused CPU kernel is unavailable here: {cpu_fused.kernel_status()[1]}")
     calls = []
-    real = cpu_kernel.fused_diff_attention
-    monkeypatch.setattr(cpu_kernel, "fused_diff_attention", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    real = cpu_fused.fused_diff_attention
+    monkeypatch.setattr(cpu_fused, "fused_diff_attention", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
     m, p = lm("diff", torch.float32, n_kv_heads=2), prompt()
     for cache in ("static", "dynamic"):
         calls.clear()

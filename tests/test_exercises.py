@@ -29,7 +29,7 @@ import nbformat
 import pytest
 
 from diffattn_tutorial import checks
-from diffattn_tutorial.scorecard import CHECK_RE, cell_error, execute, find_tasks, is_check_cell
+from diffattn_tutorial.course.scorecard import CHECK_RE, cell_error, execute, find_tasks, is_check_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from diffattn_tutorial import recorded
-from diffattn_tutorial.data import NeedleTask
-from diffattn_tutorial.experiments import (
+from diffattn_tutorial.training.model import ATTENTIONS, AttentionProbe, build_model
+from diffattn_tutorial.training.needle import NeedleTask
+from diffattn_tutorial.training.study import (
     SUMMARY_KEYS,
+    StudyConfig,
+    StudyResult,
     _cache_lock,
     accuracy,
     attention_scores,
@@ -19,10 +22,7 @@ from diffattn_tutorial.experiments import (
     disagreements,
     logit_outliers,
     retrieval_study,
-    StudyConfig,
-    StudyResult,
 )
-from diffattn_tutorial.model import ATTENTIONS, AttentionProbe, build_model
 
 TINY = dict(steps=6, batch_size=4, n_eval=8, d_model=32, n_layers=2, n_heads=4, progress=False,
             task=NeedleTask(context_len=12), settings=((1, 1), (4, 2)))

@@ -19,18 +19,18 @@ import textwrap
 import pytest
 import torch
 
-from diffattn_tutorial import cpu_kernel
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
 
 pytestmark = [
-    pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers that)"),
+    pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers that)"),
     pytest.mark.skipif(os.name != "posix", reason="stand-in compilers are shell scripts"),
 ]
 
 CALL = """
 import threading
 import torch
-from diffattn_tutorial import cpu_kernel
+from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.functional import diff_attention
 
 g = torch.Generator().manual_seed(0)
@@ -40,7 +40,7 @@ with torch.no_grad():
     ref = diff_attention(q, k, v, 0.4, backend="naive")
     out = diff_attention(q, k, v, 0.4)
 assert (out - ref).abs().max() < 1e-5, "wrong answer"
-ok, why = cpu_kernel.kernel_status()
+ok, why = cpu_fused.kernel_status()
 print("STATUS", ok, why.splitlines()[0])
 """
 
@@ -73,7 +73,7 @@ def script(path, body):
 @pytest.fixture(scope="module")
 def real_library():
     """A library the real compiler built (the test session's cache)."""
-    return cpu_kernel.library_path()
+    return cpu_fused.library_path()
 
 
 @pytest.fixture
@@ -94,8 +94,8 @@ def copying_cxx(tmp_path, real_library):
 @pytest.fixture
 def fresh_state(monkeypatch):
     """This process's kernel state emptied for one test (restored after), so that it loads afresh."""
-    monkeypatch.setattr(cpu_kernel, "_LOADED", {})
-    monkeypatch.setattr(cpu_kernel, "_FAILED", {})
+    monkeypatch.setattr(cpu_fused, "_LOADED", {})
+    monkeypatch.setattr(cpu_fused, "_FAILED", {})
 
 
 def builds(log):
@@ -113,7 +113,7 @@ def falls_back():
     q, k, v = inputs()
     with torch.no_grad():
         assert torch.equal(diff_attention(q, k, v, 0.3), diff_attention(q, k, v, 0.3, backend="sdpa_padded"))
-    ok, why = cpu_kernel.kernel_status()
+    ok, why = cpu_fused.kernel_status()
     assert not ok
     return why
 
@@ -130,7 +130,7 @@ def damage(library, kind):
         library.write_bytes(data[:10_000])
     elif kind == "truncated, record rewritten to match":  # only the ELF check can tell
         library.write_bytes(data[:10_000])
-        record.write_text(cpu_kernel._describe(data[:10_000]))
+        record.write_text(cpu_fused._describe(data[:10_000]))
     elif kind == "empty":
         library.write_bytes(b"")
     elif kind == "random bytes":
@@ -147,13 +147,13 @@ def test_a_damaged_library_is_rebuilt_before_it_is_loaded(kind, tmp_path, copyin
     cxx, log = copying_cxx
     monkeypatch.setenv("CXX", str(cxx))
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
-    library = cpu_kernel.library_path()
-    assert builds(log) == 1 and cpu_kernel._intact(library)
+    library = cpu_fused.library_path()
+    assert builds(log) == 1 and cpu_fused._intact(library)
     damage(library, kind)
-    assert not cpu_kernel._intact(library)
-    assert cpu_kernel.library_path() == library  # what the kernel loads: rebuilt first
-    assert builds(log) == 2 and cpu_kernel._intact(library)
-    assert cpu_kernel.library_path() == library and builds(log) == 2  # and then found, not rebuilt
+    assert not cpu_fused._intact(library)
+    assert cpu_fused.library_path() == library  # what the kernel loads: rebuilt first
+    assert builds(log) == 2 and cpu_fused._intact(library)
+    assert cpu_fused.library_path() == library and builds(log) == 2  # and then found, not rebuilt
 
 
 def test_a_truncated_library_does_not_kill_later_processes(tmp_path, copying_cxx, monkeypatch):
@@ -162,15 +162,15 @@ def test_a_truncated_library_does_not_kill_later_processes(tmp_path, copying_cxx
     cxx, log = copying_cxx
     monkeypatch.setenv("CXX", str(cxx))
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
-    damage(cpu_kernel.library_path(), "truncated")
+    damage(cpu_fused.library_path(), "truncated")
     assert status_line(child(CALL, tmp_path / "cache", CXX=str(cxx))).startswith("STATUS True")
     assert builds(log) == 2
 
 
 def test_the_elf_check_rejects_every_truncation(real_library):
     data = real_library.read_bytes()
-    assert cpu_kernel._elf_complete(data)
-    assert not any(cpu_kernel._elf_complete(data[:n]) for n in range(0, len(data), 97))
+    assert cpu_fused._elf_complete(data)
+    assert not any(cpu_fused._elf_complete(data[:n]) for n in range(0, len(data), 97))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_the_elf_check_rejects_every_truncation(real_library):
 THREADS = """
 import threading
 import torch
-from diffattn_tutorial import cpu_kernel
+from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.functional import diff_attention
 
 g = torch.Generator().manual_seed(0)
@@ -192,7 +192,7 @@ def first_use():
     start.wait()
     try:
         with torch.no_grad():
-            results.append((diff_attention(q, k, v, 0.4), cpu_kernel.kernel_status()))
+            results.append((diff_attention(q, k, v, 0.4), cpu_fused.kernel_status()))
     except BaseException as e:
         errors.append(repr(e))
 
@@ -260,7 +260,7 @@ def test_a_failed_build_is_remembered_until_the_settings_change(tmp_path, monkey
     assert "did not compile" in why and "always fails" in why
     assert builds(log) == 3, "one --version and one build with and one without native flags, not one per call"
     monkeypatch.setenv("CXX", shutil.which("c++"))  # new settings: a new attempt, which succeeds
-    assert cpu_kernel.kernel_status()[0]
+    assert cpu_fused.kernel_status()[0]
 
 
 def test_a_library_without_the_kernel_symbol_is_reported_not_raised(tmp_path, monkeypatch, fresh_state):
@@ -299,7 +299,7 @@ def test_a_hanging_compiler_is_stopped(tmp_path):
         if [ "$1" = "--version" ]; then echo "hanging stand-in 1.0"; exit 0; fi
         sleep 600
     """)
-    code = "from diffattn_tutorial import cpu_kernel\ncpu_kernel.TIMEOUT_S = 1.0\n" + CALL
+    code = "from diffattn_tutorial.kernels.cpu import cpu_fused\ncpu_fused.TIMEOUT_S = 1.0\n" + CALL
     line = status_line(child(code, tmp_path / "cache", timeout=60, CXX=str(hang)))
     assert line.startswith("STATUS False") and "timed out after 1.0 seconds" in line
 
@@ -313,7 +313,7 @@ def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     for limit, words in ((5_000, "cannot be written"), (30_000, "did not compile")):
-        cpu_kernel._FAILED.clear()
+        cpu_fused._FAILED.clear()
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         try:
             why = falls_back()
@@ -321,8 +321,8 @@ def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert words in why, why
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
-    cpu_kernel._FAILED.clear()  # as a new process would
-    assert cpu_kernel.kernel_status()[0]
+    cpu_fused._FAILED.clear()  # as a new process would
+    assert cpu_fused.kernel_status()[0]
 
 
 def test_a_compiler_given_with_arguments(tmp_path, monkeypatch, fresh_state):
@@ -334,8 +334,8 @@ def test_a_compiler_given_with_arguments(tmp_path, monkeypatch, fresh_state):
     """)
     monkeypatch.setenv("CXX", f"{launcher} c++")
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
-    assert cpu_kernel.compiler() == [str(launcher), "c++"]
-    ok, why = cpu_kernel.kernel_status()
+    assert cpu_fused.compiler() == [str(launcher), "c++"]
+    ok, why = cpu_fused.kernel_status()
     assert ok, why
     assert why == f"fused C++ kernel, compiled with {launcher} c++"
     assert "c++" in log.read_text().split()

@@ -1,11 +1,11 @@
-"""FLOP and byte accounting (diffattn_tutorial.flops): the closed forms the notebooks quote."""
+"""FLOP and byte accounting (diffattn_tutorial.measure.flops): the closed forms the notebooks quote."""
 
 import doctest
 
 import pytest
 import torch
 
-import diffattn_tutorial.flops as F
+import diffattn_tutorial.measure.flops as F
 
 
 def test_doctests():

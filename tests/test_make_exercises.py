@@ -29,7 +29,7 @@ BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.
 INTRO = f"# Exercises 99 · Toy\n\nStuck? The same notebook, solved, is [`solutions/{NAME}`](../solutions/{NAME})."
 SETUP = ('# NBVAL_IGNORE_OUTPUT\nimport sys\nif "google.colab" in sys.modules:\n'
          '    get_ipython().run_line_magic("pip", "install -q git+https://github.com/owner/repo")\n'
-         'from diffattn_tutorial.nb import setup\ndevice = setup(seed=0)')
+         'from diffattn_tutorial.course.notebook import setup\ndevice = setup(seed=0)')
 HEAD = '# TASK 1: double it\ndef double(x):\n    """2 x, for a float or a tensor x."""\n'
 SOLVED = HEAD + '    # STUB: raise NotImplementedError("add x to itself")\n    return x + x\n    # END TASK'
 STUB = HEAD + '    raise NotImplementedError("add x to itself")'

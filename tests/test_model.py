@@ -4,8 +4,8 @@ import pytest
 import torch
 from einops import rearrange
 
-from diffattn_tutorial.model import ATTENTIONS, CACHES, LMConfig, TinyLM, build_model, parameter_counts
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
+from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, StaticKVCache
+from diffattn_tutorial.training.model import ATTENTIONS, CACHES, LMConfig, TinyLM, build_model, parameter_counts
 
 V = 40
 

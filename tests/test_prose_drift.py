@@ -70,8 +70,8 @@ EXPECTED: dict[str, str] = {
     # e.g. "(65,536 per multiprocessor, NVIDIA's H100 specification)", or print it from REFERENCES-backed code.
     "notebooks/09_triton_kernel.ipynb | number | 65,536 in: Its working set (the query tiles, the running statistics, th...":
         "name the specification the register counts come from",
-    # the goal "at least 1.2 times faster" lives in gpu_bench.GOALS, which the notebook does not print: print
-    # gpu_bench.GOALS in section 8 (then 1.2 and 350 are backed), or say "gpu_bench.GOALS" is the source.
+    # the goal "at least 1.2 times faster" lives in measure.gpu.GOALS, which the notebook does not print: print
+    # measure.gpu.GOALS in section 8 (then 1.2 and 350 are backed), or say "measure.gpu.GOALS" is the source.
     "notebooks/09_triton_kernel.ipynb | number | 1.2 times in: The goals, on an H100 in bf16 at $N = 8192$, non-causal, $d ...":
         "print gpu_bench.GOALS in section 8",
     # section 7's GPU command ends its first line with two backslashes ("--attention diff \\\\"): pasted into bash the

@@ -14,8 +14,18 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from diffattn_tutorial.cli import main
-from diffattn_tutorial.scorecard import (FAILED, KERNEL_DIED, NOT_ATTEMPTED, NOT_RUN, PASSED, check_notebook, execute,
-                                         find_tasks, format_results, score)
+from diffattn_tutorial.course.scorecard import (
+    FAILED,
+    KERNEL_DIED,
+    NOT_ATTEMPTED,
+    NOT_RUN,
+    PASSED,
+    check_notebook,
+    execute,
+    find_tasks,
+    format_results,
+    score,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "01_differential_amplifier.ipynb"  # the lightest exercise: three tasks, floats and small tensors

@@ -1,4 +1,4 @@
-"""The notebooks' toy problems (``diffattn_tutorial.toys``) and plotting helpers (``diffattn_tutorial.plotting``)."""
+"""The notebooks' toy problems (``diffattn_tutorial.course.toys``) and plotting helpers (``diffattn_tutorial.course.plotting``)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from einops import rearrange  # noqa: E402
 
-from diffattn_tutorial.functional import diff_attention_maps  # noqa: E402
-from diffattn_tutorial.metrics import answer_noise_shares  # noqa: E402
-from diffattn_tutorial.plotting import attention_heatmaps, curves, share_bars, symmetric_limit, to_numpy  # noqa: E402
-from diffattn_tutorial.toys import (  # noqa: E402
+from diffattn_tutorial.course.plotting import attention_heatmaps, curves, share_bars, symmetric_limit, to_numpy  # noqa: E402
+from diffattn_tutorial.course.toys import (  # noqa: E402
     amplifier_gains,
     amplifier_output,
     amplifier_signals,
     cmrr_db,
     retrieval_toy,
 )
-
+from diffattn_tutorial.functional import diff_attention_maps  # noqa: E402
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares  # noqa: E402
 
 # ---------------------------------------------------------------- amplifier
 
@@ -159,7 +158,7 @@ def test_show_interactive_saves_readable_text_not_the_widget_repr(monkeypatch):
 
     import ipywidgets
 
-    from diffattn_tutorial import plotting
+    from diffattn_tutorial.course import plotting
 
     shown, calls = [], []
     monkeypatch.setattr(plotting, "_display", shown.append)

@@ -1,4 +1,4 @@
-"""``python -m diffattn_tutorial.train``: one process and two (DDP, FSDP2, gloo on the CPU) train the same model,
+"""``python -m diffattn_tutorial.training.loop``: one process and two (DDP, FSDP2, gloo on the CPU) train the same model,
 a resumed run continues the uninterrupted loss curve, ``--compile`` changes nothing, bad input is a usage error.
 
 Two-process runs go through ``torchrun`` in a subprocess on a free port, one thread per process, with a timeout
@@ -19,10 +19,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from diffattn_tutorial import distributed as D
-from diffattn_tutorial.runlog import loss_curve, read_records, read_steps
-from diffattn_tutorial.train import (DataSource, RunConfig, graph_breaks, latest_checkpoint, load_model, lr_factor,
-                                     main)
+from diffattn_tutorial.training import distributed as D
+from diffattn_tutorial.training.checkpoints import latest_checkpoint, load_model
+from diffattn_tutorial.training.config import DataSource, RunConfig, graph_breaks
+from diffattn_tutorial.training.loop import main
+from diffattn_tutorial.training.runlog import loss_curve, read_records, read_steps
+from diffattn_tutorial.training.study import lr_factor
 
 STEPS = 4
 COMMON = ["--attention", "diff", "--d-model", "32", "--steps", str(STEPS), "--warmup", "1", "--lr", "0.01",
@@ -40,7 +42,7 @@ def run_here(out: Path, *args: str) -> Path:
 
 def run_two(out: Path, *args: str) -> Path:
     """Two processes under torchrun (gloo)."""
-    D.launch("diffattn_tutorial.train", [*COMMON, "--out", str(out), *args], nproc=2, timeout=TIMEOUT)
+    D.launch("diffattn_tutorial.training.loop", [*COMMON, "--out", str(out), *args], nproc=2, timeout=TIMEOUT)
     return out
 
 
@@ -180,8 +182,8 @@ def test_learning_rate_warms_up_then_decays_to_zero():
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and err.startswith("python -m diffattn_tutorial.train: error: ")
-    assert err.count("\n") == 1 and err.rstrip().endswith("(see python -m diffattn_tutorial.train --help)")
+    assert message in err and err.startswith("python -m diffattn_tutorial.training.loop: error: ")
+    assert err.count("\n") == 1 and err.rstrip().endswith("(see python -m diffattn_tutorial.training.loop --help)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of bf16")
@@ -218,7 +220,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_metrics_log_cut_short_by_a_killed_process_still_reads(tmp_path):
-    from diffattn_tutorial.runlog import MetricsLog
+    from diffattn_tutorial.training.runlog import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"event": "start", "step": 0}\n{"event": "step", "step": 1}\n{"event": "step", "st')

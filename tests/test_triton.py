@@ -28,13 +28,16 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from diffattn_tutorial.functional import diff_attention  # noqa: E402
-from diffattn_tutorial.modules import MultiheadDiffAttn  # noqa: E402
-from diffattn_tutorial.functional import causal_mask  # noqa: E402
-from diffattn_tutorial.functional import check_diff_inputs  # noqa: E402
 from diffattn_tutorial import gpu_bench  # noqa: E402
-from diffattn_tutorial.triton_diff import (  # noqa: E402
-    capture_launches, tile_schedule, train_head_dim_limit, triton_available, triton_diff_attention)
+from diffattn_tutorial.functional import causal_mask, check_diff_inputs, diff_attention  # noqa: E402
+from diffattn_tutorial.kernels.triton.flash_diff import (  # noqa: E402
+    capture_launches,
+    tile_schedule,
+    train_head_dim_limit,
+    triton_available,
+    triton_diff_attention,
+)
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn  # noqa: E402
 
 pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
 
@@ -299,7 +302,7 @@ def test_strides_too_large_for_tile_offsets_are_rejected_with_the_fix():
 
 
 def test_autotune_tables_are_small_and_the_switches_work(monkeypatch):
-    from diffattn_tutorial import triton_diff as td
+    from diffattn_tutorial.kernels.triton import flash_diff as td
 
     for table in (td._CONFIGS_16BIT, td._CONFIGS_AMPERE, td._CONFIGS_TURING, td._CONFIGS_FP32):
         for (name, form), by_d in table.items():
@@ -328,7 +331,7 @@ def test_every_launch_has_autotune_configs_for_its_variant(capability):
     """The launches of the plan each target uses at every head dim (recorded from the host code, not run) find
     an entry in that target's table: no launch falls back to the default configuration. Hopper: fused at
     d <= 32, split_kv at 64, split at 128; below Hopper split everywhere; on sm_75 fp16, trained up to d = 64."""
-    from diffattn_tutorial import triton_diff as td
+    from diffattn_tutorial.kernels.triton import flash_diff as td
 
     half = torch.float16 if capability < 80 else torch.bfloat16
     table16 = td._CONFIGS_16BIT if capability >= 90 else (td._CONFIGS_AMPERE if capability >= 80 else
@@ -477,7 +480,7 @@ def test_gpu_autotuned_configs_at_8192(d, monkeypatch):
     answer, forward and backward. The picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
     import json
 
-    from diffattn_tutorial.triton_diff import chosen_configs
+    from diffattn_tutorial.kernels.triton.flash_diff import chosen_configs
 
     if unsupported_here(HALF, d):
         pytest.skip(unsupported_here(HALF, d))
@@ -514,7 +517,7 @@ def test_gradient_for_lambda_only():
 def test_lambda_rows_past_int32_offsets_are_copied():
     """The kernels index lambda's rows as ``row * stride`` in int32: a per-token lambda cut from a wide tensor
     whose row stride times Nq reaches 2**31 is passed as a contiguous copy (shapes only: meta tensors)."""
-    from diffattn_tutorial.triton_diff import _lam4
+    from diffattn_tutorial.kernels.triton.flash_diff import _lam4
 
     wide = torch.empty(1, 2, 65536, 2**15, device="meta")[..., :1]  # row stride 2**15, 2**16 rows
     assert _lam4(wide, 1, 2, 65536).stride() == (131072, 65536, 1, 1)

@@ -1,7 +1,7 @@
 """The Triton kernels compile for the GPUs learners have without one (H100 sm_90a, L4 / RTX 40xx sm_89, RTX 30xx
 sm_86, A100 sm_80, T4 sm_75): no register spills, shared memory and registers within each target's limits, on
 sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 16-bit dot on ``mma.sync``
-(``diffattn_tutorial.triton_compile``).
+(``diffattn_tutorial.kernels.triton.aot``).
 
 * ``test_pinned_launches_compile_clean_for_hopper`` and ``..._for_turing`` compile a representative subset here,
   every time: the pinned configuration of every launch of the plain training case at d = 64 and d = 128 (bf16 on
@@ -10,7 +10,7 @@ sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 
 * ``test_recorded_facts_cover_every_config_and_are_current`` checks the full run,
   ``diffattn_tutorial/recorded/compile_facts.json`` (every autotune configuration, bf16 and fp16 where the target
   runs them, every head dim, the variants whose code differs, every target: ``python -m
-  diffattn_tutorial.triton_compile --all --jobs 8 --write``, or one ``--archs`` subset per run), against the
+  diffattn_tutorial.kernels.triton.aot --all --jobs 8 --write``, or one ``--archs`` subset per run), against the
   kernels' current source, so a kernel or table change without a new full run fails here.
 """
 
@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from diffattn_tutorial import triton_compile as tc  # noqa: E402
-from diffattn_tutorial import triton_diff as td  # noqa: E402
+from diffattn_tutorial.kernels.triton import aot as tc  # noqa: E402
+from diffattn_tutorial.kernels.triton import flash_diff as td  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles kernels for GPU targets (ptxas)
 
@@ -109,17 +109,17 @@ def test_pinned_launches_compile_clean_for_hopper():
 
 
 def test_recorded_facts_cover_every_config_and_are_current():
-    assert tc.FACTS_FILE.exists(), "run: python -m diffattn_tutorial.triton_compile --all --jobs 8 --write"
+    assert tc.FACTS_FILE.exists(), "run: python -m diffattn_tutorial.kernels.triton.aot --all --jobs 8 --write"
     rec, facts, lessons = tc.recorded_facts()
     assert rec["schema"] == tc.SCHEMA
     assert rec["source_hash"] == tc.source_hash(), (
         "the kernels or their autotune tables changed since diffattn_tutorial/recorded/compile_facts.json was "
-        "written; run python -m diffattn_tutorial.triton_compile --all --jobs 8 --write")
+        "written; run python -m diffattn_tutorial.kernels.triton.aot --all --jobs 8 --write")
     bad = [f"{f.kernel} {f.form} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: {f.problems()}"
            for f in facts if f.problems()]
     assert not bad, bad
     assert lessons and all(f.head_dim == 128 for f in lessons)
-    assert rec["archs"] == list(tc.ARCHS), "a target is missing: python -m diffattn_tutorial.triton_compile --all --archs ..."
+    assert rec["archs"] == list(tc.ARCHS), "a target is missing: python -m diffattn_tutorial.kernels.triton.aot --all --archs ..."
     seen = {(f.arch, f.dtype, f.kernel, f.form, f.head_dim, f.config) for f in facts}
     for arch in tc.ARCHS:  # every configuration the autotuner may pick, as the host code launches them
         for dtype in tc.DTYPES:

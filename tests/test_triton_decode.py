@@ -1,4 +1,4 @@
-"""The split-K decode kernel (flash-decoding, ``diffattn_tutorial.triton_decode``) equals ``naive``.
+"""The split-K decode kernel (flash-decoding, ``diffattn_tutorial.kernels.triton.decode``) equals ``naive``.
 
 The kernels run in Triton's CPU interpreter in a **subprocess** (``TRITON_INTERPRET=1`` set before triton is
 imported there; a crash in the interpreter fails these tests instead of killing pytest), once for all cases,
@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 from diffattn_tutorial.functional import diff_attention  # noqa: E402
-from diffattn_tutorial.triton_decode import MAX_ROWS_X_DIM, decode_attention, split_k_reference  # noqa: E402
+from diffattn_tutorial.kernels.triton.decode import MAX_ROWS_X_DIM, decode_attention, split_k_reference  # noqa: E402
 
 BASE = dict(B=2, H=2, Hkv=2, Nq=1, Nk=37, d=16, splits=None, lengths=[37, 20], causal=True, lam="token",
             dtype="float32", garbage=False, strided=False)
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from diffattn_tutorial.functional import diff_attention
-    from diffattn_tutorial.triton_decode import decode_attention, split_k_reference
+    from diffattn_tutorial.kernels.triton.decode import decode_attention, split_k_reference
 
     def inputs(c, g):
         B, H, Hkv, Nq, Nk, d = (c[n] for n in ("B", "H", "Hkv", "Nq", "Nk", "d"))

@@ -5,8 +5,8 @@ import torch
 
 from diffattn_tutorial import interop
 from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn
-from diffattn_tutorial.rope import apply_rope, rope_cos_sin
+from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn
+from diffattn_tutorial.layers.rope import apply_rope, rope_cos_sin
 
 B, H, HKV, N, D = 2, 4, 2, 5, 8
 
@@ -159,7 +159,7 @@ def test_round_trips_are_exact():
 
 
 def test_apply_rope_layouts_are_a_permutation_apart():
-    from diffattn_tutorial.rope import interleaved_to_half_split
+    from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
     x = torch.randn(2, 3, 7, 16, dtype=torch.float64)
     cos, sin = rope_cos_sin(7, 16, dtype=torch.float64)

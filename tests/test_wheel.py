@@ -28,7 +28,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell
 
-from diffattn_tutorial.scorecard import cell_error, execute
+from diffattn_tutorial.course.scorecard import cell_error, execute
 
 pytestmark = pytest.mark.slow  # builds the wheel and runs every notebook again from an empty folder
 
@@ -86,7 +86,7 @@ def test_the_wheel_ships_the_data_the_notebooks_read(wheel):
 
 def test_the_training_cache_key_does_not_depend_on_the_install_path(wheel_site, monkeypatch):
     """Notebooks 07 and 10 run twice per test session (nbval and here) and must train once."""
-    from diffattn_tutorial import experiments
+    from diffattn_tutorial.training import study
 
     key = {"attention": "diff", "seed": 0}
     monkeypatch.setenv("DIFFATTN_CACHE", str(wheel_site / "cache"))
@@ -95,8 +95,8 @@ def test_the_training_cache_key_does_not_depend_on_the_install_path(wheel_site, 
     done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(wheel_site)},
                           cwd=wheel_site, capture_output=True, text=True, check=True)
     wheel_file, wheel_key = json.loads(done.stdout)
-    assert Path(wheel_file).is_relative_to(wheel_site) and not Path(experiments.__file__).is_relative_to(wheel_site)
-    assert wheel_key == str(experiments._cache_file(True, key))
+    assert Path(wheel_file).is_relative_to(wheel_site) and not Path(study.__file__).is_relative_to(wheel_site)
+    assert wheel_key == str(study._cache_file(True, key))
 
 
 def first_error(nb) -> str | None:

@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]  # run as a script from anywhere, installed or not
 from run_notebooks import clean  # noqa: E402 - the one home of the notebook JSON clean-up
 
-from diffattn_tutorial.scorecard import is_task_cell  # noqa: E402
+from diffattn_tutorial.course.scorecard import is_task_cell  # noqa: E402
 
 STUB_PREFIX, END_TASK = "# STUB:", "# END TASK"
 STUB_LINE = re.compile(r"^(?P<indent>[ \t]*)# STUB:(?: (?P<code>.*))?$")

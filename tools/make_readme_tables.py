@@ -12,7 +12,7 @@ everything outside the markers is hand-written and left alone. The blocks and th
   and the multiply-adds of each formulation relative to naive's (``flops.formulation_flops``);
 * ``busy-cpu``: ``benchmarks/results_busy_cpu_<cpu>.json`` (``bench_busy_cpu.py``): training steps idle and loaded;
 * ``mutation``: ``diffattn_tutorial/recorded/mutation.json`` (``python tools/mutation.py --record``);
-* ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``triton_compile --write``), per target;
+* ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``kernels.triton.aot --write``), per target;
 * ``layout``: the Layout table, listing the library's modules, the benchmark scripts and the tools as they are.
 
 **Speed-up** has one definition, stated once in the README next to the CPU table: the median time of ``naive``
@@ -103,7 +103,7 @@ def _library_backends() -> tuple[str, ...]:
 
 
 def _relative_flops() -> dict[str, float]:
-    from diffattn_tutorial import flops
+    from diffattn_tutorial.measure import flops
 
     out = {}
     for name in _library_backends():
@@ -251,19 +251,36 @@ def _first_line(path: Path) -> str:
     return re.sub(r"``([^`]+)``", r"`\1`", line)
 
 
+def _package_rows(pkg: Path) -> list[tuple[str, str]]:
+    """One row per top-level module and per subpackage of the library (its docstring's first sentence and, for a
+    subpackage, its modules): the package's layout, as it is."""
+    rows = []
+    for path in sorted(pkg.glob("*.py")):
+        if path.stem != "__init__":
+            rows.append((f"`diffattn_tutorial/{path.name}`", _first_line(path)))
+    for sub in sorted(p for p in pkg.rglob("__init__.py") if p.parent != pkg):
+        folder = sub.parent
+        if folder.name in ("golden", "recorded"):
+            continue  # data folders: rows of their own below
+        mods = sorted(m.stem for m in folder.glob("*.py") if m.stem != "__init__")
+        mods += sorted(f"{c.name}/" for c in folder.iterdir() if (c / "__init__.py").exists())
+        rel = folder.relative_to(pkg.parent).as_posix()
+        rows.append((f"`{rel}/`", _first_line(sub) + ((": " + ", ".join(f"`{m}`" for m in mods)) if mods else "")))
+    return rows
+
+
 def layout_block() -> str:
     pkg = ROOT / "diffattn_tutorial"
-    modules = sorted([p.stem for p in pkg.glob("*.py") if p.stem != "__init__"]
-                     + [p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()])
     scripts = sorted(p.name for p in BENCH.glob("*.py"))
     tools = sorted((ROOT / "tools").glob("*.py"))
     rows = [
         ("`notebooks/`", "the numbered series, committed with outputs"),
-        ("`diffattn_tutorial/`", "the library: " + ", ".join(f"`{m}`" for m in modules)),
+        *_package_rows(pkg),
         ("`exercises/`, `solutions/`", "the learner notebooks, generated from their solved sources in `solutions/` "
                                        "by `python tools/make_exercises.py` (`--check` in CI)"),
-        ("`tests/`", "unit, property and conformance tests, the drift test of the prose, and each notebook run from "
-                     "an empty folder against the built wheel"),
+        ("`tests/`", "unit, property and conformance tests, the drift test of the prose, the architecture test "
+                     "(layers, import cycles, module size, ruff), and each notebook run from an empty folder against "
+                     "the built wheel"),
         ("`diffattn_tutorial/golden/`", "outputs of the reference implementations, read with "
                                         "`diffattn_tutorial.golden.load(name)`"),
         ("`benchmarks/`", "benchmark scripts (" + ", ".join(f"`{s}`" for s in scripts) + "), their results files "
@@ -276,7 +293,15 @@ def layout_block() -> str:
     return "| path | what lives there |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
 
 
+def backends_block() -> str:
+    """The backend table and what ``auto`` runs, from the backend registry (``diffattn_tutorial.backends``)."""
+    from diffattn_tutorial.backends import backend_table, describe_auto
+
+    return backend_table() + "\n\n" + describe_auto("cpu") + " " + describe_auto("cuda") + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "backends": backends_block,
     "install": install_block,
     "cpu-table": cpu_table_block,
     "busy-cpu": busy_cpu_block,

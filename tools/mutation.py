@@ -530,7 +530,7 @@ def run_notebook(path: Path, *, only_task: Optional[int] = None, timeout: int = 
     import nbformat
     import torch
 
-    from diffattn_tutorial.scorecard import find_tasks
+    from diffattn_tutorial.course.scorecard import find_tasks
 
     t0 = time.perf_counter()
     nb = nbformat.read(path, as_version=4)

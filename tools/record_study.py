@@ -4,7 +4,7 @@
     python tools/record_study.py v2_budget --kinds baseline diff diff_v2 --seeds 0 1 2 --steps 500 1000 2000
     python tools/record_study.py v2_lr --kinds baseline diff_v2 --seeds 0 1 2 --lr 1e-3 3e-3 1e-2
 
-Every run is ``experiments.retrieval_study`` with the notebooks' settings (one CPU thread, deterministic), so a
+Every run is ``training.study.retrieval_study`` with the notebooks' settings (one CPU thread, deterministic), so a
 row repeats on the same machine; the file names the device, torch version, date, command and settings.
 It is written to ``diffattn_tutorial/recorded/NAME.json`` (read with ``diffattn_tutorial.recorded.load``).
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from diffattn_tutorial.experiments import retrieval_study
-from diffattn_tutorial.model import ATTENTIONS
+from diffattn_tutorial.training.model import ATTENTIONS
+from diffattn_tutorial.training.study import retrieval_study
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "diffattn_tutorial" / "recorded"
 

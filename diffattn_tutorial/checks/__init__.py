@@ -20,8 +20,12 @@ from diffattn_tutorial.checks.nb07 import check_logit_outlier_ratio, check_query
 from diffattn_tutorial.checks.nb08 import check_sdpa_split, check_sdpa_split_flops
 from diffattn_tutorial.checks.nb09 import check_diff_combine, check_diff_softmax_grads, check_online_softmax_step
 from diffattn_tutorial.checks.nb10 import check_diff_v2, check_forward_v2, check_pair_groups
-from diffattn_tutorial.checks.nb11 import (check_axonml_fixed, check_block_causal_mask, check_diffllama_rows,
-                                           check_four_calls_gqa)
+from diffattn_tutorial.checks.nb11 import (
+                                           check_axonml_fixed,
+                                           check_block_causal_mask,
+                                           check_diffllama_rows,
+                                           check_four_calls_gqa,
+)
 from diffattn_tutorial.checks.nb12 import check_local_shard, check_rank_rows
 from diffattn_tutorial.checks.nb13 import check_combine_splits, check_sample_next, check_static_step
 

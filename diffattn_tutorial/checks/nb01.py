@@ -1,5 +1,5 @@
 """Checks for ``exercises/01_differential_amplifier.ipynb``: the amplifier's output, its two gains, and the
-common-mode rejection ratio. The reference is ``diffattn_tutorial.toys``."""
+common-mode rejection ratio. The reference is ``diffattn_tutorial.course.toys``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.checks._helpers import as_numbers
-from diffattn_tutorial.toys import amplifier_gains, amplifier_output, cmrr_db
+from diffattn_tutorial.course.toys import amplifier_gains, amplifier_output, cmrr_db
 
 __all__ = ["check_amplifier_output", "check_gains", "check_cmrr_db"]
 

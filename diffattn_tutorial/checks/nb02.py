@@ -1,6 +1,6 @@
 """Checks for ``exercises/02_softmax_attention_and_noise.ipynb``: scaled dot-product attention and the
 share of attention that lands on the answer versus the noise. References: ``functional.softmax_attention``
-and ``metrics.answer_noise_shares``."""
+and ``measure.attention_stats.answer_noise_shares``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.functional import softmax_attention
-from diffattn_tutorial.metrics import answer_noise_shares
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares
 
 __all__ = ["check_attention", "check_answer_noise_shares"]
 

@@ -13,7 +13,7 @@ from einops import rearrange
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import blocked_as_interleaved, kv_heads_one_by_one, seeded, swap_pairs, tiled_kv
 from diffattn_tutorial.functional import causal_mask, diff_attention, expand_kv_groups, lambda_init_fn, rms_norm
-from diffattn_tutorial.modules import MultiheadDiffAttn
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 
 __all__ = ["check_causal_mask", "check_expand_kv", "check_forward"]
 
@@ -84,7 +84,6 @@ def check_expand_kv(fn: Callable) -> None:
     what = "expand_kv"
     for i, (B, H, Hkv, N, d) in enumerate([(2, 4, 2, 5, 4), (1, 6, 2, 7, 2), (2, 3, 1, 3, 4), (1, 2, 2, 4, 4),
                                            (1, 6, 3, 5, 2)]):
-        rep = H // Hkv
         q = randn(B, 2 * H, N, d, seed=600 + i) * 1.5
         k, v = randn(B, 2 * Hkv, N, d, seed=610 + i) * 1.5, randn(B, Hkv, N, 2 * d, seed=620 + i)
         lam = torch.tensor(0.4, dtype=torch.float64)

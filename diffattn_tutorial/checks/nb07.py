@@ -1,7 +1,7 @@
 """Checks for ``exercises/07_experiments.ipynb``: the two measurements notebook 07 makes on a model's attention,
 attention to the answer and to the noise from the query rows of a retrieval batch (the paper's Table 3), and the
-attention-logit outlier ratio (Table 5). References: ``experiments.attention_scores`` and
-``experiments.logit_outliers`` (through ``metrics.answer_noise_shares`` and ``metrics.top1_over_median``).
+attention-logit outlier ratio (Table 5). References: ``training.study.attention_scores`` and
+``training.study.logit_outliers`` (through ``measure.attention_stats.answer_noise_shares`` and ``measure.attention_stats.top1_over_median``).
 
 The inputs are maps and logits built here (causal, differential ones with negative entries, logits with
 outliers of either sign) and the probes of small untrained models: no training, so the checks take a second.
@@ -15,10 +15,10 @@ import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.checks._helpers import as_numbers, seeded
-from diffattn_tutorial.data import NeedleTask
-from diffattn_tutorial.experiments import attention_scores, logit_outliers
-from diffattn_tutorial.metrics import answer_noise_shares
-from diffattn_tutorial.model import AttentionProbe, build_model
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares
+from diffattn_tutorial.training.model import AttentionProbe, build_model
+from diffattn_tutorial.training.needle import NeedleTask
+from diffattn_tutorial.training.study import attention_scores, logit_outliers
 
 __all__ = ["check_query_shares", "check_logit_outlier_ratio"]
 

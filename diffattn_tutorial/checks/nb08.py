@@ -11,12 +11,11 @@ import math
 from typing import Callable
 
 import torch
-from einops import rearrange
 
-from diffattn_tutorial import flops
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import blocked_as_interleaved, tiled_kv
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure import flops
 
 __all__ = ["check_sdpa_split", "check_sdpa_split_flops"]
 

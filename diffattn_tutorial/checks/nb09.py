@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, fail, passed, randn
-from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, softmax_attention
+from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps
 
 __all__ = ["check_online_softmax_step", "check_diff_combine", "check_diff_softmax_grads"]
 
@@ -46,8 +46,8 @@ def _check_jit(fn, name: str) -> None:
 
 def _log2e() -> float:
     """The kernels' factor from natural-log to base-2 scores, the library's ``LOG2E`` (imported when a check runs,
-    after :func:`_harness`: ``triton_diff`` imports triton)."""
-    from diffattn_tutorial.triton_diff import LOG2E
+    after :func:`_harness`: ``kernels.triton.flash_diff`` imports triton)."""
+    from diffattn_tutorial.constants import LOG2E
 
     return LOG2E
 

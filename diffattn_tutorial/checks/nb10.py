@@ -15,7 +15,7 @@ from einops import rearrange
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import seeded
 from diffattn_tutorial.functional import diff_attention_v2, rms_norm, softmax_attention
-from diffattn_tutorial.modules import DiffAttnV2
+from diffattn_tutorial.layers.attention import DiffAttnV2
 
 __all__ = ["check_diff_v2", "check_pair_groups", "check_forward_v2"]
 

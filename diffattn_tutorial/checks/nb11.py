@@ -19,7 +19,7 @@ from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_
 from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, tiled_kv
 from diffattn_tutorial.functional import causal_mask, diff_attention
 from diffattn_tutorial.interop import _diffllama_order, _permute_maps
-from diffattn_tutorial.rope import interleaved_to_half_split
+from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
 __all__ = ["check_axonml_fixed", "check_block_causal_mask", "check_four_calls_gqa", "check_diffllama_rows"]
 

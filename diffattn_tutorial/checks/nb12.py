@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, fail, passed, randn
-from diffattn_tutorial.distributed import fsdp_local_shard
+from diffattn_tutorial.training.distributed import fsdp_local_shard
 
 __all__ = ["check_rank_rows", "check_local_shard"]
 

@@ -20,7 +20,7 @@ import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.functional import diff_attention, softmax_attention
-from diffattn_tutorial.model import next_token
+from diffattn_tutorial.training.model import next_token
 
 __all__ = ["check_static_step", "check_combine_splits", "check_sample_next"]
 

@@ -1,6 +1,6 @@
 """The metrics log of a training run (JSON lines) and the helper that plots it.
 
-:mod:`diffattn_tutorial.train` writes ``metrics.jsonl`` in its output folder, one JSON object per line, from
+:mod:`diffattn_tutorial.training.loop` writes ``metrics.jsonl`` in its output folder, one JSON object per line, from
 rank 0 only:
 
 * ``{"event": "start", "step": s, "world_size": ..., "strategy": ..., "device": ..., "config": {...}, ...}``
@@ -98,7 +98,7 @@ def plot_loss_curves(logs: Mapping[str, PathLike], *, smooth: int = 1, ax=None, 
     """
     import matplotlib.pyplot as plt
 
-    from diffattn_tutorial.plotting import DPI
+    from diffattn_tutorial.course.plotting import DPI
 
     if ax is None:
         fig, ax = plt.subplots(figsize=(6.5, 3.0), dpi=DPI)

@@ -3,12 +3,12 @@
 Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual), RoPE on q and k, a final
 RMSNorm and an untied LM head. The attention layers are the library's own modules:
 
-* ``"baseline"``: :class:`~diffattn_tutorial.modules.MultiheadAttention` with ``n_heads`` heads of width
+* ``"baseline"``: :class:`~diffattn_tutorial.layers.attention.MultiheadAttention` with ``n_heads`` heads of width
   ``head_dim = d_model // n_heads``.
-* ``"diff"``: :class:`~diffattn_tutorial.modules.MultiheadDiffAttn` with ``n_heads // 2`` differential heads
+* ``"diff"``: :class:`~diffattn_tutorial.layers.attention.MultiheadDiffAttn` with ``n_heads // 2`` differential heads
   (the paper's parameter matching: each has two q/k maps of width ``head_dim`` and a value of width
   ``2 * head_dim``, so the q/k/v/out projections have exactly the baseline's shapes); ``depth`` = layer index.
-* ``"diff_v2"``: :class:`~diffattn_tutorial.modules.DiffAttnV2` with ``n_heads`` output heads (``2 * n_heads``
+* ``"diff_v2"``: :class:`~diffattn_tutorial.layers.attention.DiffAttnV2` with ``n_heads`` output heads (``2 * n_heads``
   query heads) of width ``head_dim``, as unilm's ``Diff-Transformer-V2`` configures it next to a baseline
   with ``n_heads`` heads: its query projection is twice the baseline's, plus a small ``lambda_proj``.
 
@@ -36,9 +36,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diffattn_tutorial.functional import diff_attention_maps, diff_attention_v2, expand_kv_groups, softmax_attention
-from diffattn_tutorial.modules import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm, StaticKVCache
-from diffattn_tutorial.rope import rope_cos_sin
+from diffattn_tutorial.functional import (
+    diff_attention_maps,
+    diff_attention_v2,
+    expand_kv_groups,
+    softmax_attention,
+)
+from diffattn_tutorial.layers.attention import (
+    DiffAttnV2,
+    KVCache,
+    MultiheadAttention,
+    MultiheadDiffAttn,
+    RMSNorm,
+    StaticKVCache,
+)
+from diffattn_tutorial.layers.rope import rope_cos_sin
 
 Tensor = torch.Tensor
 

@@ -28,7 +28,7 @@ from diffattn_tutorial.functional import (
     rms_norm,
     softmax_attention,
 )
-from diffattn_tutorial.rope import apply_rope, check_rope
+from diffattn_tutorial.layers.rope import apply_rope, check_rope
 
 Tensor = torch.Tensor
 Rope = Optional[tuple[Tensor, Tensor]]

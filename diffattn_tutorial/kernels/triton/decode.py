@@ -1,7 +1,7 @@
 """Flash-decoding for differential attention: a split-K Triton kernel for a few query tokens over a long KV cache.
 
 While a model generates, every step has **one** query token per sequence (``Nq = 1``) against the whole cache.
-The forward kernel of :mod:`diffattn_tutorial.triton_diff` parallelises over query tiles, so it would run one
+The forward kernel of :mod:`diffattn_tutorial.kernels.triton.flash_diff` parallelises over query tiles, so it would run one
 program per (sequence, head), each walking every cached key alone: a handful of programs on a GPU with over a
 hundred multiprocessors, and the cache read at the speed of a few of them. Flash-decoding (Dao, Haziza, Massa and
 Sizov, 2023) splits the **keys** instead, in two kernels:
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from diffattn_tutorial.functional import LOG2E, check_diff_inputs
-from diffattn_tutorial.triton_diff import (
+from diffattn_tutorial.constants import LOG2E
+from diffattn_tutorial.kernels.triton.flash_diff import (
     INTERPRETER_BLOCK,
     MAX_HEAD_DIM,
     _alloc,
@@ -47,6 +47,7 @@ from diffattn_tutorial.triton_diff import (
     _online_softmax_step,
     triton_available,
 )
+from diffattn_tutorial.validation import check_diff_inputs
 
 Tensor = torch.Tensor
 
@@ -59,7 +60,7 @@ WIDE_TILE = 2048
 """From this ``BLOCK_M x BLOCK_D`` on the partial kernel runs 8 warps instead of 4 (d = 128 with 16 rows spilled
 40 bytes at 4 warps on sm_90a, none at 8)."""
 BLOCK_KEYS = 64
-"""Keys per tile on a GPU (:data:`~diffattn_tutorial.triton_diff.INTERPRETER_BLOCK` in the interpreter)."""
+"""Keys per tile on a GPU (:data:`~diffattn_tutorial.kernels.triton.flash_diff.INTERPRETER_BLOCK` in the interpreter)."""
 PROGRAMS_PER_SM = 2
 """The default split count aims at this many partial programs per multiprocessor (flash-decoding's heuristic)."""
 MAX_SPLITS = 64
@@ -266,7 +267,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor],
             every valid key. With one query token the two agree.
         scale: softmax scale, default ``1/sqrt(d)``.
         num_splits: key splits (default :func:`default_splits`); block_n: keys per tile (default
-            :data:`BLOCK_KEYS`, :data:`~diffattn_tutorial.triton_diff.INTERPRETER_BLOCK` in the interpreter).
+            :data:`BLOCK_KEYS`, :data:`~diffattn_tutorial.kernels.triton.flash_diff.INTERPRETER_BLOCK` in the interpreter).
 
     Returns:
         ``(B, H, Nq, 2d)`` in q's dtype, equal to ``diff_attention(q, k[..., :length, :], ...)`` per sequence.

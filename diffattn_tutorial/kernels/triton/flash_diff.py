@@ -54,7 +54,7 @@ NaN inputs give NaN outputs. Not supported: attention dropout, float64 (use the 
 backends).
 
 Where it runs: on a CUDA GPU (block sizes autotuned over a few configurations per kernel, each checked by
-:mod:`diffattn_tutorial.triton_compile` to compile without register spills and within the shared memory of
+:mod:`diffattn_tutorial.kernels.triton.aot` to compile without register spills and within the shared memory of
 every target: H100 (sm_90a, on ``wgmma``), A100 (sm_80), RTX 30xx (sm_86), L4 and RTX 40xx (sm_89), T4
 (sm_75: float16 only, training up to d = 64, FMA dots: this Triton has no tensor-core path below sm_80), or
 on the CPU in Triton's interpreter when the environment variable ``TRITON_INTERPRET=1`` is set **before
@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diffattn_tutorial.functional import LOG2E  # 1 / ln 2: the kernels use exp2 (base-2 scores)
+from diffattn_tutorial.constants import LOG2E  # 1 / ln 2: the kernels use exp2 (base-2 scores)
 
 Tensor = torch.Tensor
 
@@ -761,7 +761,7 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 
 # (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
 # without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups
-# (tests/test_triton_compile.py; python -m diffattn_tutorial.triton_compile --all; diffattn_tutorial/recorded/compile_facts.json).
+# (tests/test_triton_compile.py; python -m diffattn_tutorial.kernels.triton.aot --all; diffattn_tutorial/recorded/compile_facts.json).
 _C = _cfg
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
@@ -911,7 +911,7 @@ _tuned: dict[tuple, object] = {}
 def capture_launches(capability: int = 90) -> Iterator[list[Launch]]:
     """Record the kernel launches of :func:`triton_diff_attention` (forward and backward) instead of running
     them, on tensors of any device, as they would be on a GPU of compute ``capability`` (90: H100, 80: A100);
-    :mod:`diffattn_tutorial.triton_compile` compiles what it records."""
+    :mod:`diffattn_tutorial.kernels.triton.aot` compiles what it records."""
     global _capture, _capture_capability
     saved = _capture, _capture_capability
     _capture, _capture_capability = [], capability
@@ -1199,7 +1199,7 @@ def _check_mode(device: torch.device) -> bool:
     """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
     interpret = _interpret_mode()
     if type(_diff_attn_fwd).__name__ != type(tl.sum).__name__:
-        raise RuntimeError("diffattn_tutorial.triton_diff was imported under a different TRITON_INTERPRET "
+        raise RuntimeError("diffattn_tutorial.kernels.triton.flash_diff was imported under a different TRITON_INTERPRET "
                            "setting than triton itself; set TRITON_INTERPRET once, before importing either")
     if device.type != "cuda" and not interpret:
         why = _LATE_INTERPRET if _interpret_requested() else (

@@ -3,11 +3,11 @@
 Measuring (the scripts and notebook 09's live cell):
 
 * :func:`median_seconds`: the one GPU timer. On CUDA ``triton.testing.do_bench`` (median; CUDA events, no host
-  sync between calls, the L2 cache flushed before each call), which :func:`diffattn_tutorial.bench.median_time`
+  sync between calls, the L2 cache flushed before each call), which :func:`diffattn_tutorial.measure.timing.median_time`
   is not: that one syncs after every call, fine for the CPU backends it compares, but for a kernel of about a
   millisecond the sync and a warm L2 both flatter or blur it. Elsewhere (CPU runs of the plumbing) it is
-  ``bench.median_time``. Inputs come from :func:`diffattn_tutorial.bench.make_inputs`, peak memory from
-  :func:`diffattn_tutorial.bench.cuda_peak_extra`.
+  ``measure.timing.median_time``. Inputs come from :func:`diffattn_tutorial.measure.timing.make_inputs`, peak memory from
+  :func:`diffattn_tutorial.measure.timing.cuda_peak_extra`.
 * :func:`sdpa_backend`: run under one SDPA kernel selected explicitly (``flash``, ``cudnn``, ``efficient``,
   ``math``) or PyTorch's own dispatch (``default``); :func:`refusal` words why a kernel declined a call.
 * :func:`shape_for`: the FlashAttention benchmarks' shapes (fixed tokens per batch and model width).
@@ -41,7 +41,7 @@ from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from diffattn_tutorial.bench import device_name, median_time, slug
+from diffattn_tutorial.measure.timing import device_name, median_time, slug
 
 TRITON_SCHEMA = "diffattn-tutorial/bench_triton/2"
 SDPA_SCHEMA = "diffattn-tutorial/bench_sdpa/1"
@@ -123,7 +123,7 @@ def sdpa_kernels_here(device: torch.device | str, dtype: Optional[torch.dtype] =
 def median_seconds(call: Callable[[], object], device: torch.device | str, *, warmup: int = 1,
                    reps: int = 10) -> float:
     """Median seconds of one ``call()``. CUDA: ``triton.testing.do_bench`` (its own warm-up; it repeats the call
-    for at least ``max(100, 10 * reps)`` ms); without triton, or on a CPU: ``bench.median_time``."""
+    for at least ``max(100, 10 * reps)`` ms); without triton, or on a CPU: ``measure.timing.median_time``."""
     if torch.device(device).type == "cuda":
         try:
             import triton.testing

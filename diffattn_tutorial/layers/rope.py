@@ -44,7 +44,7 @@ def check_rope(rope: object, seq_len: int, head_dim: int) -> tuple[Tensor, Tenso
     """Validate a ``rope=(cos, sin)`` argument for ``seq_len`` tokens and heads of width ``head_dim``."""
     if not (isinstance(rope, (tuple, list)) and len(rope) == 2 and all(isinstance(t, Tensor) for t in rope)):
         raise TypeError("rope must be a tuple (cos, sin) of tensors of shape (N, rot_dim/2); "
-                        "build it with diffattn_tutorial.rope.rope_cos_sin(N, rot_dim)")
+                        "build it with diffattn_tutorial.layers.rope.rope_cos_sin(N, rot_dim)")
     cos, sin = rope
     if cos.shape != sin.shape or cos.ndim != 2:
         raise ValueError(f"rope cos and sin must both be (N, rot_dim/2), got {tuple(cos.shape)} and {tuple(sin.shape)}")

@@ -1,4 +1,4 @@
-"""Train a :class:`~diffattn_tutorial.model.TinyLM` on the multi-needle task and measure what the paper measures.
+"""Train a :class:`~diffattn_tutorial.training.model.TinyLM` on the multi-needle task and measure what the paper measures.
 
 One study is three named steps, each usable on its own:
 
@@ -35,9 +35,18 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from diffattn_tutorial.data import IGNORE, NeedleBatch, NeedleTask
-from diffattn_tutorial.metrics import answer_noise_shares, top1_over_median
-from diffattn_tutorial.model import ATTENTIONS, AttentionProbe, LMConfig, TinyLM
+from diffattn_tutorial.measure.attention_stats import (
+    answer_noise_shares,
+    top1_over_median,
+)
+from diffattn_tutorial.paths import CACHE_ENV, cache_dir
+from diffattn_tutorial.training.model import (
+    ATTENTIONS,
+    AttentionProbe,
+    LMConfig,
+    TinyLM,
+)
+from diffattn_tutorial.training.needle import IGNORE, NeedleBatch, NeedleTask
 
 Tensor = torch.Tensor
 
@@ -74,7 +83,7 @@ def retrieval_loss(model: TinyLM, batch: NeedleBatch) -> Tensor:
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
     """Learning-rate multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps times a cosine from 1 to
-    0 over ``steps`` (the schedule of :func:`train` and of ``diffattn_tutorial.train``)."""
+    0 over ``steps`` (the schedule of :func:`train` and of ``diffattn_tutorial.training.loop``)."""
     return min(1.0, (step + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
@@ -211,33 +220,17 @@ def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]]
     return metrics, batch
 
 
-CACHE_ENV = "DIFFATTN_CACHE"
-"""Environment variable: a folder for the training cache, or ``0`` to switch the cache off."""
-
-
-def cache_dir() -> Optional[Path]:
-    """The training cache folder: ``$DIFFATTN_CACHE``, else ``$XDG_CACHE_HOME/diffattn_tutorial``, else
-    ``~/.cache/diffattn_tutorial``. ``None`` when ``DIFFATTN_CACHE=0`` switches caching off."""
-    setting = os.environ.get(CACHE_ENV, "").strip()
-    if setting == "0":
-        return None
-    if setting:
-        return Path(setting).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "diffattn_tutorial"
-
-
 def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Optional[Path]:
     """Where a study's results live: keyed by its arguments, the torch version and the source of the code
     that trains and measures. ``None`` when caching is off."""
     folder = cache_dir() if cache is True else Path(cache)
     if folder is None:
         return None
-    import diffattn_tutorial.data as data_mod
     import diffattn_tutorial.functional as functional_mod
-    import diffattn_tutorial.metrics as metrics_mod
-    import diffattn_tutorial.modules as modules_mod
-    import diffattn_tutorial.rope as rope_mod
+    import diffattn_tutorial.layers.attention as modules_mod
+    import diffattn_tutorial.layers.rope as rope_mod
+    import diffattn_tutorial.measure.attention_stats as metrics_mod
+    import diffattn_tutorial.training.needle as data_mod
 
     h = hashlib.sha256(repr(sorted(key.items())).encode() + torch.__version__.encode())
     for mod in (data_mod, functional_mod, metrics_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],
@@ -281,7 +274,7 @@ class StudyConfig:
         seed: seeds the initial weights and the training data. The evaluation data are the same for every
             seed and attention kind, so models are compared on identical sequences.
         steps, batch_size, lr: the training budget (step ``t`` uses ``settings[t % len(settings)]``).
-        task: the haystack (default :class:`~diffattn_tutorial.data.NeedleTask`).
+        task: the haystack (default :class:`~diffattn_tutorial.training.needle.NeedleTask`).
         settings: ``(needles, queried)`` pairs to train and evaluate on; the attention and logit metrics use
             the last (hardest) one.
         n_eval: evaluation sequences per setting.
@@ -500,7 +493,7 @@ def disagreements(rerun: Union[StudyResult, Mapping], recorded_row: Mapping) -> 
     return out
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train",
+__all__ = ["SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train",
            "accuracy", "attention_scores", "logit_outliers", "measure", "StudyMetrics", "StudyConfig", "StudyResult",
            "run_study", "retrieval_study", "SUMMARY_KEYS", "compare_claims", "claim_lines", "RECORD_TOLERANCE",
            "disagreements"]

@@ -2,7 +2,7 @@
 
 Every SDPA formulation does twice the multiply-adds of the naive one, because SDPA applies V to each map
 separately; naive forms ``A1 - lam * A2`` first and applies V once, but writes both maps to memory. The kernel in
-``csrc/diff_attention_cpu.cpp`` keeps naive's arithmetic and keeps the maps in cache: one thread takes a block
+``diff_attention_cpu.cpp`` keeps naive's arithmetic and keeps the maps in cache: one thread takes a block
 of query rows of one head, computes both score blocks, their softmax numerators, the differential map in place,
 and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_auto.py`` measures it.
 
@@ -54,7 +54,9 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial.functional import LOG2E
+from diffattn_tutorial import backends
+from diffattn_tutorial.constants import LOG2E
+from diffattn_tutorial.paths import cache_dir
 
 try:
     import fcntl
@@ -63,7 +65,7 @@ except ImportError:  # Windows: builds of one process still take turns; processe
 
 Tensor = torch.Tensor
 
-SOURCE = "csrc/diff_attention_cpu.cpp"
+SOURCE = "diff_attention_cpu.cpp"
 """The kernel's source, inside the package."""
 
 BLOCK_ROWS = (24, 48)
@@ -107,7 +109,7 @@ def compiler() -> Optional[list[str]]:
 
 
 def _source_text() -> str:
-    return resources.files("diffattn_tutorial").joinpath(SOURCE).read_text()
+    return resources.files(__package__).joinpath(SOURCE).read_text()
 
 
 def _cpu_fingerprint() -> str:
@@ -144,7 +146,6 @@ def _private_temp_dir() -> Path:
 
 
 def _build_dir() -> Path:
-    from diffattn_tutorial.experiments import cache_dir  # the course's one cache folder
 
     folder = cache_dir()
     return (_private_temp_dir() if folder is None else folder) / "kernels"
@@ -364,7 +365,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
     q, k = torch.randn(2, 4, 29, 24, generator=g), torch.randn(2, 2, 37, 24, generator=g)
     v, lam = torch.randn(2, 1, 37, 48, generator=g), torch.rand(2, 2, 29, 1, generator=g)
     mask = torch.randn(29, 37, generator=g).expand(2, 2, 29, 37)
-    from diffattn_tutorial.functional import diff_attention  # noqa: PLC0415 (functional imports this module lazily)
+    from diffattn_tutorial.functional import diff_attention  # the reference (functional never imports this module)
 
     for causal, m in ((False, None), (True, None), (False, mask)):
         out = _forward(lib, q, k, v, lam, m, causal, 24 ** -0.5)
@@ -460,6 +461,25 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
         raise ValueError("the fused CPU kernel is forward-only (no autograd); call it under torch.no_grad(), or "
                          "use diff_attention(..., backend='auto') to train")
     return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
+
+
+@backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
+def _backend_status(device: torch.device) -> tuple[bool, str]:
+    return kernel_status()
+
+
+def _backend_run(c: backends.Call) -> Tensor:
+    return fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
+
+
+# The kernel declares itself to the backend registry (the package imports this module): functional never imports
+# it, so the kernel may use functional's naive formula for its self-check without an import cycle.
+backends.register_backend(backends.Backend(
+    "cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
+    "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept in cache",
+    _backend_run, status=_backend_status, devices=("cpu",), dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
+    requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)))
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "KernelUnavailable", "compiler", "library_path", "kernel_status",

@@ -3,7 +3,7 @@
 Triton's compiler runs on any machine: given a target (``GPUTarget("cuda", 90, 32)`` is an H100) it lowers a
 kernel to PTX and assembles it with the ``ptxas`` shipped inside the Triton wheel, whose ``-v`` report says how
 many registers each thread uses and how many bytes it spills to local memory. This module compiles every
-launch :func:`diffattn_tutorial.triton_diff.triton_diff_attention` makes (captured from the real host code, so
+launch :func:`diffattn_tutorial.kernels.triton.flash_diff.triton_diff_attention` makes (captured from the real host code, so
 the arguments, strides and constexprs are exactly those of a run) for every configuration its autotuner may
 pick, for each target of :data:`ARCHS` (the GPUs learners have: T4 sm_75, A100 sm_80, RTX 30xx sm_86, L4 and
 RTX 40xx sm_89, H100 sm_90a), and records per compile (:class:`Facts`):
@@ -22,7 +22,7 @@ RTX 40xx sm_89, H100 sm_90a), and records per compile (:class:`Facts`):
 target's limits, on sm_90a a 16-bit dot that is not ``wgmma`` or a duplicated dot, on sm_80-89 a 16-bit dot that
 is not ``mma.sync``. Each case runs on a target as the library runs it there (:func:`case_on`: no bf16 on sm_75,
 training there up to d = 64). ``tests/test_triton_compile.py`` runs a representative subset for sm_90a and sm_75;
-``python -m diffattn_tutorial.triton_compile --all --write`` runs every case for every target and writes
+``python -m diffattn_tutorial.kernels.triton.aot --all --write`` runs every case for every target and writes
 ``diffattn_tutorial/recorded/compile_facts.json`` (read it with :func:`recorded_facts`, from any folder);
 ``--all --archs sm_80 --write`` redoes one target and keeps the others' facts (:func:`merge_runs`), so the full
 check can be recorded in one run per target.
@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """A compile target and what one block (program) may use on its GPUs."""
@@ -63,7 +64,7 @@ class Arch:
     @property
     def train_head_dim(self) -> int:
         """The largest padded head dim the library trains on this target (its backward's launches)."""
-        from diffattn_tutorial.triton_diff import train_head_dim_limit
+        from diffattn_tutorial.kernels.triton.flash_diff import train_head_dim_limit
 
         return train_head_dim_limit(self.capability)
 
@@ -201,7 +202,7 @@ def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
     recorded on small CPU tensors (contiguous, like a real run; lengths a multiple of 16 as at N = 8192)."""
     import torch
 
-    from diffattn_tutorial.triton_diff import capture_launches, triton_diff_attention
+    from diffattn_tutorial.kernels.triton.flash_diff import capture_launches, triton_diff_attention
 
     dtype = getattr(torch, case.dtype)
     B, Hkv, d = 1, 2, case.head_dim
@@ -288,13 +289,13 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from diffattn_tutorial import triton_diff
+    from diffattn_tutorial.kernels.triton import flash_diff
 
-    fn = getattr(triton_diff, launch.name)
+    fn = getattr(flash_diff, launch.name)
     capability = ARCHS[arch].capability
     kw = dict(launch.consts)
     kw.update(config.kwargs)
-    facts = Facts(kernel=launch.name, form=triton_diff._form(launch.name, launch.consts), case=case.label,
+    facts = Facts(kernel=launch.name, form=flash_diff._form(launch.name, launch.consts), case=case.label,
                   arch=arch, dtype=case.dtype, head_dim=launch.consts.get("BLOCK_D", 0),
                   block_m=kw.get("BLOCK_M", 0), block_n=kw.get("BLOCK_N", 0), num_warps=config.num_warps,
                   num_stages=config.num_stages, pinned=pinned)
@@ -421,7 +422,7 @@ LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 12
 
 def lesson_facts(jobs: int = 1) -> list[Facts]:
     """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128."""
-    from diffattn_tutorial.triton_diff import _cfg
+    from diffattn_tutorial.kernels.triton.flash_diff import _cfg
 
     work = []
     for case, kernel, configs in LESSONS:
@@ -480,7 +481,7 @@ def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Se
         return _run_here(planned, jobs)
     spec = json.dumps({"planned": [[dataclasses.asdict(c), e, a] for c, e, a in planned], "jobs": jobs})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.triton_compile", "--spec", spec, "--json", "-"],
+    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.kernels.triton.aot", "--spec", spec, "--json", "-"],
                           capture_output=True, text=True, env=env, check=False)
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"the compile-check subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -490,21 +491,21 @@ def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Se
 
 def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
-    from diffattn_tutorial import triton_diff
-
     import inspect
 
+    from diffattn_tutorial.kernels.triton import flash_diff
+
     h = hashlib.sha256()
-    for name in sorted(dir(triton_diff)):
-        obj = getattr(triton_diff, name)
+    for name in sorted(dir(flash_diff)):
+        obj = getattr(flash_diff, name)
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):  # the same hash in either mode
             h.update(name.encode() + inspect.getsource(obj.fn).encode())
-    for table in (triton_diff._CONFIGS_16BIT, triton_diff._CONFIGS_AMPERE, triton_diff._CONFIGS_TURING,
-                  triton_diff._CONFIGS_FP32):
+    for table in (flash_diff._CONFIGS_16BIT, flash_diff._CONFIGS_AMPERE, flash_diff._CONFIGS_TURING,
+                  flash_diff._CONFIGS_FP32):
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
                  .encode())
-    h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in triton_diff.PLANS.items())).encode())
-    h.update(repr((sorted(triton_diff.AMPERE_PLANS.items()),
+    h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in flash_diff.PLANS.items())).encode())
+    h.update(repr((sorted(flash_diff.AMPERE_PLANS.items()),
                    {a: (t.dtypes, t.train_head_dim) for a, t in ARCHS.items()})).encode())
     return h.hexdigest()[:16]
 
@@ -611,7 +612,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
                                               "source_hash": source_hash(), "archs": archs, "every_config": every,
                                               "jobs": jobs, "wall_s": round(time.perf_counter() - t0, 1),
-                                              "command": " ".join(["python -m diffattn_tutorial.triton_compile",
+                                              "command": " ".join(["python -m diffattn_tutorial.kernels.triton.aot",
                                                                    *(sys.argv[1:] if argv is None else argv)])},
               "cases": [f"{a}: {c.label}" + (" (every config)" if e else "") for c, e, a in planned],
               "facts": [f.row() for f in facts],

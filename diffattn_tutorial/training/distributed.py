@@ -1,4 +1,4 @@
-"""The ``torch.distributed`` pieces of :mod:`diffattn_tutorial.train`, each small enough to read in one go.
+"""The ``torch.distributed`` pieces of :mod:`diffattn_tutorial.training.loop`, each small enough to read in one go.
 
 * :func:`init` / :func:`shutdown`: join the process group ``torchrun`` describes in the environment (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on GPUs, gloo on CPUs. Without those

@@ -206,7 +206,7 @@ def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int,
             "b": b, "h": h, "n": n, "d": d, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
             "threads": threads or torch.get_num_threads(), "include_output": include_output}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.bench", "--memory-child", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.measure.timing", "--memory-child", json.dumps(spec)],
                           capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"the memory-measuring child failed:\n{proc.stderr[-3000:]}")
@@ -256,7 +256,7 @@ def run(device: str | torch.device = "cpu", *, lengths: Sequence[int] = DEFAULT_
                 rows.append(Row(name, n, sec * 1e3, None if extra is None else extra / 2**20, err))
                 if progress:
                     progress(f"N={n} {name}: {sec * 1e3:.1f} ms")
-        del q, k, v, ref
+        q = k = v = ref = None  # free this length's inputs before the next one is made
     return rows
 
 

@@ -1,0 +1,1 @@
+"""The fused C++ CPU kernel of differential attention (forward), its build cache and operator."""
