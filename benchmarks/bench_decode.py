@@ -39,8 +39,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import torch  # noqa: E402
 
-from diffattn_tutorial import gpu_bench  # noqa: E402
 from diffattn_tutorial.measure import cpu_threads, timing
+from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402
 from diffattn_tutorial.training.model import ATTENTIONS, CACHES, build_model  # noqa: E402
 from diffattn_tutorial.training.needle import NeedleTask  # noqa: E402
 

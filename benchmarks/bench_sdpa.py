@@ -39,8 +39,8 @@ import torch
 if __package__ in (None, ""):  # run as a script from a checkout: import the package from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffattn_tutorial import flops  # noqa: E402
 from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention  # noqa: E402
+from diffattn_tutorial.measure import flops  # noqa: E402
 from diffattn_tutorial.measure.gpu import (  # noqa: E402
     SDPA_SCHEMA,
     check_half_dtype,

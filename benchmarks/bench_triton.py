@@ -48,8 +48,8 @@ import torch
 if __package__ in (None, ""):  # run as a script from a checkout: import the package from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffattn_tutorial import flops  # noqa: E402
 from diffattn_tutorial.functional import SDPA_FORMULATIONS, diff_attention  # noqa: E402
+from diffattn_tutorial.measure import flops  # noqa: E402
 from diffattn_tutorial.measure.gpu import (  # noqa: E402
     SDPA_BACKENDS,
     TRITON_SCHEMA,

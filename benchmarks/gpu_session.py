@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script from a checkout: import the package from the repository
     sys.path.insert(0, str(ROOT))
 
-from diffattn_tutorial import gpu_bench  # noqa: E402  (imports torch, not triton)
+from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402  (imports torch, not triton)
 from diffattn_tutorial.measure.gpu import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
 STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)

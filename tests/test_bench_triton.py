@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from diffattn_tutorial import gpu_bench  # noqa: E402
+from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402
 from diffattn_tutorial.measure.timing import make_inputs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton.py"

@@ -28,16 +28,16 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from diffattn_tutorial import gpu_bench  # noqa: E402
 from diffattn_tutorial.functional import causal_mask, check_diff_inputs, diff_attention  # noqa: E402
+from diffattn_tutorial.kernels.triton.configs import train_head_dim_limit  # noqa: E402
 from diffattn_tutorial.kernels.triton.flash_diff import (  # noqa: E402
     capture_launches,
     tile_schedule,
-    train_head_dim_limit,
     triton_available,
     triton_diff_attention,
 )
 from diffattn_tutorial.layers.attention import MultiheadDiffAttn  # noqa: E402
+from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402
 
 pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
 
@@ -302,19 +302,20 @@ def test_strides_too_large_for_tile_offsets_are_rejected_with_the_fix():
 
 
 def test_autotune_tables_are_small_and_the_switches_work(monkeypatch):
+    from diffattn_tutorial.kernels.triton import configs as tc_configs
     from diffattn_tutorial.kernels.triton import flash_diff as td
 
-    for table in (td._CONFIGS_16BIT, td._CONFIGS_AMPERE, td._CONFIGS_TURING, td._CONFIGS_FP32):
+    for table in (tc_configs._CONFIGS_16BIT, tc_configs._CONFIGS_AMPERE, tc_configs._CONFIGS_TURING, tc_configs._CONFIGS_FP32):
         for (name, form), by_d in table.items():
             for d, cfgs in by_d.items():
                 assert 1 <= len(cfgs) <= 4, (name, form, d)
                 assert len({str(c) for c in cfgs}) == len(cfgs), (name, form, d)
     for d, plan in ((16, "fused"), (32, "fused"), (64, "split_kv"), (128, "split")):
-        assert td.plan_for(d).name == plan
-    monkeypatch.setenv(td.AUTOTUNE_ENV, "0")
-    assert not td.autotune_enabled()
-    monkeypatch.setenv(td.AUTOTUNE_ENV, "1")
-    assert td.autotune_enabled()
+        assert tc_configs.plan_for(d).name == plan
+    monkeypatch.setenv(tc_configs.AUTOTUNE_ENV, "0")
+    assert not tc_configs.autotune_enabled()
+    monkeypatch.setenv(tc_configs.AUTOTUNE_ENV, "1")
+    assert tc_configs.autotune_enabled()
     monkeypatch.setenv(td.POISON_ENV, "1")
     assert td._alloc(3, like=torch.zeros(1)).isnan().all()
 
@@ -331,26 +332,26 @@ def test_every_launch_has_autotune_configs_for_its_variant(capability):
     """The launches of the plan each target uses at every head dim (recorded from the host code, not run) find
     an entry in that target's table: no launch falls back to the default configuration. Hopper: fused at
     d <= 32, split_kv at 64, split at 128; below Hopper split everywhere; on sm_75 fp16, trained up to d = 64."""
-    from diffattn_tutorial.kernels.triton import flash_diff as td
+    from diffattn_tutorial.kernels.triton import configs as tc_configs
 
     half = torch.float16 if capability < 80 else torch.bfloat16
-    table16 = td._CONFIGS_16BIT if capability >= 90 else (td._CONFIGS_AMPERE if capability >= 80 else
-                                                          td._CONFIGS_TURING)
+    table16 = tc_configs._CONFIGS_16BIT if capability >= 90 else (tc_configs._CONFIGS_AMPERE if capability >= 80 else
+                                                          tc_configs._CONFIGS_TURING)
     for d in (16, 32, 64, 128):
         for dtype in (half, torch.float32):
             q, k, v = _zeros_qkv(d, dtype)
-            grad = d <= td.train_head_dim_limit(capability)
+            grad = d <= tc_configs.train_head_dim_limit(capability)
             with capture_launches(capability) as launches, torch.set_grad_enabled(grad):
                 out = triton_diff_attention(q, k, v, torch.tensor(0.5, dtype=dtype))
                 if grad:
                     out.sum().backward()
-            names = [(x.name, td._form(x.name, x.consts)) for x in launches]
+            names = [(x.name, tc_configs._form(x.name, x.consts)) for x in launches]
             if capability >= 90:  # fwd, pre, dkdv, dq; dkdv -> dv, dk; 2 fwd, 2 dk, 2 dq
                 expected = {16: 4, 32: 4, 64: 5, 128: 8}[d]
             else:  # split: 2 fwd, pre, dv, 2 dk, 2 dq; inference: 2 fwd
                 expected = 8 if grad else 2
             assert len(launches) == expected, names
-            table = td._CONFIGS_FP32 if dtype == torch.float32 else table16
+            table = tc_configs._CONFIGS_FP32 if dtype == torch.float32 else table16
             for x, key in zip(launches, names):
                 if x.name != "_diff_attn_bwd_preprocess":
                     assert d in table[key], (capability, key, d)

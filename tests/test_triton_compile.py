@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from diffattn_tutorial.kernels.triton import aot as tc  # noqa: E402
-from diffattn_tutorial.kernels.triton import flash_diff as td  # noqa: E402
+from diffattn_tutorial.kernels.triton import configs as tc_configs  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles kernels for GPU targets (ptxas)
 
@@ -132,5 +132,5 @@ def test_recorded_facts_cover_every_config_and_are_current():
                         continue
                     for c in launch.configs:
                         config = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-                        key = (arch, dtype, launch.name, td._form(launch.name, launch.consts), d, config)
+                        key = (arch, dtype, launch.name, tc_configs._form(launch.name, launch.consts), d, config)
                         assert key in seen, key

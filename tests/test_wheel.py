@@ -90,7 +90,7 @@ def test_the_training_cache_key_does_not_depend_on_the_install_path(wheel_site, 
 
     key = {"attention": "diff", "seed": 0}
     monkeypatch.setenv("DIFFATTN_CACHE", str(wheel_site / "cache"))
-    probe = ("import json; from diffattn_tutorial import experiments as e; "
+    probe = ("import json; from diffattn_tutorial.training import study as e; "
              f"print(json.dumps([e.__file__, str(e._cache_file(True, {key!r}))]))")
     done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(wheel_site)},
                           cwd=wheel_site, capture_output=True, text=True, check=True)

@@ -64,7 +64,7 @@ class Arch:
     @property
     def train_head_dim(self) -> int:
         """The largest padded head dim the library trains on this target (its backward's launches)."""
-        from diffattn_tutorial.kernels.triton.flash_diff import train_head_dim_limit
+        from diffattn_tutorial.kernels.triton.configs import train_head_dim_limit
 
         return train_head_dim_limit(self.capability)
 
@@ -289,13 +289,14 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from diffattn_tutorial.kernels.triton import flash_diff
+    from diffattn_tutorial.kernels.triton import configs
+    from diffattn_tutorial.kernels.triton.flash_diff import KERNELS
 
-    fn = getattr(flash_diff, launch.name)
+    fn = KERNELS[launch.name]
     capability = ARCHS[arch].capability
     kw = dict(launch.consts)
     kw.update(config.kwargs)
-    facts = Facts(kernel=launch.name, form=flash_diff._form(launch.name, launch.consts), case=case.label,
+    facts = Facts(kernel=launch.name, form=configs._form(launch.name, launch.consts), case=case.label,
                   arch=arch, dtype=case.dtype, head_dim=launch.consts.get("BLOCK_D", 0),
                   block_m=kw.get("BLOCK_M", 0), block_n=kw.get("BLOCK_N", 0), num_warps=config.num_warps,
                   num_stages=config.num_stages, pinned=pinned)
@@ -422,7 +423,7 @@ LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 12
 
 def lesson_facts(jobs: int = 1) -> list[Facts]:
     """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128."""
-    from diffattn_tutorial.kernels.triton.flash_diff import _cfg
+    from diffattn_tutorial.kernels.triton.configs import _cfg
 
     work = []
     for case, kernel, configs in LESSONS:
@@ -493,19 +494,19 @@ def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
     import inspect
 
-    from diffattn_tutorial.kernels.triton import flash_diff
+    from diffattn_tutorial.kernels.triton import configs, flash_kernels
 
     h = hashlib.sha256()
-    for name in sorted(dir(flash_diff)):
-        obj = getattr(flash_diff, name)
+    for name in sorted(dir(flash_kernels)):
+        obj = getattr(flash_kernels, name)
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):  # the same hash in either mode
             h.update(name.encode() + inspect.getsource(obj.fn).encode())
-    for table in (flash_diff._CONFIGS_16BIT, flash_diff._CONFIGS_AMPERE, flash_diff._CONFIGS_TURING,
-                  flash_diff._CONFIGS_FP32):
+    for table in (configs._CONFIGS_16BIT, configs._CONFIGS_AMPERE, configs._CONFIGS_TURING,
+                  configs._CONFIGS_FP32):
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
                  .encode())
-    h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in flash_diff.PLANS.items())).encode())
-    h.update(repr((sorted(flash_diff.AMPERE_PLANS.items()),
+    h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in configs.PLANS.items())).encode())
+    h.update(repr((sorted(configs.AMPERE_PLANS.items()),
                    {a: (t.dtypes, t.train_head_dim) for a, t in ARCHS.items()})).encode())
     return h.hexdigest()[:16]
 

@@ -37,16 +37,15 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
+from diffattn_tutorial.kernels.triton.configs import MAX_HEAD_DIM
 from diffattn_tutorial.kernels.triton.flash_diff import (
     INTERPRETER_BLOCK,
-    MAX_HEAD_DIM,
     _alloc,
-    _dot,
     _dot_precision,
     _interpret_mode,
-    _online_softmax_step,
     triton_available,
 )
+from diffattn_tutorial.kernels.triton.flash_kernels import _dot, _online_softmax_step
 from diffattn_tutorial.validation import check_diff_inputs
 
 Tensor = torch.Tensor

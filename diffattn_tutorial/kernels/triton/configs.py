@@ -1,0 +1,194 @@
+"""Which block sizes, warps and stages each kernel of :mod:`~diffattn_tutorial.kernels.triton.flash_diff` may
+launch with, per GPU architecture and head dim: the plans (fused or split maps, per head dim), and small
+autotune tables, each entry checked by :mod:`diffattn_tutorial.kernels.triton.aot` to compile without register
+spills within the shared memory of its targets (``_CONFIGS_16BIT`` Hopper, ``_CONFIGS_AMPERE`` sm_80/86/89,
+``_CONFIGS_TURING`` sm_75, ``_CONFIGS_FP32``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+
+MAX_HEAD_DIM = 128
+AUTOTUNE_ENV = "DIFFATTN_TRITON_AUTOTUNE"
+"""Set to ``0`` to pin every kernel to the first configuration of its list instead of autotuning."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the work is split into launches: which maps a forward program computes, which gradients a dK/dV
+    program accumulates, which maps a dQ program computes. Splitting gives each program fewer float32
+    accumulators (registers) at the price of recomputing some score tiles in a second launch."""
+
+    name: str
+    fwd_maps: tuple[int, ...]  # forward launches, in order (MAP): (0,) both maps; (2, 1) map 2, then map 1
+    kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches (DV_OUT, DK_MAPS): DK_MAPS 3 = both maps
+    dq_maps: tuple[int, ...]  # dQ launches (DQ_MAPS): (3,) both maps, or (1, 2)
+
+
+PLANS = {
+    # d <= 32: one launch per kernel, both maps per program
+    "fused": Plan("fused", (0,), ((True, 3),), (3,)),
+    # d = 64: dK1, dK2 (4d float32 per key row with dV) do not fit next to the score tiles: dV and dK apart
+    "split_kv": Plan("split_kv", (0,), ((True, 0), (False, 3)), (3,)),
+    # d = 128: one map per forward and dQ program, dV and each map's dK apart
+    "split": Plan("split", (2, 1), ((True, 0), (False, 1), (False, 2)), (1, 2)),
+}
+
+
+def plan_for(block_d: int, capability: int = 90) -> Plan:
+    """The plan the library uses for a padded head dim ``block_d`` (the register budget decides, see
+    notebook 09 and benchmarks/NOTES.md): fused up to 32, dK/dV split at 64, everything split at 128
+    (below Hopper, ``capability < 90``, whose ``mma.sync`` or FMA dots hold their operands in registers: split
+    at every head dim, :data:`AMPERE_PLANS`)."""
+    if capability < 90 and block_d in AMPERE_PLANS:
+        return PLANS[AMPERE_PLANS[block_d]]
+    return PLANS["split" if block_d >= 128 else ("split_kv" if block_d >= 64 else "fused")]
+
+
+def train_head_dim_limit(capability: int) -> int:
+    """The largest padded head dim whose backward runs on a GPU of compute ``capability``: 64 below sm_80 (see
+    ``_CONFIGS_TURING``), else :data:`MAX_HEAD_DIM`."""
+    return 64 if capability < 80 else MAX_HEAD_DIM
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
+# without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups
+# (tests/test_triton_compile.py; python -m diffattn_tutorial.kernels.triton.aot --all; diffattn_tutorial/recorded/compile_facts.json).
+_CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "fused"): {
+        16: [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],
+        32: [_cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 4), _cfg(64, 32, 4, 3)],
+        64: [_cfg(128, 32, 8, 3), _cfg(128, 32, 8, 4), _cfg(64, 32, 4, 3)],
+    },
+    ("_diff_attn_fwd", "map"): {
+        128: [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(128, 32, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dkdv"): {
+        16: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3)],
+        32: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(16, 64, 4, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dv"): {
+        64: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 128, 8, 3), _cfg(16, 128, 8, 2)],
+        128: [_cfg(16, 128, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk"): {
+        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(16, 128, 8, 3), _cfg(16, 64, 4, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk1"): {
+        128: [_cfg(32, 128, 8, 3)],
+    },
+    ("_diff_attn_bwd_dq", "dq2"): {
+        16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+        32: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+        64: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+    },
+    ("_diff_attn_bwd_dq", "dq1"): {
+        128: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+    },
+}
+# float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only, any plan
+_FP32_FWD, _FP32_KV, _FP32_Q = [_cfg(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
+_CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    **{("_diff_attn_fwd", form): {d: _FP32_FWD for d in (16, 32, 64, 128)} for form in ("fused", "map")},
+    **{("_diff_attn_bwd_dkdv", form): {d: _FP32_KV for d in (16, 32, 64, 128)} for form in ("dkdv", "dv", "dk", "dk1")},
+    **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq2", "dq1")},
+}
+# Ampere and Ada (sm_80, sm_86, sm_89: mma.sync, both operands in registers): one map per program at every head
+# dim, smaller tiles; each entry clean on all three targets (their ptxas allocate registers differently)
+_CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "map"): {
+        16: [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
+        32: [_cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
+        64: [_cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        128: [_cfg(64, 64, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dv"): {
+        16: [_cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2), _cfg(32, 128, 8, 2)],
+        32: [_cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2), _cfg(32, 128, 8, 2)],
+        64: [_cfg(16, 128, 8, 2)],
+        128: [_cfg(32, 64, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk1"): {
+        16: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
+        32: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
+        64: [_cfg(16, 64, 4, 1), _cfg(16, 32, 2, 2)],  # 16x64 w4 s2 spilled 4 B on sm_86 (GQA 4:1)
+        128: [_cfg(32, 32, 4, 2)],
+    },
+    ("_diff_attn_bwd_dq", "dq1"): {  # spilled 4-32 B on sm_80/86/89 at 255 registers: 64x64 w4 (d 32),
+        16: [_cfg(64, 32, 4, 2)],  # 128x32 w8 (d 64), 32x32 w4 (d 128); 8 warps over 32 or 64 rows compute
+        32: [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],  # the same product twice (dup 2): not kept either
+        64: [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
+        128: [_cfg(32, 32, 2, 2), _cfg(32, 16, 2, 2)],
+    },
+}
+# Turing (sm_75: T4, RTX 20xx; float16 only, 64 KiB of shared memory per block). This Triton (3.9) has no
+# tensor-core path below sm_80: every tl.dot compiles to FMA loops (no mma instruction in the PTX, recorded in the
+# compile facts) and nothing is software-pipelined (so 1 stage). FMA dots hold their operands in registers: the
+# tiles are small, most with 8 warps, each clean in every variant. The backward at d = 128 is not run there
+# (:func:`train_head_dim_limit`): its dK launch spilled 200-5000 B in every shape tried (16x16 to 32x32, 4-16 warps).
+_CONFIGS_TURING: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
+    ("_diff_attn_fwd", "map"): {
+        16: [_cfg(64, 32, 8, 1), _cfg(32, 32, 8, 1)],
+        32: [_cfg(64, 32, 8, 1), _cfg(32, 32, 8, 1)],
+        64: [_cfg(32, 32, 8, 1), _cfg(64, 16, 8, 1)],
+        128: [_cfg(32, 16, 8, 1), _cfg(16, 16, 4, 1)],
+    },
+    ("_diff_attn_bwd_dkdv", "dv"): {
+        16: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
+        32: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
+        64: [_cfg(16, 64, 8, 1), _cfg(32, 16, 16, 1)],
+    },
+    ("_diff_attn_bwd_dkdv", "dk1"): {
+        16: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
+        32: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
+        64: [_cfg(16, 16, 8, 1)],
+    },
+    ("_diff_attn_bwd_dq", "dq1"): {
+        16: [_cfg(64, 16, 8, 1), _cfg(32, 32, 8, 1)],
+        32: [_cfg(64, 16, 8, 1), _cfg(32, 16, 8, 1)],  # 32x32 w8 spilled 8 B without a mask
+        64: [_cfg(64, 16, 8, 1), _cfg(32, 16, 16, 1)],
+    },
+}
+AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "split"}
+
+
+def _form(name: str, consts: dict) -> str:
+    """A short name for the kernel variant the constexprs select (the autotune lists are per variant)."""
+    if name == "_diff_attn_fwd":
+        return "fused" if consts["MAP"] == 0 else "map"
+    if name == "_diff_attn_bwd_dkdv":
+        dv, dk = consts["DV_OUT"], consts["DK_MAPS"]
+        return "dkdv" if dv and dk else ("dv" if dv else ("dk" if dk == 3 else "dk1"))
+    if name == "_diff_attn_bwd_dq":
+        return "dq2" if consts["DQ_MAPS"] == 3 else "dq1"
+    return "pre"
+
+
+def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: int = 90) -> list[triton.Config]:
+    """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``) on
+    a GPU of compute ``capability`` (90 and up: the Hopper table; 80-89: Ampere and Ada; below 80: Turing); the
+    first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins."""
+    if name == "_diff_attn_bwd_preprocess":
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    if dtype == torch.float32:
+        table = _CONFIGS_FP32
+    else:
+        table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
+    by_d = table.get((name, _form(name, consts)), {})
+    return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "1") not in ("0", "", "false", "False")
+
+
+__all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "AMPERE_PLANS", "plan_for", "train_head_dim_limit",
+           "autotune_configs", "autotune_enabled"]

@@ -1,0 +1,600 @@
+"""The ``@triton.jit`` code of the fused differential flash-attention kernel: the forward kernel, the backward's
+preprocess, dK/dV and dQ kernels, and the small helpers they share (scores, masks, the online-softmax step, tile
+bounds), each a function with ``tl.constexpr`` switches. The host code that launches them, the autograd function and
+the algorithm's description are in :mod:`diffattn_tutorial.kernels.triton.flash_diff`; the configuration tables in
+:mod:`diffattn_tutorial.kernels.triton.configs`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from diffattn_tutorial.constants import LOG2E  # 1 / ln 2: the kernels use exp2 (base-2 scores)
+
+_LOG2E = tl.constexpr(LOG2E)  # the same number, visible inside @triton.jit functions
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in float32. ``UPCAST``: multiply bfloat16 tiles as float32 (the interpreter stores
+    bfloat16 as raw 16-bit integers and cannot multiply them; the values, already rounded, are exact)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _apply_mask(s, mvals, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr):
+    """Scores ``s`` (base 2) with the user's mask tile: bool (``mvals != 0`` may attend) or additive (natural
+    log units, so times ``LOG2E``; entries ``<= MASK_MIN``, the dtype's most negative finite number, count as
+    masked, as Hugging Face models fill their masks). NaN in an additive mask stays NaN."""
+    if MASK_KIND == 1:
+        s = tl.where(mvals != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        mf = mvals.to(tl.float32)
+        s = tl.where(mf <= MASK_MIN, float("-inf"), s + mf * _LOG2E)
+    return s
+
+
+@triton.jit
+def _visible(s, rows, cols, Nq, Nk, EDGE: tl.constexpr, CAUSAL: tl.constexpr):
+    """``-inf`` where key ``cols`` is past ``Nk`` or, causal (bottom-right aligned: query ``i`` sees keys
+    ``j <= i + Nk - Nq``), after the query's diagonal. ``rows``, ``cols``: the query and key index of each entry
+    of ``s``, broadcastable to its shape (``rows[:, None]``, ``cols[None, :]``). Only tiles that cross an edge
+    (``EDGE``) pay for it."""
+    if EDGE:
+        ok = cols < Nk
+        if CAUSAL:
+            ok = ok & (cols <= rows + (Nk - Nq))
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _load_mask_tile(MASK, q_off, k_off, q_ok, k_ok, stride_mm, stride_mn, MASK_KIND: tl.constexpr):
+    """The user's mask tile, or 0 without one (``MASK_KIND == 0``). ``MASK`` points at the tile's first entry;
+    ``q_off``, ``k_off`` are the query and key offsets inside the tile and ``q_ok``, ``k_ok`` which of them exist,
+    broadcastable to the tile's shape. One load serves both maps of a head."""
+    mvals = 0
+    if MASK_KIND != 0:
+        mvals = tl.load(MASK + q_off * stride_mm + k_off * stride_mn, mask=q_ok & k_ok, other=0)
+    return mvals
+
+
+@triton.jit
+def _scores(a, b, mvals, rows, cols, Nq, Nk, qk_scale, EDGE: tl.constexpr, CAUSAL: tl.constexpr,
+            MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One masked score tile in base-2 units: ``a @ b * qk_scale`` (``qk_scale = scale * LOG2E``), the user's
+    mask tile ``mvals`` applied and, on edge tiles (``EDGE``), keys past ``Nk`` and after the causal diagonal
+    hidden (:func:`_visible`). ``a = q`` ``(BLOCK_M, d)`` and ``b = k^T`` ``(d, BLOCK_N)`` give
+    ``(BLOCK_M, BLOCK_N)``; the dK/dV kernel passes ``k`` and ``q^T`` for the transposed tile, ``EDGE`` off (it
+    masks the diagonal on the probabilities, see :func:`_probs_t`)."""
+    s = _dot(a, b, None, DOT_PRECISION, UPCAST) * qk_scale
+    return _visible(_apply_mask(s, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+
+
+@triton.jit
+def _score_grad(p, dp, delta, lam, MAP2: tl.constexpr):
+    """Softmax's backward for one map's tile: ``dS = P (dP - delta)``, ``delta = rowsum(dO . O)`` of that map.
+    Map 2 receives the upstream gradient times ``-lam`` (``MAP2``): ``dS2 = -lam P2 (dP - delta2)``. ``delta``
+    and ``lam`` are per query row, broadcastable to ``p`` (a column, or a row in the transposed dK/dV tiles)."""
+    if MAP2:
+        p = -lam * p
+    return p * (dp - delta)
+
+
+@triton.jit
+def _key_tile_bounds(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(full_hi, hi)`` for the query tile at row ``start_m``: key tiles ``[0, full_hi)`` need no masking,
+    ``[full_hi, hi)`` cross ``Nk`` or the causal diagonal, keys from ``hi`` on are never visited (causal: all
+    above the diagonal). Plain arithmetic (``min``, ``max`` are Triton's inside a kernel), so
+    :func:`tile_schedule` runs this same function on Python ints."""
+    nk_full = (Nk // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = min(Nk, max(start_m + BLOCK_M + (Nk - Nq), 0))  # one past the last key the tile's last row sees
+        full_hi = min(nk_full, (max(start_m + 1 + (Nk - Nq), 0) // BLOCK_N) * BLOCK_N)  # the first row sees these
+    else:
+        hi = Nk
+        full_hi = nk_full
+    return full_hi, hi
+
+
+@triton.jit
+def _query_tile_bounds(start_n, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(lo, mid)`` for the key tile at ``start_n``, causal: query rows ``i < start_n - (Nk - Nq)`` see none of
+    its keys (tiles before ``lo`` are skipped), tiles ``[lo, mid)`` cross the diagonal, rows from ``mid`` on see
+    the whole key tile. Not causal: ``(0, 0)`` (every query tile, none masked)."""
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        lo = (tl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - (Nk - Nq), lo), Nq)  # first row that sees the whole tile
+        mid = lo + tl.cdiv(mid - lo, BLOCK_M) * BLOCK_M
+    return lo, mid
+
+
+@triton.jit
+def _key_tile_offsets(stride_kn, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Offsets inside a key tile, for the kernels that walk key tiles: ``offs_n`` (key rows), ``offs_dv`` (value
+    columns, width ``2 BLOCK_D``), ``kt_off`` (the k tile loaded transposed, ``d x BLOCK_N``), and which head
+    dims of k (``d_ok``) and of v (``dv_ok``) are real rather than padding."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, 2 * BLOCK_D)
+    kt_off = offs_n[None, :] * stride_kn + offs_d[:, None]
+    return offs_n, offs_dv, kt_off, offs_d < HEAD_DIM, offs_dv < 2 * HEAD_DIM
+
+
+@triton.jit
+def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map's online softmax: ``s`` the ``(BLOCK_M, BLOCK_N)`` base-2 scores, ``v`` the
+    ``(BLOCK_N, 2d)`` values. New running max, rescale the old sum and accumulator by ``alpha``, add the tile."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key so far
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m - m_ref)
+    l = l * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    return acc, m_new, l
+
+
+# ============================================================================================
+# forward
+# ============================================================================================
+
+
+@triton.jit
+def _fwd_map_step(acc, m, l, q, K, kt_off, kt_mask, v, mvals, rows, cols, Nq, Nk, qk_scale,
+                  EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map's stream: load its k tile (``K`` points at the tile), score it against ``q``,
+    one online-softmax step with the shared ``v`` tile. Returns the new ``(acc, m, l)``."""
+    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
+    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN,
+                DOT_PRECISION, UPCAST)
+    return _online_softmax_step(acc, m, l, s, v, DOT_PRECISION, UPCAST)
+
+
+@triton.jit
+def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map(s), the query tiles
+                 K1, K2, V, MASK,  # base pointers: this (batch, KV group) / the mask rows of this query tile
+                 start_m, lo, hi, Nq, Nk, qk_scale, stride_kn, stride_vn, stride_mm, stride_mn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                 TWO_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Key/value tiles ``[lo, hi)``. ``TWO_MAPS``: both online-softmax streams from one load of each tile
+    (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start_m + offs_m
+    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM)
+    v_off = offs_n[:, None] * stride_vn + offs_dv[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        n64 = tl.cast(start_n, tl.int64)  # tile bases in int64, offsets inside a tile in int32
+        cols = start_n + offs_n
+        if EDGE:
+            col_ok = cols < Nk
+            kt_mask = d_ok[:, None] & col_ok[None, :]
+            v_mask = col_ok[:, None] & dv_ok[None, :]
+        else:
+            kt_mask = d_ok[:, None]
+            v_mask = dv_ok[None, :]
+        v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
+        mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
+                                cols[None, :] < Nk, stride_mm, stride_mn, MASK_KIND)
+        acc1, m1, l1 = _fwd_map_step(acc1, m1, l1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows, cols,
+                                     Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+        if TWO_MAPS:  # map 2: the same update with its own state, the same v and mask tiles
+            acc2, m2, l2 = _fwd_map_step(acc2, m2, l2, q2, K2 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows,
+                                         cols, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION,
+                                         UPCAST)
+    return acc1, m1, l1, acc2, m2, l2
+
+
+@triton.jit
+def _lse(m, l):
+    """Base-2 log-sum-exp of a row; ``+inf`` marks a row with no visible key (the backward's P becomes 0)."""
+    return tl.where(l == 0.0, float("inf"), m + tl.math.log2(tl.where(l == 0.0, 1.0, l)))
+
+
+@triton.jit
+def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
+                   stride_qb, stride_qh, stride_qm,
+                   stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn,
+                   stride_ob, stride_oh, stride_om,
+                   stride_lb, stride_lh, stride_lm,
+                   stride_mb, stride_mh, stride_mm, stride_mn,
+                   H, Nq, Nk, qk_scale, N_BUCKET,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                   MAP: tl.constexpr, STORE_O2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: one query tile of one (batch, differential head), on a 1-D grid (no 65535 limit).
+
+    ``MAP = 0``: both maps, output ``o1 - lam o2``. ``MAP = 2``: map 2 only, stores ``o2`` (float32) and its
+    log-sum-exp. ``MAP = 1``: map 1 only, reads ``o2`` back and stores the output (run after ``MAP = 2``)."""
+    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    off_bh = pid // n_m
+    start_m = (n_m - 1 - pid % n_m) * BLOCK_M  # the longest rows first (causal: the most keys)
+    b = off_bh // H
+    h = off_bh % H
+    g = h // GROUP  # the KV group of this differential head
+    b64, h64, g64, m64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64), start_m.to(tl.int64)
+    FIRST: tl.constexpr = 1 if MAP == 2 else 0  # the map held in slot 1
+    Q1 = Q + b64 * stride_qb + (2 * h64 + FIRST) * stride_qh + m64 * stride_qm
+    K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
+    V = V + b64 * stride_vb + g64 * stride_vh
+    MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = start_m + offs_m < Nq
+    q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    TWO_MAPS: tl.constexpr = MAP == 0
+    if TWO_MAPS:
+        q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
+        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l2 = tl.zeros([BLOCK_M], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    else:  # placeholders: the loop leaves slot 2 untouched
+        q2, m2, l2, acc2 = q1, m1, l1, acc1
+
+    # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
+    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
+        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, 0, full_hi, Nq, Nk, qk_scale,
+        stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
+        False, CAUSAL, MASK_KIND, MASK_MIN, TWO_MAPS, DOT_PRECISION, UPCAST)
+    acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
+        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, full_hi, hi, Nq, Nk, qk_scale,
+        stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
+        True, CAUSAL, MASK_KIND, MASK_MIN, TWO_MAPS, DOT_PRECISION, UPCAST)
+
+    # epilogue: normalise, combine with lambda; fully masked rows (l == 0) give 0
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
+    LSE = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
+    o_slot1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
+    if MAP == 2:
+        tl.store(O2 + o_off, o_slot1.to(O2.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + Nq, _lse(m1, l1), mask=row_ok)
+    else:
+        lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
+                      other=0.0).to(tl.float32)
+        if TWO_MAPS:
+            o2 = acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None]
+            if STORE_O2:
+                tl.store(O2 + o_off, o2.to(O2.dtype.element_ty), mask=o_mask)
+            tl.store(LSE + Nq, _lse(m2, l2), mask=row_ok)
+            out = o_slot1 - lam[:, None] * o2
+            tl.store(OUT + o_off, out.to(OUT.dtype.element_ty), mask=o_mask)
+        else:  # o2 comes back from memory, one half of its width at a time (a whole tile would not fit
+            # next to the accumulator in registers)
+            o_a, o_b = tl.split(tl.permute(tl.reshape(o_slot1, [BLOCK_M, 2, BLOCK_D]), [0, 2, 1]))
+            h_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_d[None, :]
+            a_mask = row_ok[:, None] & (offs_d[None, :] < 2 * HEAD_DIM)  # columns [0, BLOCK_D)
+            b_mask = row_ok[:, None] & (BLOCK_D + offs_d[None, :] < 2 * HEAD_DIM)  # [BLOCK_D, 2 BLOCK_D)
+            o2_a = tl.load(O2 + h_off, mask=a_mask, other=0.0)
+            tl.store(OUT + h_off, (o_a - lam[:, None] * o2_a).to(OUT.dtype.element_ty), mask=a_mask)
+            o2_b = tl.load(O2 + BLOCK_D + h_off, mask=b_mask, other=0.0)
+            tl.store(OUT + BLOCK_D + h_off, (o_b - lam[:, None] * o2_b).to(OUT.dtype.element_ty), mask=b_mask)
+        tl.store(LSE, _lse(m1, l1), mask=row_ok)
+
+
+# ============================================================================================
+# backward
+# ============================================================================================
+
+
+@triton.jit
+def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
+                              stride_ob, stride_oh, stride_om,
+                              stride_gb, stride_gh, stride_gm,
+                              stride_lb, stride_lh, stride_lm,
+                              H, Nq,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per query row: ``delta1 = dO . o1`` (``o1 = out + lam o2``) and ``delta2 = dO . o2``, in float32."""
+    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    off_bh = pid // n_m
+    start_m = (pid % n_m) * BLOCK_M
+    b = (off_bh // H).to(tl.int64)
+    h = (off_bh % H).to(tl.int64)
+    m64 = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = start_m + offs_m < Nq
+    mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
+    o_off = b * stride_ob + h * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
+    out = tl.load(OUT + o_off, mask=mask, other=0.0).to(tl.float32)
+    o2 = tl.load(O2 + o_off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_gb + h * stride_gh + m64 * stride_gm + offs_m[:, None] * stride_gm
+                 + offs_dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    lam = tl.load(LAM + b * stride_lb + h * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
+                  other=0.0).to(tl.float32)
+    delta2 = tl.sum(do * o2, 1)
+    delta1 = tl.sum(do * out, 1) + lam * delta2
+    DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
+    tl.store(DELTA, delta1, mask=row_ok)
+    tl.store(DELTA + Nq, delta2, mask=row_ok)
+
+
+@triton.jit
+def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale, DIAG: tl.constexpr,
+             MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One map's probabilities for one query tile against the key tile ``k``, recomputed and transposed,
+    ``(BLOCK_N, BLOCK_M)``: ``P^T = 2^(k q^T qk_scale - lse)`` from the saved base-2 log-sum-exp (``LSE`` of this
+    map; rows past ``Nq`` load ``+inf``, so their P is 0). On diagonal tiles (``DIAG``) the entries outside
+    ``visible``, one tile for both maps, become 0 after the exponential (hiding the scores before it, as the
+    other kernels do with :func:`_visible`, costs the heaviest dK variants register spills: compile facts).
+    Returns ``(p^T, q^T)``: the dK product reuses q^T."""
+    qt = tl.load(Q + qt_off, mask=qt_mask, other=0.0)
+    st = _scores(k, qt, mvals, 0, 0, 0, 0, qk_scale, False, False, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+    pt = tl.math.exp2(st - tl.load(LSE + rows, mask=row_ok, other=float("inf"))[None, :])
+    if DIAG:
+        pt = tl.where(visible, pt, 0.0)
+    return pt, qt
+
+
+@triton.jit
+def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1, k2 (BLOCK_N x d), v (BLOCK_N x 2d)
+                 Q1, DOh, LSEh, DELTAh, LAMh, MASKh,  # this head's query map 1 / dO / statistics / lambda / mask
+                 start_n, lo, hi, Nq, Nk, qk_scale,
+                 stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DIAG: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                 DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Query tiles ``[lo, hi)`` against one key tile, everything transposed (rows are keys). ``DIAG``: the
+    tiles cross the causal diagonal (mask them). Rows past ``Nq`` load ``lse = +inf``, so their P is 0."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_nl = tl.arange(0, BLOCK_N)  # key rows inside the tile (MASKh already points at key start_n)
+    offs_n = start_n + offs_nl
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, 2 * BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < 2 * HEAD_DIM
+    NEED1: tl.constexpr = DV_OUT or DK_MAPS == 1 or DK_MAPS == 3
+    NEED2: tl.constexpr = DV_OUT or DK_MAPS == 2 or DK_MAPS == 3
+    qt_off = offs_mb[None, :] * stride_qm + offs_d[:, None]
+    do_off = offs_mb[:, None] * stride_gm + offs_dv[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        m64 = tl.cast(start_m, tl.int64)
+        rows = start_m + offs_mb
+        row_ok = rows < Nq
+        qt_mask = row_ok[None, :] & d_ok[:, None]
+        do = tl.load(DOh + m64 * stride_gm + do_off, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
+        mvals = _load_mask_tile(MASKh + m64 * stride_mm, offs_mb[None, :], offs_nl[:, None], row_ok[None, :],
+                                offs_n[:, None] < Nk, stride_mm, stride_mn, MASK_KIND)
+        visible = 0
+        if DIAG:  # key j seen by query i (bottom-right aligned causal), transposed
+            visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
+        # recompute the maps, transposed: (BLOCK_N, BLOCK_M); map 2's upstream gradient is -lam dO
+        if NEED1:
+            p1t, q1t = _probs_t(k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, mvals, visible, rows, row_ok, qk_scale,
+                                DIAG, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+        if NEED2:
+            p2t, q2t = _probs_t(k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, mvals, visible, rows,
+                                row_ok, qk_scale, DIAG, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+        if DV_OUT:  # dV += (P1 - lam P2)^T dO: the differential map, transposed
+            dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        if DK_MAPS != 0:  # dP = dO v^T, shared by both maps
+            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
+            if NEED1 and DK_MAPS != 2:
+                delta1 = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
+                ds1t = _score_grad(p1t, dpt, delta1[None, :], lam[None, :], False)
+                dk1 = _dot(ds1t.to(q1t.dtype), tl.trans(q1t), dk1, DOT_PRECISION, UPCAST)
+            if NEED2 and DK_MAPS != 1:
+                delta2 = tl.load(DELTAh + Nq + rows, mask=row_ok, other=0.0)
+                ds2t = _score_grad(p2t, dpt, delta2[None, :], lam[None, :], True)
+                dk2 = _dot(ds2t.to(q2t.dtype), tl.trans(q2t), dk2, DOT_PRECISION, UPCAST)
+    return dk1, dk2, dv
+
+
+@triton.jit
+def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
+                        stride_qb, stride_qh, stride_qm,
+                        stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn,
+                        stride_gb, stride_gh, stride_gm,
+                        stride_lb, stride_lh, stride_lm,
+                        stride_mb, stride_mh, stride_mm, stride_mn,
+                        stride_dkb, stride_dkh, stride_dkn,  # the gradients' own strides (not k's, v's)
+                        stride_dvb, stride_dvh, stride_dvn,
+                        H, Hkv, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                        DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """One program: one key tile of one (batch, KV group); it sums over the ``GROUP`` differential heads that
+    share the group, so each dK/dV row has one writer. ``DV_OUT``: accumulate dV; ``DK_MAPS``: dK of map 1
+    (1), map 2 (2), both (3) or none (0). ``DK``, ``DV`` are written with their own strides: a gradient buffer
+    is dense even where k or v is a view with gaps, overlaps (``expand``) or a storage offset."""
+    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+    n_n = tl.cdiv(Nk, BLOCK_N)
+    pid = tl.program_id(0)
+    off_bg = pid // n_n
+    start_n = (pid % n_n) * BLOCK_N
+    b64 = (off_bg // Hkv).to(tl.int64)
+    g64 = (off_bg % Hkv).to(tl.int64)
+    n64 = start_n.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = start_n + offs_n < Nk
+    k_off = offs_n[:, None] * stride_kn + offs_d[None, :]
+    k_mask = col_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh + n64 * stride_kn
+    k1 = tl.load(K1 + k_off, mask=k_mask, other=0.0)
+    k2 = tl.load(K1 + stride_kh + k_off, mask=k_mask, other=0.0)
+    v_off = b64 * stride_vb + g64 * stride_vh + n64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
+    v_mask = col_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
+    v = tl.load(V + v_off, mask=v_mask, other=0.0)
+    dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    lo, mid = _query_tile_bounds(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    for r in range(GROUP):
+        h64 = g64 * GROUP + r
+        bh = b64 * H + h64
+        Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh
+        DOh = DO + b64 * stride_gb + h64 * stride_gh
+        LAMh = LAM + b64 * stride_lb + h64 * stride_lh
+        MASKh = MASK + b64 * stride_mb + h64 * stride_mh + n64 * stride_mn
+        LSEh = LSE + bh * 2 * Nq
+        DELTAh = DELTA + bh * 2 * Nq
+        if CAUSAL:
+            dk1, dk2, dv = _bwd_kv_loop(dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh,
+                                        start_n, lo, mid, Nq, Nk, qk_scale,
+                                        stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                                        BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN,
+                                        DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
+        dk1, dk2, dv = _bwd_kv_loop(dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh,
+                                    start_n, mid, Nq, Nq, Nk, qk_scale,
+                                    stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                                    BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN,
+                                    DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
+
+    dk_off = offs_n[:, None] * stride_dkn + offs_d[None, :]
+    DK1 = DK + b64 * stride_dkb + (2 * g64) * stride_dkh + n64 * stride_dkn
+    if DK_MAPS == 1 or DK_MAPS == 3:
+        tl.store(DK1 + dk_off, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    if DK_MAPS == 2 or DK_MAPS == 3:
+        tl.store(DK1 + stride_dkh + dk_off, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    if DV_OUT:
+        dv_off = b64 * stride_dvb + g64 * stride_dvh + n64 * stride_dvn + offs_n[:, None] * stride_dvn + offs_dv[None, :]
+        tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _dq_map_step(dq, q, K, kt_off, kt_mask, mvals, rows, cols, lse, delta, lam, dp, Nq, Nk, qk_scale,
+                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                 MAP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map: load its k tile (``K`` points at the tile), recompute ``P = 2^(s - lse)`` from
+    the scores, ``dQ += dS k`` with ``dS`` from :func:`_score_grad` (``MAP2``: map 2's ``-lam``)."""
+    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
+    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN,
+                DOT_PRECISION, UPCAST)
+    ds = _score_grad(tl.math.exp2(s - lse[:, None]), dp, delta[:, None], lam[:, None], MAP2)
+    return _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
+
+
+@triton.jit
+def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam,  # this query tile's state
+                K1, V, MASK, start_m, lo, hi, Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Key tiles ``[lo, hi)`` for one query tile: ``dQ_m += dS_m k_m`` for the maps in ``DQ_MAPS``."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start_m + offs_m
+    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM)
+    vt_off = offs_n[None, :] * stride_vn + offs_dv[:, None]
+    for start_n in range(lo, hi, BLOCK_N):
+        n64 = tl.cast(start_n, tl.int64)
+        cols = start_n + offs_n
+        col_ok = cols < Nk
+        kt_mask = d_ok[:, None] & col_ok[None, :]
+        vt = tl.load(V + n64 * stride_vn + vt_off, mask=dv_ok[:, None] & col_ok[None, :], other=0.0)  # (2d, BLOCK_N)
+        dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)  # dP = dO v^T, shared by both maps
+        mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
+                                col_ok[None, :], stride_mm, stride_mn, MASK_KIND)
+        if DQ_MAPS != 2:
+            dq1 = _dq_map_step(dq1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse1, delta1, lam,
+                               dp, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, False, DOT_PRECISION, UPCAST)
+        if DQ_MAPS != 1:
+            dq2 = _dq_map_step(dq2, q2, K1 + stride_kh + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse2,
+                               delta2, lam, dp, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, True,
+                               DOT_PRECISION, UPCAST)
+    return dq1, dq2
+
+
+@triton.jit
+def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
+                      stride_qb, stride_qh, stride_qm,
+                      stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn,
+                      stride_gb, stride_gh, stride_gm,
+                      stride_lb, stride_lh, stride_lm,
+                      stride_mb, stride_mh, stride_mm, stride_mn,
+                      stride_dqb, stride_dqh, stride_dqm,  # dQ's own strides (not q's)
+                      H, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                      DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: one query tile of one (batch, differential head); dQ of map 1 (``DQ_MAPS`` 1), map 2 (2)
+    or both (3), written with ``DQ``'s own strides."""
+    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    off_bh = pid // n_m
+    start_m = (n_m - 1 - pid % n_m) * BLOCK_M
+    b64 = (off_bh // H).to(tl.int64)
+    h64 = (off_bh % H).to(tl.int64)
+    g64 = h64 // GROUP
+    m64 = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = start_m + offs_m
+    row_ok = rows < Nq
+    q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh + m64 * stride_qm
+    do = tl.load(DO + b64 * stride_gb + h64 * stride_gh + m64 * stride_gm + offs_m[:, None] * stride_gm
+                 + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM), other=0.0)
+    LSE = LSE + off_bh.to(tl.int64) * 2 * Nq
+    DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq
+    lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=0.0)
+    lam = lam.to(tl.float32)
+    dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # the maps this program does not compute get placeholders (the loop never reads them)
+    q1, lse1, delta1 = do, lam, lam
+    q2, lse2, delta2 = do, lam, lam
+    if DQ_MAPS != 2:
+        q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
+        lse1 = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
+        delta1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    if DQ_MAPS != 1:
+        q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
+        lse2 = tl.load(LSE + Nq + rows, mask=row_ok, other=float("inf"))
+        delta2 = tl.load(DELTA + Nq + rows, mask=row_ok, other=0.0)
+    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
+    V = V + b64 * stride_vb + g64 * stride_vh
+    MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
+
+    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, 0, full_hi,
+                           Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
+                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
+                           DOT_PRECISION, UPCAST)
+    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, full_hi, hi,
+                           Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
+                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
+                           DOT_PRECISION, UPCAST)
+
+    DQ1 = DQ + b64 * stride_dqb + (2 * h64) * stride_dqh + m64 * stride_dqm
+    dq_off = offs_m[:, None] * stride_dqm + offs_d[None, :]
+    if DQ_MAPS != 2:
+        tl.store(DQ1 + dq_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    if DQ_MAPS != 1:
+        tl.store(DQ1 + stride_dqh + dq_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ============================================================================================
+# plans, configurations, launching
+# ============================================================================================
