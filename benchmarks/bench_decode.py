@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     for g in met:
         print(f"goal {g['kind']}: {g['goal']}: {g['value']} -> {'met' if g['met'] else 'MISSED'}")
     out = args.out or HERE / f"results_decode_{timing.slug(header['device'])}.json"
-    gpu_bench.write_json(out, {"recorded": header, "config": {**CONFIG, "vocab_size": NeedleTask().vocab_size,
+    gpu_bench.write_json(out, {**header, "config": {**CONFIG, "vocab_size": NeedleTask().vocab_size,
                                                               "prompt": args.prompt, "new": args.new, "batch": 1,
                                                               "dtype": "float32", "rounds": args.rounds},
                                "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "threads": torch.get_num_threads(),

@@ -300,7 +300,29 @@ def backends_block() -> str:
     return backend_table() + "\n\n" + describe_auto("cpu") + " " + describe_auto("cuda") + "\n"
 
 
+def decode_block() -> str:
+    """Decoding speed per kind and KV cache (``benchmarks/bench_decode.py``), one table per results file."""
+    parts = []
+    for path in sorted(BENCH.glob("results_decode_*.json")):
+        data = _load(path)
+        new = data["config"]["new"]
+        med = {name: statistics.median(t) for name, t in data["times_s"].items()}
+        rows = ["| kind | recompute (eager) | dynamic (eager) | static (eager) | static (compiled) | static compiled: "
+                "speed-up over recompute |", "|---|---:|---:|---:|---:|---:|"]
+        for kind in ("baseline", "diff", "diff_v2"):
+            ref = data["times_s"][f"{kind} cache=None eager"]
+            cells = [f"{new / med[f'{kind} cache={c}']:.0f} tok/s" for c in ("None eager", "dynamic eager",
+                                                                          "static eager", "static compiled")]
+            rows.append(f"| {kind} | " + " | ".join(cells) + f" | {_fmt_x(speedup(ref, data['times_s'][f'{kind} cache=static compiled']))} |")
+        met = sum(g["met"] for g in data["goals"])
+        parts.append(f"From `{_rel(path)}`: {_provenance(data)}; {data['threads']} thread(s), "
+                     f"{data['config']['prompt']}-token prompt, {new} new tokens, median of {data['config']['rounds']} "
+                     f"rounds; goals met: {met} of {len(data['goals'])}.\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(parts)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "decode": decode_block,
     "backends": backends_block,
     "install": install_block,
     "cpu-table": cpu_table_block,
