@@ -43,9 +43,8 @@ from diffattn_tutorial.functional import diff_attention, diff_attention_v2, soft
 from diffattn_tutorial.measure import flops  # noqa: E402
 from diffattn_tutorial.measure.gpu import (  # noqa: E402
     SDPA_SCHEMA,
-    check_half_dtype,
+    benchmark_dtype,
     median_seconds,
-    preferred_half_dtype,
     recorded_path,
     refusal,
     results_header,
@@ -267,13 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.device.startswith("cuda") and torch.cuda.is_available():  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
-        args.dtype = args.dtype or str(preferred_half_dtype(args.device)).removeprefix("torch.")
-        try:
-            check_half_dtype(getattr(torch, args.dtype), args.device, what="--dtype")
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-    args.dtype = args.dtype or "float32"
+    try:  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
+        args.dtype = benchmark_dtype(args.device, args.dtype)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     bad = [f for f in args.formulations if f not in ALL_FORMULATIONS]
     if bad:
         raise SystemExit(f"unknown formulations {bad}; choose from {ALL_FORMULATIONS}")

@@ -53,10 +53,9 @@ from diffattn_tutorial.measure import flops  # noqa: E402
 from diffattn_tutorial.measure.gpu import (  # noqa: E402
     SDPA_BACKENDS,
     TRITON_SCHEMA,
-    check_half_dtype,
+    benchmark_dtype,
     is_refusal,
     median_seconds,
-    preferred_half_dtype,
     recorded_path,
     refusal,
     results_header,
@@ -224,13 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.device.startswith("cuda") and torch.cuda.is_available():  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
-        args.dtype = args.dtype or str(preferred_half_dtype(args.device)).removeprefix("torch.")
-        try:
-            check_half_dtype(getattr(torch, args.dtype), args.device, what="--dtype")
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-    args.dtype = args.dtype or "float32"
+    try:  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
+        args.dtype = benchmark_dtype(args.device, args.dtype)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     args.backends = args.backends or (["flash", "cudnn", "efficient"] if args.device.startswith("cuda")
                                       else ["default"])
     known = ("triton", *SDPA_FORMULATIONS, "naive")

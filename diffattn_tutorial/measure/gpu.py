@@ -92,6 +92,17 @@ def check_half_dtype(dtype: torch.dtype, device: torch.device | str | None = Non
                          f"picks it; train it with torch.amp.GradScaler)")
 
 
+
+def benchmark_dtype(device: str, dtype: str | None) -> str:
+    """The dtype name a benchmark script runs in: ``dtype`` when given (checked against the GPU: bf16 on a GPU
+    without bf16 tensor cores raises ValueError naming fp16), else the GPU's own 16-bit dtype on CUDA, float32
+    elsewhere."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dtype = dtype or str(preferred_half_dtype(device)).removeprefix("torch.")
+        check_half_dtype(getattr(torch, dtype), device, what="--dtype")
+    return dtype or "float32"
+
+
 def sdpa_kernels_here(device: torch.device | str, dtype: Optional[torch.dtype] = None) -> dict[str, str]:
     """For each SDPA kernel of :data:`SDPA_BACKENDS` (not ``default``): ``"ok"`` if it takes a plain call on
     ``device`` (q, k, v of shape (1, 2, 64, 64), equal head dims, no mask, ``dtype`` default
@@ -329,7 +340,7 @@ def sdpa_summary(results: dict, *, d: Optional[int] = None, causal: Optional[boo
     return "\n".join(lines)
 
 
-__all__ = ["cuda_capability", "preferred_half_dtype", "check_half_dtype", "sdpa_kernels_here", "BF16_CAPABILITY",
+__all__ = ["cuda_capability", "preferred_half_dtype", "check_half_dtype", "benchmark_dtype", "sdpa_kernels_here", "BF16_CAPABILITY",
            "median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
            "recorded_path", "write_json", "find_recorded", "merge_triton", "triton_summary", "goals",
            "sdpa_summary", "SDPA_BACKENDS", "GOALS", "GOALS_DEVICE", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA",
