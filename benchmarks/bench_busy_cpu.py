@@ -51,10 +51,8 @@ def step_seconds(attention: str, threads: int, steps: int) -> float:
     model = TinyLM(cfg.lm_config())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     gen = torch.Generator().manual_seed(0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     times = []
-    try:
+    with cpu_threads.threads(threads):
         for t in range(steps + 2):
             n, r = SETTINGS[t % len(SETTINGS)]
             batch = task.sample(cfg.batch_size, n, r, generator=gen)
@@ -65,8 +63,6 @@ def step_seconds(attention: str, threads: int, steps: int) -> float:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
     return statistics.median(times[2:])
 
 

@@ -1,4 +1,5 @@
-"""measure.cpu_threads.recommended_threads (threads from the cores other programs leave free) and measure.timing.peak_extra_memory
+"""measure.cpu_threads.recommended_threads (threads from the cores other programs leave free), its ``threads``
+context manager (set and restore torch's thread count) and measure.timing.peak_extra_memory
 (any function's peak extra resident memory, measured in a fresh process)."""
 
 import functools
@@ -22,6 +23,40 @@ def test_recommended_threads_leave_the_busy_cores_alone(monkeypatch, busy, expec
     want = {"all": 4, "all - 1": 3}.get(expected, expected)
     assert cpu_threads.recommended_threads() == want
     assert cpu_threads.recommended_threads(max_threads=2) == min(want, 2)
+
+
+def test_threads_sets_and_restores_the_count_even_after_an_exception():
+    outer = torch.get_num_threads()
+    torch.set_num_threads(3)  # a count the block does not use, so a missing restore shows
+    try:
+        with pytest.raises(KeyError):
+            with cpu_threads.threads(1) as n:
+                assert n == 1 == torch.get_num_threads()
+                raise KeyError("raised inside the block")
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(outer)
+
+
+def test_threads_none_leaves_the_count_alone_and_still_restores_it():
+    outer = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with cpu_threads.threads(None) as n:
+            assert n == 3 == torch.get_num_threads()
+            torch.set_num_threads(1)  # code inside the block changes it (the training loop's --threads)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(outer)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_threads_refuses_a_count_that_is_not_a_positive_whole_number(bad):
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match="whole number of threads >= 1, or None"):
+        with cpu_threads.threads(bad):
+            pass
+    assert torch.get_num_threads() == before
 
 
 def test_free_core_threads_sets_and_restores(monkeypatch):

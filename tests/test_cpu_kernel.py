@@ -8,6 +8,7 @@ import torch
 
 from diffattn_tutorial.functional import backend_status, diff_attention
 from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.measure.cpu_threads import threads
 
 NO_COMPILER = cpu_fused.compiler() is None
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler here: backend='auto' uses sdpa_padded "
@@ -134,14 +135,10 @@ def test_the_same_numbers_on_any_thread_count_and_for_any_strides():
     v = vv.unflatten(-1, (H, 2 * d)).transpose(1, 2)
     assert not q.is_contiguous()
     lam = torch.tensor(0.3)
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+    outs = []
+    for n in (1, 2, 3):
+        with threads(n):
             outs.append(fused(q, k, v, lam, causal=True))
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert torch.equal(outs[0], fused(q.contiguous(), k.contiguous(), v.contiguous(), lam, causal=True))
     torch.testing.assert_close(outs[0].double(), reference(q, k, v, lam, causal=True), rtol=1e-5, atol=2e-6)

@@ -23,6 +23,8 @@ from typing import Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
 
+from diffattn_tutorial.measure.cpu_threads import threads
+
 Tensor = torch.Tensor
 
 _RED, _YELLOW, _RESET = "\x1b[1;31m", "\x1b[1;33m", "\x1b[0m"
@@ -61,10 +63,9 @@ def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
     def decorate(check: Callable) -> Callable:
         @functools.wraps(check)
         def wrapper(fn, *args, **kwargs):
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # the inputs are tiny: one thread is fastest, and steady on a busy machine
             try:
-                return check(fn, *args, **kwargs)
+                with threads(1):  # the inputs are tiny: one thread is fastest, and steady on a busy machine
+                    return check(fn, *args, **kwargs)
             except NotImplementedError:
                 raise NotAttempted(task, name) from None
             except CheckFailed as e:
@@ -72,8 +73,6 @@ def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
             except Exception as e:  # noqa: BLE001 - a learner's odd return value must not show the check's source
                 raise CheckFailed(f"the check could not use what `{name}` returned ({type(e).__name__}: "
                                   f"{_first_line(e)}); compare its type and shape with the docstring") from None
-            finally:
-                torch.set_num_threads(threads)
 
         wrapper.task, wrapper.function_name = task, name  # type: ignore[attr-defined]
         return wrapper

@@ -85,15 +85,33 @@ def recommended_threads(sample_s: float = 0.2, max_threads: Optional[int] = None
 
 
 @contextlib.contextmanager
-def free_core_threads(sample_s: float = 0.2, max_threads: Optional[int] = None) -> Iterator[int]:
-    """``torch.set_num_threads(recommended_threads(...))`` inside the block (restored after); yields the count."""
+def threads(n: Optional[int]) -> Iterator[int]:
+    """``torch.set_num_threads(n)`` inside the block (``n=None``: the count is left as it is); the count from
+    before is restored after, also when the block raises. Yields the count in force inside the block.
+
+    >>> before = torch.get_num_threads()
+    >>> with threads(1) as n:
+    ...     n == torch.get_num_threads() == 1
+    True
+    >>> torch.get_num_threads() == before
+    True
+    """
+    if n is not None and (isinstance(n, bool) or not hasattr(n, "__index__") or n < 1):
+        raise ValueError(f"threads(n={n!r}): pass a whole number of threads >= 1, or None to keep the current count")
     before = torch.get_num_threads()
-    threads = recommended_threads(sample_s, max_threads)
-    torch.set_num_threads(threads)
     try:
-        yield threads
+        if n is not None:
+            torch.set_num_threads(n)
+        yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def free_core_threads(sample_s: float = 0.2, max_threads: Optional[int] = None) -> Iterator[int]:
+    """``torch.set_num_threads(recommended_threads(...))`` inside the block (restored after); yields the count."""
+    with threads(recommended_threads(sample_s, max_threads)) as n:
+        yield n
 
 
 @contextlib.contextmanager
@@ -110,4 +128,4 @@ def cpu_load(processes: int = 1) -> Iterator[None]:
             proc.wait()
 
 
-__all__ = ["usable_cores", "busy_cores", "recommended_threads", "free_core_threads", "cpu_load"]
+__all__ = ["usable_cores", "busy_cores", "recommended_threads", "threads", "free_core_threads", "cpu_load"]

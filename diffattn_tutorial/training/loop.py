@@ -63,7 +63,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -71,6 +71,7 @@ from tqdm.auto import tqdm
 
 from diffattn_tutorial.argtypes import int_at_least
 from diffattn_tutorial.functional import BACKENDS
+from diffattn_tutorial.measure.cpu_threads import threads
 from diffattn_tutorial.training import distributed as D
 from diffattn_tutorial.training.checkpoints import (
     RUN_FILES,
@@ -227,15 +228,6 @@ def _start_fresh(cfg: RunConfig) -> RunStart:
 
 # --- the loop --------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _torch_threads_kept() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 class Interrupted(Exception):
     """Ctrl-C during training: ``step`` optimizer steps done of ``stop``, the newest checkpoint at ``saved``
     (None: none yet)."""
@@ -254,9 +246,8 @@ class Interrupted(Exception):
 
 def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     """Run (or resume) the training ``cfg`` describes in this process; returns this session's step losses
-    (the global batch's mean loss after each optimizer step). Ctrl-C raises :class:`Interrupted`."""
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    (the global batch's mean loss after each optimizer step). Ctrl-C raises :class:`Interrupted`. (``cfg.threads``
+    is applied around it by :func:`main`.)"""
     check_backend_here(cfg.attn_backend, ctx.device)
     _mixed_precision(cfg, ctx)  # its refusals (a precision this device lacks) come before the run folder is touched
     run = D.on_main(lambda: _resume_from(cfg) if cfg.resume else _start_fresh(cfg), ctx)
@@ -469,7 +460,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutor
         return 130
     code = 0
     try:
-        with _torch_threads_kept():
+        with threads(cfg.threads):
             losses = train(cfg, ctx)
         if ctx.is_main and losses:
             how = cfg.strategy if ctx.distributed else "no process group"

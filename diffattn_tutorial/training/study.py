@@ -39,6 +39,7 @@ from diffattn_tutorial.measure.attention_stats import (
     answer_noise_shares,
     top1_over_median,
 )
+from diffattn_tutorial.measure.cpu_threads import threads
 from diffattn_tutorial.paths import CACHE_ENV, cache_dir
 from diffattn_tutorial.training.model import (
     ATTENTIONS,
@@ -64,15 +65,13 @@ def deterministic(num_threads: Optional[int] = 1) -> Iterator[None]:
     CPU matmuls can sum in a different order with a different number of threads, so a fixed count makes
     training bit-for-bit repeatable on one machine.
     """
-    old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    try:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        yield
-    finally:
-        torch.set_num_threads(old_threads)
-        torch.use_deterministic_algorithms(old_det)
+    old_det = torch.are_deterministic_algorithms_enabled()
+    with threads(num_threads):
+        try:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            yield
+        finally:
+            torch.use_deterministic_algorithms(old_det)
 
 
 def retrieval_loss(model: TinyLM, batch: NeedleBatch) -> Tensor:
