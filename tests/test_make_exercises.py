@@ -159,14 +159,6 @@ def test_cli_writes_then_check_names_the_cell_that_differs(tmp_path, capsys):
     assert f"exercises/{NAME} cell 3 (# TASK 1: double it): its source differs" in capsys.readouterr().err
 
 
-def test_add_markers_adopts_a_hand_kept_pair(tmp_path):
-    unmarked = toy_solution(HEAD + "    return x + x")
-    sol, ex = _write_pair(tmp_path, unmarked, toy_exercise())
-    assert mx.main(["--add-markers", str(sol)]) == 0
-    assert nbformat.read(sol, as_version=4).cells[2].source == SOLVED
-    assert mx.main(["--check", str(sol)]) == 0
-
-
 def test_orphan_exercise_is_reported(tmp_path):
     sol, _ = _write_pair(tmp_path, toy_solution(), toy_exercise())
     gone = "98_gone.ipynb"

@@ -3,7 +3,6 @@
     python tools/make_exercises.py                    # write exercises/NN_*.ipynb from every solution
     python tools/make_exercises.py --check            # exit 1, naming notebook and cell, if one differs
     python tools/make_exercises.py solutions/03_dual_softmax.ipynb [--check]
-    python tools/make_exercises.py --add-markers solutions/12_*.ipynb   # once: mark a hand-written pair
 
 **The convention.** A solution notebook is an exercise notebook with the answers filled in and marked. A task
 cell is a code cell whose first line is ``# TASK <n>: <title>`` (what ``diffattn-tutorial check`` grades),
@@ -40,11 +39,6 @@ is copied as it is, with outputs and execution counts cleared and the notebook m
 Each task cell has one block of stub lines and one ``# END TASK``; a marker outside a task cell, a misspelt
 marker, a missing ``# END TASK``, an empty answer or a stub that does not end with the ``raise`` is an error
 naming the notebook and the cell.
-
-``--add-markers`` adopts a chapter written the old way (solution and exercise kept by hand): in each task cell of
-the solution that has no markers yet, the lines after those both notebooks share become the answer, the
-exercise's lines there become ``# STUB:`` lines, and the tool then checks that the exercise it generates is the
-committed one, byte for byte. Re-execute the solution afterwards (``tools/run_notebooks.py``).
 """
 
 from __future__ import annotations
@@ -241,61 +235,6 @@ def write(solution_path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# adopting a hand-written pair
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _indent(line: str) -> str:
-    return line[: len(line) - len(line.lstrip())]
-
-
-def marked_source(solution: str, exercise: str, where: Where) -> str:
-    """The solution task cell ``solution`` with the markers that generate the exercise task cell ``exercise``."""
-    sol, ex = solution.split("\n"), exercise.split("\n")
-    head = 0
-    while head < min(len(sol), len(ex)) and sol[head] == ex[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(sol), len(ex)) - head and sol[-1 - tail] == ex[-1 - tail]:
-        tail += 1
-    stub, answer = ex[head:len(ex) - tail], sol[head:len(sol) - tail]
-    if not stub or not answer:
-        raise MarkerError(f"{where}: the solution and the exercise do not differ by an answer and a stub")
-    margin = min((_indent(line) for line in stub if line.strip()), key=len)
-    marks = [f"{margin}{STUB_PREFIX} {line[len(margin):]}".rstrip() if line.strip() else f"{margin}{STUB_PREFIX}"
-             for line in stub]
-    end = f"{_indent(next(line for line in answer if line.strip()))}{END_TASK}"
-    return "\n".join(sol[:head] + marks + answer + [end] + sol[len(sol) - tail:])
-
-
-def add_markers(solution: nbformat.NotebookNode, exercise: nbformat.NotebookNode,
-                name: str) -> nbformat.NotebookNode:
-    """The solution with markers added to each unmarked task cell, taken from the hand-written exercise."""
-    if len(solution.cells) != len(exercise.cells):
-        raise MarkerError(f"solutions/{name} and exercises/{name} have different cells; make the exercise the "
-                          f"solution's cells with stubs first")
-    nb = copy.deepcopy(solution)
-    for i, (cell, ex_cell) in enumerate(zip(nb.cells, exercise.cells)):
-        if is_task_cell(cell) and not any(STUB_LINE.match(line) for line in cell.source.split("\n")):
-            cell.source = marked_source(cell.source, ex_cell.source, _where(f"solutions/{name}", i, cell.source))
-    return nb
-
-
-def adopt(solution_path: Path) -> None:
-    """Mark the task cells of a hand-kept solution so that it generates its committed exercise unchanged."""
-    target = exercise_path(solution_path)
-    marked = add_markers(nbformat.read(solution_path, as_version=4), nbformat.read(target, as_version=4),
-                         solution_path.name)
-    generated = notebook_text(make_exercise(marked, solution_path.name))
-    if generated != target.read_text(encoding="utf-8"):
-        problems = differences(nbformat.reads(generated, as_version=4), nbformat.read(target, as_version=4),
-                               f"exercises/{target.name}")
-        raise MarkerError("the marked solution would not generate the committed exercise:\n  "
-                          + "\n  ".join(problems))
-    solution_path.write_text(notebook_text(marked), encoding="utf-8")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -315,18 +254,13 @@ def _orphans(solutions: list[Path]) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("solutions", nargs="*", type=Path, help="solution notebooks (default: solutions/NN_*.ipynb)")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="write nothing; exit 1 if an exercise differs")
-    mode.add_argument("--add-markers", action="store_true", help="mark a hand-kept solution from its exercise")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if an exercise differs")
     args = ap.parse_args(argv)
     solutions = _solutions(args.solutions)
     problems: list[str] = []
     for path in solutions:
         try:
-            if args.add_markers:
-                adopt(path)
-                print(f"marked {path}; now re-execute it: python tools/run_notebooks.py {path}")
-            elif args.check:
+            if args.check:
                 problems += check(path)
             elif write(path):
                 print(f"wrote {exercise_path(path)}")
