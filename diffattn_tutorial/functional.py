@@ -329,7 +329,7 @@ for _backend in (
             _run_chunked),
     Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and backward; on a "
             "CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status, devices=("cuda", "cpu"),
-            dtypes=_HALF, dropout=False, mask_grad=False, compiles=False, family="kernel",
+            dtypes=_HALF, dropout=False, mask_grad=False, family="kernel",
             requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
 ):
     backends.register_backend(_backend)

@@ -260,7 +260,7 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 def _check_offsets(**tensors: Tensor) -> None:
     for name, t in tensors.items():
-        if t is not None and max((abs(s) for s in t.stride()), default=0) * MAX_TILE_ROWS >= 2**31:
+        if t is not None and max([0, *(abs(s) for s in t.stride())]) * MAX_TILE_ROWS >= 2**31:  # no default=: traced
             raise ValueError(f"backend='triton': {name} has a stride of {max(t.stride())} elements, too large for "
                              f"the kernels' int32 offsets inside a tile (limit {2**31 // MAX_TILE_ROWS}); pass "
                              f"{name}.contiguous() or use backend='sdpa'")
@@ -309,82 +309,137 @@ def _lam4(lam: Tensor, B: int, H: int, Nq: int) -> Tensor:
     return lam4.contiguous() if abs(lam4.stride(2)) * Nq >= 2**31 else lam4
 
 
-class _DiffAttnFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lam, mask, causal, scale, blocks, plan):
-        B, H2, Nq, d = q.shape
-        H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
-        interpret = _interpret_mode()
-        cap = _capability(q.device)
-        lam4 = _lam4(lam, B, H, Nq)
-        m, m_strides, mask_kind, mask_min = _mask_args(mask, (B, H, Nq, Nk), q)
-        needs_o2 = any(ctx.needs_input_grad[:4])
-        out = _alloc(B, H, Nq, 2 * d, like=q)
-        # o2 in float32: it travels between the split plan's launches, and the backward's dlam = -dO . o2
-        # keeps its precision (a 16-bit o2 would round it)
-        o2 = _alloc(B, H, Nq, 2 * d, like=q, dtype=torch.float32) if needs_o2 or plan.fwd_maps != (0,) else out
-        lse = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32)
-        block_d = max(16, triton.next_power_of_2(d))
-        consts = dict(GROUP=H // Hkv, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), MASK_KIND=mask_kind,
-                      MASK_MIN=mask_min, DOT_PRECISION=_dot_precision(q.dtype),
-                      UPCAST=interpret and q.dtype == torch.bfloat16)
-        n_bucket = triton.next_power_of_2(max(Nq, Nk, 1))
-        if out.numel():
-            args = (q, k, v, lam4, m, out, o2, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                    *out.stride()[:3], *lam4.stride()[:3], *m_strides, H, Nq, Nk, scale * LOG2E, n_bucket)
-            for map_ in plan.fwd_maps:
-                _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
-                        dict(consts, MAP=map_, STORE_O2=needs_o2), blocks, interpret, q.dtype, cap)
-        ctx.save_for_backward(q, k, v, lam, m if mask_kind else None, out, o2 if needs_o2 else None, lse)
-        ctx.setup = (causal, scale, blocks, consts, m_strides, n_bucket, plan, cap)
-        return out
+FORWARD_OP = "diffattn::triton_forward"
+BACKWARD_OP = "diffattn::triton_backward"
+"""The kernels as torch operators (``torch.library.custom_op``, each with a fake implementation for shapes and
+``register_autograd`` joining them), so ``torch.compile`` (``fullgraph=True`` included) keeps a call as one node and
+``torch.export`` records it with its schema. Not ``torch.library.triton_op``: its ``wrap_triton`` accepts compiled
+``@triton.jit`` functions only, so under ``TRITON_INTERPRET=1`` (an ``InterpretedFunction``) the kernel would be
+called on fake tensors while tracing ("Cannot access data pointer of Tensor"), and the launcher (autotune tables per
+capability, :func:`capture_launches`) is host code a trace should not enter. Arguments that are not schema types
+travel as such: the plan by its name in :data:`PLANS`, ``blocks`` as ``[]`` or ``[BLOCK_M, BLOCK_N]``."""
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, lam, m, out, o2, lse = ctx.saved_tensors
-        causal, scale, blocks, consts, m_strides, n_bucket, plan, cap = ctx.setup
-        interpret = _interpret_mode()
-        B, H2, Nq, d = q.shape
-        H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
-        lam4 = _lam4(lam, B, H, Nq)
-        dout = _unit_last_stride(dout)
-        _check_offsets(dout=dout)
-        if m is None:
-            m = q
-        runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
-        dq, dk, dv = (_grad_buffer(t, runs) for t in (q, k, v))
-        delta = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32) if runs else q.new_zeros(B, H, 2, Nq,
-                                                                                         dtype=torch.float32)
-        if runs:
-            pre_bm = INTERPRETER_BLOCK if interpret else 4096 // (2 * consts["BLOCK_D"])  # 3 tiles of 2d
-            _launch("_diff_attn_bwd_preprocess", lambda meta: triton.cdiv(Nq, pre_bm) * B * H,
-                    (out, o2, dout, lam4, delta, *out.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], H, Nq),
-                    dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype, cap)
-            common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3],
-                      *m_strides)
-            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-                for dv_out, dk_maps in plan.kv_parts:
-                    if not (dv_out and ctx.needs_input_grad[2]) and not (dk_maps and ctx.needs_input_grad[1]):
-                        continue
-                    _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
-                            (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, *dk.stride()[:3],
-                             *dv.stride()[:3], H, Hkv, Nq, Nk, scale * LOG2E, scale, n_bucket),
-                            dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), blocks, interpret, q.dtype, cap)
-            if ctx.needs_input_grad[0]:
-                for dq_maps in plan.dq_maps:
-                    _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
-                            (q, k, v, lam4, m, dout, lse, delta, dq, *common, *dq.stride()[:3], H, Nq, Nk,
-                             scale * LOG2E, scale, n_bucket), dict(consts, DQ_MAPS=dq_maps), blocks, interpret,
-                            q.dtype, cap)
-        dlam = None
-        if ctx.needs_input_grad[3]:
-            # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
-            lam_shape4 = (1,) * (4 - lam.ndim) + tuple(lam.shape)
-            dlam = (-delta[:, :, 1]).unsqueeze(-1).sum_to_size(lam_shape4)
-            dlam = dlam.reshape(lam.shape).to(lam.dtype)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dlam,
-                None, None, None, None, None)
+
+def _setup(q: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool):
+    """What the forward and the backward launches share: the mask's arguments, the kernels' constants and the
+    length bucket of the autotune key."""
+    B, H2, Nq, d = q.shape
+    H, Hkv, Nk = H2 // 2, v.shape[1], v.shape[2]
+    m, m_strides, mask_kind, mask_min = _mask_args(mask, (B, H, Nq, Nk), q)
+    consts = dict(GROUP=H // Hkv, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=bool(causal),
+                  MASK_KIND=mask_kind, MASK_MIN=mask_min, DOT_PRECISION=_dot_precision(q.dtype),
+                  UPCAST=_interpret_mode() and q.dtype == torch.bfloat16)
+    return m, m_strides, consts, triton.next_power_of_2(max(Nq, Nk, 1))
+
+
+def _blocks(blocks: list[int]) -> Optional[tuple[int, int]]:
+    return (blocks[0], blocks[1]) if blocks else None
+
+
+@torch.library.custom_op(FORWARD_OP, mutates_args=())
+def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                   scale: float, blocks: list[int], plan: str, store_o2: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernels on inputs :func:`triton_diff_attention` has checked: ``(out, o2, lse)``, ``out``
+    ``(B, H, Nq, 2d)`` in q's dtype, ``o2`` the map-2 output in float32 (``(B, H, Nq, 2d)`` when ``store_o2``, for
+    the backward, else empty) and ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32."""
+    B, H2, Nq, d = q.shape
+    H, Nk = H2 // 2, k.shape[2]
+    the_plan, interpret, cap = PLANS[plan], _interpret_mode(), _capability(q.device)
+    lam4 = _lam4(lam, B, H, Nq)
+    m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
+    out = _alloc(B, H, Nq, 2 * d, like=q)
+    # o2 in float32: it travels between the split plan's launches, and the backward's dlam = -dO . o2
+    # keeps its precision (a 16-bit o2 would round it)
+    o2 = _alloc(B, H, Nq, 2 * d, like=q, dtype=torch.float32) if store_o2 or the_plan.fwd_maps != (0,) else out
+    lse = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32)
+    if out.numel():
+        args = (q, k, v, lam4, m, out, o2, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *out.stride()[:3], *lam4.stride()[:3], *m_strides, H, Nq, Nk, scale * LOG2E, n_bucket)
+        for map_ in the_plan.fwd_maps:
+            _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
+                    dict(consts, MAP=map_, STORE_O2=store_o2), _blocks(blocks), interpret, q.dtype, cap)
+    return out, (o2 if store_o2 else lse.new_empty(0)), lse  # never out itself: an operator's outputs do not alias
+
+
+@triton_forward.register_fake
+def _(q, k, v, lam, attn_mask, causal, scale, blocks, plan, store_o2):
+    B, H2, Nq, d = q.shape
+    o2 = q.new_empty(B, H2 // 2, Nq, 2 * d, dtype=torch.float32) if store_o2 else q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(B, H2 // 2, Nq, 2 * d), o2, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32)
+
+
+def _wanted(needs: list[bool]) -> tuple[bool, bool, bool]:
+    """Which of dq, dk, dv the backward allocates: dk and dv together (a dK/dV launch may write both)."""
+    return needs[0], needs[1] or needs[2], needs[1] or needs[2]
+
+
+@torch.library.custom_op(BACKWARD_OP, mutates_args=())
+def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                    out: Tensor, o2: Tensor, lse: Tensor, causal: bool, scale: float, blocks: list[int], plan: str,
+                    needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels: ``(dq, dk, dv, delta)``, each of dq, dk, dv a dense buffer of its input's shape where
+    ``needs`` (three flags: dq, dk, dv) asks for it (dk and dv come together, :func:`_wanted`), else empty;
+    ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows)."""
+    the_plan, interpret, cap = PLANS[plan], _interpret_mode(), _capability(q.device)
+    B, H2, Nq, d = q.shape
+    H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
+    lam4 = _lam4(lam, B, H, Nq)
+    dout = _unit_last_stride(dout)
+    _check_offsets(dout=dout)
+    m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
+    runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
+    dq, dk, dv = (_grad_buffer(t, runs) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
+    delta = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32) if runs else q.new_zeros(B, H, 2, Nq,
+                                                                                     dtype=torch.float32)
+    if not runs:
+        return dq, dk, dv, delta
+    pre_bm = INTERPRETER_BLOCK if interpret else 4096 // (2 * consts["BLOCK_D"])  # 3 tiles of 2d
+    _launch("_diff_attn_bwd_preprocess", lambda meta: triton.cdiv(Nq, pre_bm) * B * H,
+            (out, o2, dout, lam4, delta, *out.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], H, Nq),
+            dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype, cap)
+    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], *m_strides)
+    for dv_out, dk_maps in the_plan.kv_parts if needs[1] or needs[2] else ():
+        if not (dv_out and needs[2]) and not (dk_maps and needs[1]):
+            continue
+        _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
+                (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3], H, Hkv,
+                 Nq, Nk, scale * LOG2E, scale, n_bucket),
+                dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap)
+    for dq_maps in the_plan.dq_maps if needs[0] else ():
+        _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
+                (q, k, v, lam4, m, dout, lse, delta, dq, *common, *dq.stride()[:3], H, Nq, Nk, scale * LOG2E, scale,
+                 n_bucket), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks), interpret, q.dtype, cap)
+    return dq, dk, dv, delta
+
+
+@triton_backward.register_fake
+def _(dout, q, k, v, lam, attn_mask, out, o2, lse, causal, scale, blocks, plan, needs):
+    B, H2, Nq, _ = q.shape
+    grads = (t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
+    return (*grads, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32))
+
+
+def _save(ctx, inputs, output) -> None:
+    q, k, v, lam, attn_mask, causal, scale, blocks, plan, _store_o2 = inputs
+    out, o2, lse = output
+    ctx.save_for_backward(q, k, v, lam, attn_mask, out, o2, lse)
+    ctx.setup = (causal, scale, blocks, plan)
+
+
+def _backward(ctx, dout, _do2, _dlse):
+    q, k, v, lam, attn_mask, out, o2, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dq, dk, dv, delta = triton_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, *ctx.setup, list(need[:3]))
+    dlam = None
+    if need[3]:
+        # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
+        lam_shape4 = (1,) * (4 - lam.ndim) + tuple(lam.shape)
+        dlam = (-delta[:, :, 1]).unsqueeze(-1).sum_to_size(lam_shape4).reshape(lam.shape).to(lam.dtype)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dlam,
+            None, None, None, None, None, None)
+
+
+triton_forward.register_autograd(_backward, setup_context=_save)
 
 
 def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: bool = False,
@@ -426,7 +481,10 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
     lam = lam.to(device=q.device, dtype=q.dtype)
-    return _DiffAttnFn.apply(q, k, v, lam, attn_mask, bool(causal), scale, blocks, the_plan)
+    store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
+    out, _o2, _lse = triton_forward(q, k, v, lam, attn_mask, bool(causal), scale, list(blocks or ()), the_plan.name,
+                                    store_o2)
+    return out
 
 
 def _check_target(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, block_d: int, capability: int) -> None:
