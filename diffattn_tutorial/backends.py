@@ -178,11 +178,6 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def unregister_backend(name: str) -> Backend:
-    """Remove the backend ``name`` and return it."""
-    return _REGISTRY.pop(get_backend(name).name)
-
-
 @contextlib.contextmanager
 def registered(backend: Backend) -> Iterator[Backend]:
     """``backend`` registered for the ``with`` block, removed after (also on an error)."""
@@ -466,6 +461,6 @@ def backend_table() -> str:
 
 
 __all__ = ["Backend", "Call", "Needs", "ANY_CALL", "ALIASES", "REFERENCE", "FLOAT_DTYPES", "BACKENDS",
-           "FORWARD_ONLY", "SDPA_FORMULATIONS", "constant_under_compile", "register_backend", "unregister_backend",
+           "FORWARD_ONLY", "SDPA_FORMULATIONS", "constant_under_compile", "register_backend",
            "registered", "get_backend", "registry", "names", "resolve", "resolve_backend", "check_call",
            "backend_status", "describe_auto", "backend_table"]

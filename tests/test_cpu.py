@@ -59,14 +59,6 @@ def test_threads_refuses_a_count_that_is_not_a_positive_whole_number(bad):
     assert torch.get_num_threads() == before
 
 
-def test_free_core_threads_sets_and_restores(monkeypatch):
-    monkeypatch.setattr(cpu_threads, "recommended_threads", lambda sample_s=0.2, max_threads=None: 1)
-    before = torch.get_num_threads()
-    with cpu_threads.free_core_threads() as n:
-        assert n == 1 == torch.get_num_threads()
-    assert torch.get_num_threads() == before
-
-
 def maps_beside_a_spare_buffer(q, k, v, lam, causal=False):
     """A function defined in a test module (the child cannot import it): sent as source with its helper."""
     spare = spare_buffer(q.shape[2])  # held while the maps exist: the peak grows by its size

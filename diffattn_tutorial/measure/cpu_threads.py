@@ -108,13 +108,6 @@ def threads(n: Optional[int]) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def free_core_threads(sample_s: float = 0.2, max_threads: Optional[int] = None) -> Iterator[int]:
-    """``torch.set_num_threads(recommended_threads(...))`` inside the block (restored after); yields the count."""
-    with threads(recommended_threads(sample_s, max_threads)) as n:
-        yield n
-
-
-@contextlib.contextmanager
 def cpu_load(processes: int = 1) -> Iterator[None]:
     """``processes`` other CPU-bound programs (Python busy loops) running while the block runs, for benchmarks
     that compare an idle and a loaded machine (``benchmarks/bench_busy_cpu.py``, ``bench_cpu_auto.py --load``)."""
@@ -128,4 +121,4 @@ def cpu_load(processes: int = 1) -> Iterator[None]:
             proc.wait()
 
 
-__all__ = ["usable_cores", "busy_cores", "recommended_threads", "threads", "free_core_threads", "cpu_load"]
+__all__ = ["usable_cores", "busy_cores", "recommended_threads", "threads", "cpu_load"]

@@ -193,12 +193,6 @@ class TinyLM(nn.Module):
         cos, sin = rope_cos_sin(cfg.max_len, cfg.head_dim, base=cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
 
     def _rope(self, offset: int, n: int) -> tuple[Tensor, Tensor]:
         if offset + n > self.cfg.max_len:
