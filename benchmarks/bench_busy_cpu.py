@@ -2,7 +2,7 @@
 
 Both models (``baseline`` and ``diff``, ``StudyConfig``'s defaults: d_model 64, 2 layers, 4 heads, batch 32,
 the needle task cycling through its settings) take the same AdamW training steps as
-``training.study.train`` (forward, loss, backward, gradient clipping, optimiser step). Each is timed under two
+``training.study.train_toy_model`` (forward, loss, backward, gradient clipping, optimiser step). Each is timed under two
 thread policies:
 
 * ``torch default``: one intra-op thread per core, as a fresh ``import torch`` gives;

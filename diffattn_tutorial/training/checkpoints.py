@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
-from diffattn_tutorial.training.config import DataSource, RunConfig, build
+from diffattn_tutorial.training.config import DataSource, RunConfig, build_run_model
 from diffattn_tutorial.training.model import TinyLM
 
 Tensor = torch.Tensor
@@ -286,7 +286,7 @@ def load_model(out: Union[str, Path], step: Optional[int] = None, *, allow_unver
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: its config is not a valid RunConfig ({e})") from None
     source = DataSource(cfg)
-    model = build(cfg, source.vocab_size, source.max_len)
+    model = build_run_model(cfg, source.vocab_size, source.max_len)
     state = {"model": model.state_dict()}
     _dcp_load(state, path)
     model.load_state_dict(state["model"])

@@ -19,7 +19,7 @@ from diffattn_tutorial.layers.attention import (
 )
 from diffattn_tutorial.training import distributed as D
 from diffattn_tutorial.training.corpus import TextTask
-from diffattn_tutorial.training.model import ATTENTIONS, LMConfig, TinyLM
+from diffattn_tutorial.training.model import ATTENTIONS, TinyLM, build_model
 from diffattn_tutorial.training.needle import NeedleTask
 from diffattn_tutorial.training.study import SETTINGS
 
@@ -165,11 +165,13 @@ def check_backend_here(backend: str, device: torch.device) -> None:
 
 # --- model -----------------------------------------------------------------------------------------------------
 
-def build(cfg: RunConfig, vocab_size: int, max_len: int) -> TinyLM:
-    """The run's model, initialised from ``cfg.seed`` on the CPU (the same weights on every device and rank)."""
+def build_run_model(cfg: RunConfig, vocab_size: int, max_len: int) -> TinyLM:
+    """The model of the training run ``cfg``: :func:`~diffattn_tutorial.training.model.build_model` with the run's
+    shape, initialised from ``cfg.seed`` on the CPU (the same weights on every device and rank), its attention
+    layers set to ``cfg.attn_backend``."""
     torch.manual_seed(cfg.seed)
-    model = TinyLM(LMConfig(vocab_size=vocab_size, attention=cfg.attention, d_model=cfg.d_model,
-                            n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_len=max_len))
+    model = build_model(cfg.attention, vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                        max_len=max_len)
     set_attention_backend(model, cfg.attn_backend)
     return model
 
@@ -191,8 +193,7 @@ def graph_breaks(attention: str, backend: str, *, d_model: int = 32, n_heads: in
     ``torch._dynamo.explain`` (0: the block compiles as a single graph). Runs on the CPU in a second or two."""
     import torch._dynamo
 
-    model = TinyLM(LMConfig(vocab_size=16, attention=attention, d_model=d_model, n_heads=n_heads, n_layers=1,
-                            max_len=seq_len))
+    model = build_model(attention, 16, d_model=d_model, n_heads=n_heads, n_layers=1, max_len=seq_len)
     set_attention_backend(model, backend)
     block, x = model.blocks[0], torch.randn(2, seq_len, d_model)
     rope = (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
@@ -259,4 +260,4 @@ class DataSource:
         return LMBatch(torch.stack(toks), torch.stack(tgts))
 
 
-__all__ = ["TASKS", "PRECISIONS", "RUN_DEFINING", "MAX_LR", "RunConfig", "check_backend_here", "build", "set_attention_backend", "graph_breaks", "LMBatch", "row_generator", "DataSource"]
+__all__ = ["TASKS", "PRECISIONS", "RUN_DEFINING", "MAX_LR", "RunConfig", "check_backend_here", "build_run_model", "set_attention_backend", "graph_breaks", "LMBatch", "row_generator", "DataSource"]

@@ -92,7 +92,7 @@ from diffattn_tutorial.training.config import (
     DataSource,
     LMBatch,
     RunConfig,
-    build,
+    build_run_model,
     check_backend_here,
 )
 from diffattn_tutorial.training.model import ATTENTIONS
@@ -245,9 +245,10 @@ class Interrupted(Exception):
 
 
 def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
-    """Run (or resume) the training ``cfg`` describes in this process; returns this session's step losses
-    (the global batch's mean loss after each optimizer step). Ctrl-C raises :class:`Interrupted`. (``cfg.threads``
-    is applied around it by :func:`main`.)"""
+    """Run (or resume) the training ``cfg`` describes in this process, one of torchrun's (the toy study's trainer
+    is :func:`diffattn_tutorial.training.study.train_toy_model`); returns this session's step losses (the global
+    batch's mean loss after each optimizer step). Ctrl-C raises :class:`Interrupted`. (``cfg.threads`` is applied
+    around it by :func:`main`.)"""
     check_backend_here(cfg.attn_backend, ctx.device)
     _mixed_precision(cfg, ctx)  # its refusals (a precision this device lacks) come before the run folder is touched
     run = D.on_main(lambda: _resume_from(cfg) if cfg.resume else _start_fresh(cfg), ctx)
@@ -256,7 +257,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     if ctx.is_main and run.skipped:
         print(f"resuming from {run.checkpoint}", file=sys.stderr, flush=True)
     source = DataSource(cfg)
-    model = build(cfg, source.vocab_size, source.max_len)
+    model = build_run_model(cfg, source.vocab_size, source.max_len)
     if cfg.compile:
         for block in model.blocks:
             block.compile(backend=cfg.compile_backend)

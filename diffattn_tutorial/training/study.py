@@ -3,7 +3,7 @@
 One study is three named steps, each usable on its own:
 
 * :class:`StudyConfig` says what to train (attention kind, seed, budget, model shape, threads);
-* :func:`run_study` loads it from the cache or trains it (:func:`train`), then :func:`measure` finds
+* :func:`run_study` loads it from the cache or trains it (:func:`train_toy_model`), then :func:`measure` finds
   :class:`StudyMetrics`: retrieval ``accuracy`` per ``needles/queried`` setting (Table 2), the share of the
   query's attention on the answer needle and on the rest of the haystack (Table 3), and the largest and median
   attention logit ``|q.k| / sqrt(d)`` and their ratio (Table 5);
@@ -82,14 +82,16 @@ def retrieval_loss(model: TinyLM, batch: NeedleBatch) -> Tensor:
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
     """Learning-rate multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps times a cosine from 1 to
-    0 over ``steps`` (the schedule of :func:`train` and of ``diffattn_tutorial.training.loop``)."""
+    0 over ``steps`` (the schedule of :func:`train_toy_model` and of ``diffattn_tutorial.training.loop.train``)."""
     return min(1.0, (step + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
-def train(model: TinyLM, task: NeedleTask, *, steps: int, batch_size: int = 32, lr: float = 3e-3,
-          settings: Sequence[tuple[int, int]] = SETTINGS, warmup: int = 50, weight_decay: float = 0.01,
-          seed: int = 0, progress: bool = True, desc: str = "train") -> list[float]:
-    """AdamW with linear warm-up and cosine decay; step ``t`` trains on ``settings[t % len(settings)]``.
+def train_toy_model(model: TinyLM, task: NeedleTask, *, steps: int, batch_size: int = 32, lr: float = 3e-3,
+                    settings: Sequence[tuple[int, int]] = SETTINGS, warmup: int = 50, weight_decay: float = 0.01,
+                    seed: int = 0, progress: bool = True, desc: str = "train") -> list[float]:
+    """Train the study's toy model on the needle task in this process (the torchrun loop for a run folder is
+    :func:`diffattn_tutorial.training.loop.train`): AdamW with linear warm-up and cosine decay; step ``t`` trains
+    on ``settings[t % len(settings)]``.
 
     Returns the loss of every step. Data come from a generator seeded with ``seed``.
     """
@@ -365,8 +367,8 @@ def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) ->
                   f"({config.steps} steps, seed {config.seed}; DIFFATTN_CACHE=0 retrains)")
         return model, saved["losses"], saved["seconds"], True
     t0 = time.perf_counter()
-    losses = train(model, config.task, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
-                   settings=config.settings, seed=config.seed, progress=progress, desc=config.attention)
+    losses = train_toy_model(model, config.task, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                             settings=config.settings, seed=config.seed, progress=progress, desc=config.attention)
     seconds = time.perf_counter() - t0
     if path is not None:
         _write_cached(path, {"state_dict": model.state_dict(), "losses": losses, "seconds": seconds})
@@ -492,7 +494,7 @@ def disagreements(rerun: Union[StudyResult, Mapping], recorded_row: Mapping) -> 
     return out
 
 
-__all__ = ["SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train",
+__all__ = ["SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train_toy_model",
            "accuracy", "attention_scores", "logit_outliers", "measure", "StudyMetrics", "StudyConfig", "StudyResult",
            "run_study", "retrieval_study", "SUMMARY_KEYS", "compare_claims", "claim_lines", "RECORD_TOLERANCE",
            "disagreements"]
