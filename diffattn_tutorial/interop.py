@@ -10,6 +10,11 @@ Config keys are the reference constructors' own names (the ``config`` dict in ea
   ``layer_idx``), or a whole config as transformers gives it (``config=model.config``,
   ``**model.config.to_dict()``)
 
+This library's layers keep their reference's names, so two spellings of one thing live side by side:
+:class:`MultiheadDiffAttn` (V1) has ``embed_dim`` and ``out_proj`` as unilm V1, :class:`DiffAttnV2` has ``d_model``
+and ``o_proj`` as unilm V2 (both loaded one to one); timm's ``dim``, fused ``qkv`` and ``proj`` and DiffLlama's
+``hidden_size`` and ``o_proj`` are mapped onto V1's names here.
+
 A key none of these loaders knows is refused with the valid names (a misspelled key must not fall back to a
 default); errors about weights name the checkpoint's own keys (timm's fused ``qkv.weight`` with its rows).
 

@@ -1,6 +1,6 @@
 """Small plotting helpers the notebooks share: attention heatmaps side by side, curves, share bars and sliders.
 
-Pure presentation: no attention maths lives here (that is ``functional`` and ``metrics``). Every helper
+Pure presentation: no attention maths lives here (that is ``functional`` and ``measure.attention_stats``). Every helper
 takes torch tensors or NumPy arrays, draws with matplotlib at the course's modest size, and returns the
 figure and axes so a notebook can add to them. End a notebook cell with ``plt.show()``.
 

@@ -241,6 +241,10 @@ class MultiheadDiffAttn(_Attention):
     maps of width ``head_dim = embed_dim // num_heads // 2`` and one value of width ``2 * head_dim``.
     Output per head: ``subln(A1 v - lambda A2 v) * (1 - lambda_init)``, then ``out_proj``.
 
+    Names mirror the reference this layer reproduces, unilm's V1 ``MultiheadDiffAttn(embed_dim, ...)`` with
+    ``out_proj``, so its ``state_dict`` keys are unilm's one to one; :class:`DiffAttnV2` says ``d_model`` and
+    ``o_proj`` because unilm's V2 does. :mod:`diffattn_tutorial.interop` maps both, and timm's / DiffLlama's names.
+
     Args:
         embed_dim: model width C. num_heads: differential heads H. depth: 0-based layer index for
             ``lambda_init``. num_kv_heads: KV groups (GQA), dividing H; default H.
@@ -333,6 +337,11 @@ class DiffAttnV2(_Attention):
 
     Output head ``i`` = head ``2i`` minus ``sigmoid(lambda_proj(x))_i`` times head ``2i+1``, per token; both
     heads of a pair share their GQA group's K and V; no sub-norm; output width ``H * head_dim``.
+
+    Names mirror the reference this layer reproduces, unilm's ``MultiheadFlashDiffV2(d_model, ...)`` with
+    ``o_proj``, so its ``state_dict`` keys are unilm V2's one to one (:func:`~diffattn_tutorial.interop.from_unilm_v2`);
+    :class:`MultiheadDiffAttn` says ``embed_dim`` and ``out_proj`` because unilm's V1 does. ``embed_dim`` is also
+    set, for the interface the layers share.
 
     Args:
         d_model: model width. num_heads: output heads H (2H query heads). num_kv_heads: KV heads, dividing H.

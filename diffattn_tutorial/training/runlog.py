@@ -26,8 +26,8 @@ PathLike = Union[str, os.PathLike]
 
 
 class MetricsLog:
-    """Appends JSON records to ``path`` (one per line, flushed at once); disabled when ``enabled`` is False
-    (every rank but 0)."""
+    """A training run's log, ``metrics.jsonl``: appends JSON records to ``path`` (one per line, flushed at once);
+    disabled when ``enabled`` is False (every rank but 0)."""
 
     def __init__(self, path: PathLike, enabled: bool = True) -> None:
         self.path, self.enabled = Path(path), enabled

@@ -161,7 +161,9 @@ DEPTH_BINS: tuple[str, ...] = ("0-20%", "20-40%", "40-60%", "60-80%", "80-100%")
 
 @dataclass(frozen=True)
 class StudyMetrics:
-    """What :func:`measure` finds in a trained model (see the module doc for the paper's tables).
+    """What :func:`measure` finds in a trained model of the study: its result numbers (see the module doc for
+    the paper's tables; the functions computing them live in :mod:`diffattn_tutorial.measure.attention_stats`, and
+    a torchrun training run's ``metrics.jsonl`` is :mod:`diffattn_tutorial.training.runlog`'s, another thing).
 
     ``attn_*`` are shares of the query's attention in ``attn_layer``, the layer whose query attends most to the
     answer (mean over heads, queries and examples of the hardest setting); ``..._by_head`` per head,
@@ -230,11 +232,11 @@ def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Optional[Pat
     import diffattn_tutorial.functional as functional_mod
     import diffattn_tutorial.layers.attention as modules_mod
     import diffattn_tutorial.layers.rope as rope_mod
-    import diffattn_tutorial.measure.attention_stats as metrics_mod
+    import diffattn_tutorial.measure.attention_stats as attention_stats_mod
     import diffattn_tutorial.training.needle as data_mod
 
     h = hashlib.sha256(repr(sorted(key.items())).encode() + torch.__version__.encode())
-    for mod in (data_mod, functional_mod, metrics_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],
+    for mod in (data_mod, functional_mod, attention_stats_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],
                 sys.modules[__name__]):
         h.update(Path(mod.__file__).read_bytes())
     return folder / f"study_{key['attention']}_seed{key['seed']}_{h.hexdigest()[:16]}.pt"
