@@ -62,22 +62,6 @@ PAGES = NOTEBOOKS + SOLUTIONS
 # Known failures in notebooks another change owns (issue 26), one entry per item, "<page> | <rule> | <what>": the
 # fix it needs. The test fails when a listed item no longer fails: remove its entry with the fix.
 EXPECTED: dict[str, str] = {
-    # the Recap's "(asserted, ...)" has no assert in the cells before it (the asserts are in sections 2 to 5):
-    # say where, "(asserted in sections 2 to 5, ...)", or "(asserted above, ...)" next to the cells that do.
-    "notebooks/08_gpu_sdpa.ipynb | asserted | All of them equal the explicit maps (asserted, with masks, a...":
-        "name the section whose cells assert it",
-    # "65,536 per multiprocessor" is an H100 hardware fact the notebook neither prints nor sources: name the source,
-    # e.g. "(65,536 per multiprocessor, NVIDIA's H100 specification)", or print it from REFERENCES-backed code.
-    "notebooks/09_triton_kernel.ipynb | number | 65,536 in: Its working set (the query tiles, the running statistics, th...":
-        "name the specification the register counts come from",
-    # the goal "at least 1.2 times faster" lives in measure.gpu.GOALS, which the notebook does not print: print
-    # measure.gpu.GOALS in section 8 (then 1.2 and 350 are backed), or say "measure.gpu.GOALS" is the source.
-    "notebooks/09_triton_kernel.ipynb | number | 1.2 times in: The goals, on an H100 in bf16 at $N = 8192$, non-causal, $d ...":
-        "print gpu_bench.GOALS in section 8",
-    # section 7's GPU command ends its first line with two backslashes ("--attention diff \\\\"): pasted into bash the
-    # command ends there and the next line fails ("--strategy: command not found"); write one backslash.
-    "notebooks/12_distributed_training.ipynb | command | torchrun --nproc_per_node=$(nvidia-smi -L | wc -l) -m diffat...":
-        "one backslash at the end of the line",
 }
 
 
