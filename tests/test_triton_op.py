@@ -72,10 +72,11 @@ def test_the_operators_pass_opcheck():
     """)
 
 
-def test_compile_fullgraph_equals_eager_forward_and_backward():
+def test_compile_fullgraph_and_export_equal_eager():
     """The call traces into one graph (a graph break raises under fullgraph=True) whose only diffattn node is the
     forward operator (counting backend); forward and every gradient equal eager's exactly, through dynamo alone and
-    through AOT autograd (``aot_eager``: the backward operator's fake implementation traced into the joint graph)."""
+    through AOT autograd (``aot_eager``: the backward operator's fake implementation traced into the joint graph).
+    ``torch.export`` records the forward operator as one node and the exported program gives eager's output."""
     run_script("""
     graphs = []
 
@@ -104,6 +105,16 @@ def test_compile_fullgraph_equals_eager_forward_and_backward():
     with torch.no_grad():  # inference: the forward keeps no o2
         torch._dynamo.reset()
         assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(*args), eager[0])
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, lam):
+            return f(q, k, v, lam)
+
+    plain = [t.detach() for t in args]
+    exported = torch.export.export(Attention(), tuple(plain))
+    ops = [n.target for n in exported.graph.nodes if "diffattn" in str(n.target)]
+    assert ops == [torch.ops.diffattn.triton_forward.default], ops
+    assert torch.equal(exported.module()(*plain), eager[0])
     print("OK")
     """)
 

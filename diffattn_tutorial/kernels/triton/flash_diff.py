@@ -229,7 +229,7 @@ def chosen_configs() -> dict[str, dict]:
 
 
 # ============================================================================================
-# host side: autograd.Function and the public entry point
+# host side: the operators (forward, backward, autograd) and the public entry point
 # ============================================================================================
 
 
@@ -454,7 +454,8 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
 
     ``blocks=(BLOCK_M, BLOCK_N)`` fixes the tile sizes (default: autotuned on a GPU, 16 x 16 in the
     interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim).
-    Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
+    Checks its inputs, then runs the operator :data:`FORWARD_OP` (its backward :data:`BACKWARD_OP`), so a call
+    compiles (``torch.compile(fullgraph=True)``) as one node. Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """
     if _capture is None:
         _check_mode(q.device)
@@ -518,4 +519,5 @@ def _check_mode(device: torch.device) -> bool:
 
 
 __all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "capture_launches", "chosen_configs",
-           "KERNELS", "Launch", "INTERPRETER_BLOCK", "POISON_ENV"]
+           "KERNELS", "Launch", "INTERPRETER_BLOCK", "POISON_ENV", "FORWARD_OP", "BACKWARD_OP", "triton_forward",
+           "triton_backward"]
