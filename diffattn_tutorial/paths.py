@@ -23,4 +23,10 @@ def cache_dir() -> Optional[Path]:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "diffattn_tutorial"
 
 
-__all__ = ["CACHE_ENV", "cache_dir"]
+def package_root() -> Path:
+    """The folder holding the ``diffattn_tutorial`` package, for a child process to import this very copy (put on
+    its ``PYTHONPATH``)."""
+    return Path(__file__).resolve().parents[1]
+
+
+__all__ = ["CACHE_ENV", "cache_dir", "package_root"]

@@ -114,3 +114,11 @@ def test_ruff_is_clean():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_package_root_holds_the_package():
+    """Children (torchrun workers, the memory-measuring process) get this folder on PYTHONPATH: after a module moves
+    deeper, a path counted in parents from its own file would point inside the package."""
+    from diffattn_tutorial.paths import package_root
+
+    assert (package_root() / "diffattn_tutorial" / "__init__.py").is_file()

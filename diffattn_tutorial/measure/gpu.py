@@ -55,7 +55,7 @@ GOALS = {"fwd_speedup_vs_best_sdpa": 1.2, "fwd_tflops": 350.0, "fwd_bwd_speedup_
 """Issue 13's goals for the fused kernel (H100, bf16, N = 8192, non-causal, d = 64 and 128)."""
 GOALS_DEVICE = "H100"
 """The goals are judged on this GPU only (its name contains it); results from other GPUs are recorded, not judged."""
-RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
+RECORDED_DIR = Path(__file__).resolve().parents[1] / "recorded"  # the package's recorded/
 BF16_CAPABILITY = (8, 0)
 """The compute capability from which NVIDIA GPUs have bfloat16 tensor cores (Ampere); below it (Turing's T4,
 Volta) bfloat16 has no arithmetic of its own and float16 is the 16-bit dtype."""

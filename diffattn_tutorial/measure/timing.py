@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.paths import package_root
 
 Tensor = torch.Tensor
 DEFAULT_BACKENDS = ("naive", "chunked", "sdpa_wide", "sdpa_split", "sdpa_stacked", "sdpa_padded", "auto")
@@ -215,7 +216,7 @@ def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int,
 
 def _package_root() -> str:
     """The folder holding the ``diffattn_tutorial`` package, so the child imports this very copy."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return str(package_root())
 
 
 def cpu_peak_extra(backends: Sequence[str], *, b: int, h: int, n: int, d: int, causal: bool,

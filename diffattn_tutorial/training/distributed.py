@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from diffattn_tutorial.paths import package_root
+
 Tensor = torch.Tensor
 T = TypeVar("T")
 
@@ -264,8 +266,7 @@ def launch(module: str, args: Sequence[str], *, nproc: int = 2, timeout: float =
     and ``subprocess.TimeoutExpired`` when it hangs (after killing ``torchrun`` and all its workers).
     """
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    package_root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_root()), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(torchrun_command(module, args, nproc=nproc), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

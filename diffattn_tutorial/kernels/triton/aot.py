@@ -84,7 +84,7 @@ DTYPES = ("bfloat16", "float16")
 SCHEMA = "diffattn-tutorial/compile_facts/1"
 FACTS_NAME = "compile_facts"
 """The full run's file in :mod:`diffattn_tutorial.recorded` (``recorded.load(FACTS_NAME)``)."""
-FACTS_FILE = Path(__file__).resolve().parent / "recorded" / f"{FACTS_NAME}.json"
+FACTS_FILE = Path(__file__).resolve().parents[2] / "recorded" / f"{FACTS_NAME}.json"  # the package's recorded/
 
 
 @dataclasses.dataclass(frozen=True)
