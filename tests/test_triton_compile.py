@@ -11,7 +11,11 @@ sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 
   ``diffattn_tutorial/recorded/compile_facts.json`` (every autotune configuration, bf16 and fp16 where the target
   runs them, every head dim, the variants whose code differs, every target: ``python -m
   diffattn_tutorial.kernels.triton.aot --all --jobs 8 --write``, or one ``--archs`` subset per run), against the
-  kernels' current source, so a kernel or table change without a new full run fails here.
+  kernels' current source, so a kernel or table change without a new full run fails here;
+* the decode kernels (``kernels/triton/decode.py``) have their own record,
+  ``diffattn_tutorial/recorded/compile_facts_decode.json`` (``... aot --decode --all --write``), checked the same
+  way against :func:`~diffattn_tutorial.kernels.triton.aot.decode_source_hash`, and their T4 launch (the target
+  where a 64-key tile spilled) is compiled here.
 """
 
 import os
@@ -65,6 +69,9 @@ def test_problems_name_what_is_wrong():
     f80 = tc.Facts(**{**f.row(), "arch": "sm_80", "wgmma_shapes": (), "spill_stores": 0, "spill_loads": 0,
                       "shared": 1000})
     assert f80.problems() == []  # Ampere has no wgmma: dots there are mma.sync by design
+    few_rows = tc.Facts(**{**f80.row(), "kernel": "_decode_partial", "arch": "sm_90a", "block_m": 16, "dup": 1.0})
+    assert few_rows.problems() == []  # 16 query rows: wgmma is m64, mma.sync is the tensor-core path
+    assert "not on tensor cores" in "; ".join(tc.Facts(**{**few_rows.row(), "mma_sync": 0}).problems())
     fma = tc.Facts(**{**f80.row(), "arch": "sm_86", "mma_sync": 0})
     assert "not on tensor cores" in "; ".join(fma.problems())
     t4 = tc.Facts(**{**f80.row(), "arch": "sm_75", "mma_sync": 0, "shared": 70000, "regs": 255, "num_warps": 16})
@@ -134,3 +141,41 @@ def test_recorded_facts_cover_every_config_and_are_current():
                         config = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
                         key = (arch, dtype, launch.name, tc_configs._form(launch.name, launch.consts), d, config)
                         assert key in seen, key
+
+
+@needs_nvidia
+def test_decode_launches_compile_clean_for_turing():
+    """The decode kernels on a T4 at d = 128: 16-key tiles (:data:`~diffattn_tutorial.kernels.triton.decode.BLOCK_KEYS_TURING`;
+    64 spilled and needed 80 KiB of shared memory there), 8 warps, and the combine over 64 splits."""
+    facts = tc.compile_check([(tc.Case(128, "float16", causal=True, grad=False, decode=True), False)], ("sm_75",))
+    assert [(f.kernel, f.block_n, f.num_warps) for f in facts] == [("_decode_partial", 16, 8),
+                                                                   ("_decode_combine", 0, 4)], facts
+    bad = {f"{f.kernel} {f.config}": f.problems() for f in facts if f.problems()}
+    assert not bad, bad
+
+
+def test_recorded_decode_facts_cover_every_case_and_are_current():
+    assert tc.DECODE_FACTS_FILE.exists(), "run: python -m diffattn_tutorial.kernels.triton.aot --decode --all --write"
+    rec, facts, lessons = tc.recorded_facts(tc.DECODE_FACTS_NAME)
+    assert rec["schema"] == tc.SCHEMA and not lessons
+    assert rec["source_hash"] == tc.decode_source_hash(), (
+        "the decode kernels or their launch constants changed since diffattn_tutorial/recorded/"
+        "compile_facts_decode.json was written; run python -m diffattn_tutorial.kernels.triton.aot --decode --all "
+        "--write")
+    assert rec["archs"] == list(tc.ARCHS), "a target is missing: ... aot --decode --all --archs ... --write"
+    bad = [f"{f.kernel} d{f.head_dim} {f.dtype} {f.arch} {f.config} [{f.case}]: {f.problems()}"
+           for f in facts if f.problems()]
+    assert not bad, bad
+    seen = {(f.arch, f.case, f.kernel, f.config) for f in facts}
+    combines = {(f.arch, f.dtype, f.head_dim) for f in facts if f.kernel == "_decode_combine"}
+    for case, _ in tc.decode_cases():
+        for arch in tc.ARCHS:
+            on = tc.case_on(case, arch)
+            if on is None:
+                continue
+            partial, combine = tc.launches_for(on, arch=arch)
+            (c,) = partial.configs
+            config = f"{partial.consts['BLOCK_M']}x{partial.consts['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+            assert (arch, on.label, "_decode_partial", config) in seen, (arch, on.label, config)
+            assert (arch, on.dtype, on.head_dim) in combines
+    assert {f.dtype for f in facts if f.arch == "sm_75"} == {"float16"}

@@ -6,7 +6,9 @@ each case a test of its own. The cases cover MHA, GQA and MQA, one to more split
 that are not a multiple of the tile (and differ per sequence, as in a batch of static caches), a few query tokens
 with and without the causal mask (a query that sees no key gives zeros), every lambda form, padded head dims,
 16-bit inputs, non-finite garbage past the valid length (never read), strided views, and an empty cache. The
-PyTorch version of the same algorithm (``split_k_reference``) and the refusals are checked in this process.
+PyTorch version of the same algorithm (``split_k_reference``) and the refusals are checked in this process. The
+registered operator ``diffattn::triton_decode`` passes ``torch.library.opcheck`` and compiles
+(``torch.compile(fullgraph=True)``) into one node with eager's output, in an interpreter subprocess too.
 """
 
 import json
@@ -150,3 +152,62 @@ def test_refusals_name_the_fix():
         decode_attention(torch.zeros(1, rows + 2, 2, 8), k[:1, :2], v[:1, :1], 0.5)
     with pytest.raises(ValueError, match="v must carry Hkv"):  # the library's own input checks
         decode_attention(q, k, v[:, :1], lam)
+
+
+OPERATOR_SCRIPT = textwrap.dedent('''
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["DIFFATTN_TRITON_POISON"] = "1"
+    import torch
+    from torch.library import opcheck
+    from diffattn_tutorial.kernels.triton import decode as dec
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, Nk, d = 2, 4, 2, 37, 8
+    q, k = torch.randn(B, 2 * H, 1, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g)
+    v = torch.randn(B, Hkv, Nk, 2 * d, generator=g)
+    lam = torch.rand(B, H, 1, 1, generator=g)
+    lens = torch.tensor([37, 20], dtype=torch.int32)
+    for args in [(q, k, v, lam, lens, True, d ** -0.5, 3, 16),  # per-token lambda, 3 splits
+                 (q, k, v, torch.tensor(0.3), torch.tensor([5, 0], dtype=torch.int32), False, 0.5, 1,
+                  32)]:  # scalar lambda, an empty sequence, one split
+        result = opcheck(dec.triton_decode, args,
+                         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+        assert set(result.values()) == {"SUCCESS"}, result
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(q, k, v, lam, lens):
+        return dec.decode_attention(q, k, v, lam, lengths=lens, num_splits=3)
+
+    with torch.no_grad():
+        eager = step(q, k, v, lam, lens)
+        compiled = torch.compile(step, fullgraph=True, backend=counting)(q, k, v, lam, lens)
+    assert torch.equal(compiled, eager)
+    (graph,) = graphs
+    ops = [n.target for n in graph.graph.nodes if n.op == "call_function" and "diffattn" in str(n.target)]
+    assert ops == [torch.ops.diffattn.triton_decode.default], ops
+    print("OK")
+''')
+
+
+def test_the_operator_passes_opcheck_and_compiles_to_one_node():
+    """``diffattn::triton_decode``: schema, fake implementation and AOT dispatch (``opcheck``) for a per-token and a
+    scalar lambda, 3 splits and 1; a function calling :func:`decode_attention` under ``torch.compile(fullgraph=True)``
+    (a graph break raises) holds the operator as its one diffattn node and gives eager's output bit for bit."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", OPERATOR_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0 and "OK" in run.stdout, (run.stdout + run.stderr)[-4000:]
+
+
+def test_inputs_that_require_grad_are_refused():
+    q, k, v, lam = make(dtype=torch.float32)
+    with pytest.raises(ValueError, match="no gradient.*torch.no_grad"):
+        decode_attention(q.requires_grad_(), k, v, lam)
+    with pytest.raises(ValueError, match="no gradient"):
+        decode_attention(q.detach(), k, v, lam.requires_grad_())

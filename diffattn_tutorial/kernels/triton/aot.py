@@ -84,7 +84,11 @@ DTYPES = ("bfloat16", "float16")
 SCHEMA = "diffattn-tutorial/compile_facts/1"
 FACTS_NAME = "compile_facts"
 """The full run's file in :mod:`diffattn_tutorial.recorded` (``recorded.load(FACTS_NAME)``)."""
-FACTS_FILE = Path(__file__).resolve().parents[2] / "recorded" / f"{FACTS_NAME}.json"  # the package's recorded/
+FACTS_FILE = Path(__file__).resolve().parents[2] / "recorded" / f"{FACTS_NAME}.json"
+DECODE_FACTS_NAME = "compile_facts_decode"
+"""The decode kernels' file (``--decode --write``), under its own :func:`decode_source_hash`."""
+DECODE_FACTS_FILE = FACTS_FILE.with_name(f"{DECODE_FACTS_NAME}.json")
+DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 4)  # the decode cases (decode_cases): MHA and GQA 4:1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +103,12 @@ class Case:
     lam: str = "scalar"  # "scalar" or "token"
     grad: bool = True  # training (forward stores o2, backward launches) or inference (forward only)
     plan: str = "auto"  # the library's plan for the head dim, or "fused" / "split" to compare
+    decode: bool = False  # the split-K decode kernels (one query token over a KV cache) instead
 
     @property
     def label(self) -> str:
+        if self.decode:
+            return f"d{self.head_dim} {self.dtype} decode{' gqa' + str(self.group) if self.group > 1 else ''}"
         return (f"d{self.head_dim} {self.dtype}{' causal' if self.causal else ''}"
                 f"{'' if self.mask == 'none' else ' mask=' + self.mask}{' gqa' + str(self.group) if self.group > 1 else ''}"
                 f"{' lam=token' if self.lam == 'token' else ''}{'' if self.grad else ' inference'}"
@@ -157,7 +164,10 @@ class Facts:
         if 80 <= arch.capability < 90 and self.dtype != "float32" and self.dots and not self.mma_sync:
             out.append("16-bit dots not on tensor cores (no mma.sync: FMA loops)")
         if self.arch == "sm_90a" and self.dtype != "float32" and self.dots:
-            if self.mma_sync or not self.wgmma:
+            few_rows = self.kernel == "_decode_partial" and self.block_m < 64  # wgmma is m64: mma.sync then
+            if few_rows and not self.mma_sync:
+                out.append("16-bit dots not on tensor cores (no mma.sync: FMA loops)")
+            elif not few_rows and (self.mma_sync or not self.wgmma):
                 out.append(f"16-bit dots not on wgmma ({self.mma_sync} mma.sync, {self.wgmma} wgmma)")
             if self.dup > 1:
                 out.append(f"a dot is computed {self.dup:g} times (warpgroups over the same rows)")
@@ -175,13 +185,13 @@ class Facts:
         return cls(**{**fields, "wgmma_shapes": tuple(fields["wgmma_shapes"])})
 
 
-def recorded_facts() -> tuple[dict, list[Facts], list[Facts]]:
+def recorded_facts(name: str = FACTS_NAME) -> tuple[dict, list[Facts], list[Facts]]:
     """The recorded full run: ``(header, facts, lessons)``, the header with the Triton version, date, source hash,
     targets and cases; ``facts`` every compile of every launch the library makes; ``lessons`` the fused plan at
-    d = 128 that the library does not use (notebook 09's counter-examples)."""
+    d = 128 that the library does not use (notebook 09's counter-examples). ``name``: or DECODE_FACTS_NAME."""
     from diffattn_tutorial import recorded
 
-    data = recorded.load(FACTS_NAME)
+    data = recorded.load(name)
     header = {**data["recorded"], "schema": data["schema"], "cases": data["cases"]}
     return header, [Facts.from_row(r) for r in data["facts"]], [Facts.from_row(r) for r in data["lessons"]]
 
@@ -199,11 +209,16 @@ def _interpreted() -> bool:
 
 def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
     """The kernel launches ``diff_attention(..., backend="triton")`` makes for ``case`` (forward + backward),
-    recorded on small CPU tensors (contiguous, like a real run; lengths a multiple of 16 as at N = 8192)."""
+    recorded on small CPU tensors (contiguous, like a real run; lengths a multiple of 16 as at N = 8192); a decode
+    case's: ``decode.capture_step``."""
     import torch
 
+    from diffattn_tutorial.kernels.triton.decode import capture_step
     from diffattn_tutorial.kernels.triton.flash_diff import capture_launches, triton_diff_attention
 
+    if case.decode:
+        return _mock_tensors(capture_step(case.head_dim, getattr(torch, case.dtype), case.group,
+                                         ARCHS[arch].capability))
     dtype = getattr(torch, case.dtype)
     B, Hkv, d = 1, 2, case.head_dim
     H = Hkv * case.group
@@ -222,6 +237,11 @@ def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
         out = triton_diff_attention(q, k, v, lam, causal=case.causal, attn_mask=mask, plan=case.plan)
         if case.grad:
             out.backward(torch.zeros_like(out))
+    return _mock_tensors(launches)
+
+
+def _mock_tensors(launches: list) -> list:
+    import torch
     from triton.runtime.jit import MockTensor
 
     for launch in launches:  # the compiler needs only each tensor's dtype (and 16-byte alignment, which holds)
@@ -281,6 +301,16 @@ def _ptxas_report(ptx: str, capability: int) -> str:
     return proc.stdout + proc.stderr
 
 
+def kernel_and_form(name: str, consts: dict) -> tuple:
+    """A recorded launch's kernel (in ``flash_diff.KERNELS`` or ``decode.KERNELS``) and the variant its constexprs
+    select (the training kernels' forms; ``partial`` or ``combine``)."""
+    from diffattn_tutorial.kernels.triton import configs, decode, flash_diff
+
+    if name in decode.KERNELS:
+        return decode.KERNELS[name], name.removeprefix("_decode_")
+    return flash_diff.KERNELS[name], configs._form(name, consts)
+
+
 def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     """Compile ``launch`` with ``config`` for ``arch`` (a key of :data:`ARCHS`) and read the facts."""
     import triton
@@ -289,14 +319,11 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from diffattn_tutorial.kernels.triton import configs
-    from diffattn_tutorial.kernels.triton.flash_diff import KERNELS
-
-    fn = KERNELS[launch.name]
+    fn, form = kernel_and_form(launch.name, launch.consts)
     capability = ARCHS[arch].capability
     kw = dict(launch.consts)
     kw.update(config.kwargs)
-    facts = Facts(kernel=launch.name, form=configs._form(launch.name, launch.consts), case=case.label,
+    facts = Facts(kernel=launch.name, form=form, case=case.label,
                   arch=arch, dtype=case.dtype, head_dim=launch.consts.get("BLOCK_D", 0),
                   block_m=kw.get("BLOCK_M", 0), block_n=kw.get("BLOCK_N", 0), num_warps=config.num_warps,
                   num_stages=config.num_stages, pinned=pinned)
@@ -368,6 +395,12 @@ def subset_cases(arch: str = "sm_90a") -> list[tuple[Case, bool]]:
     as inference, see :func:`case_on`)."""
     dtype = ARCHS[arch].dtypes[0]
     return [(Case(64, dtype), False), (Case(128, dtype), False)]
+
+
+def decode_cases(head_dims: Sequence[int] = DECODE_HEAD_DIMS, dtypes: Sequence[str] = DTYPES) -> list[tuple[Case, bool]]:
+    """``(case, every_config)`` for the decode kernels (one launch configuration each) per dtype, head dim, group."""
+    return [(Case(d, dt, causal=True, group=g, grad=False, decode=True), False)
+            for dt in dtypes for d in head_dims for g in DECODE_GROUPS]
 
 
 def case_on(case: Case, arch: str) -> Optional[Case]:
@@ -490,17 +523,22 @@ def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Se
     return [Facts.from_row(r) for r in rows]
 
 
+def _hash_jit(*modules):
+    """A sha256 fed with the source of every ``@triton.jit`` function of ``modules`` (the same in either mode)."""
+    h = hashlib.sha256()
+    for module in modules:
+        for name in sorted(dir(module)):
+            obj = getattr(module, name)
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
+                h.update(name.encode() + inspect.getsource(obj.fn).encode())
+    return h
+
+
 def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
-    import inspect
-
     from diffattn_tutorial.kernels.triton import configs, flash_kernels
 
-    h = hashlib.sha256()
-    for name in sorted(dir(flash_kernels)):
-        obj = getattr(flash_kernels, name)
-        if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):  # the same hash in either mode
-            h.update(name.encode() + inspect.getsource(obj.fn).encode())
+    h = _hash_jit(flash_kernels)
     for table in (configs._CONFIGS_16BIT, configs._CONFIGS_AMPERE, configs._CONFIGS_TURING,
                   configs._CONFIGS_FP32):
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
@@ -508,6 +546,18 @@ def source_hash() -> str:
     h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in configs.PLANS.items())).encode())
     h.update(repr((sorted(configs.AMPERE_PLANS.items()),
                    {a: (t.dtypes, t.train_head_dim) for a, t in ARCHS.items()})).encode())
+    return h.hexdigest()[:16]
+
+
+def decode_source_hash() -> str:
+    """A hash of what decides the decode kernels' code: theirs and flash_kernels' source, launch constants, targets."""
+    from diffattn_tutorial.kernels.triton import decode, flash_kernels
+
+    h = _hash_jit(decode, flash_kernels)
+    h.update(repr((decode.WIDE_TILE, decode.BLOCK_KEYS, decode.BLOCK_KEYS_TURING, decode.MAX_SPLITS, DECODE_HEAD_DIMS,
+                   DECODE_GROUPS, *(inspect.getsource(f) for f in (decode._launch_options, decode.default_block_keys,
+                                                                   decode.capture_step)),
+                   {a: t.dtypes for a, t in ARCHS.items()})).encode())
     return h.hexdigest()[:16]
 
 
@@ -568,6 +618,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--every-config", action="store_true", help="all autotune configurations, not the pinned one")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    ap.add_argument("--decode", action="store_true", help="the decode kernels' cases (decode_cases) instead; with "
+                                                          f"--write, into {DECODE_FACTS_FILE.name}")
     ap.add_argument("--lessons", action="store_true", help="also compile the fused plan at d = 128 (notebook 09's "
                                                            "counter-examples; implied by --all with sm_90a)")
     ap.add_argument("--write", type=Path, nargs="?", const=FACTS_FILE, default=None,
@@ -586,7 +638,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         archs = args.archs or (list(ARCHS) if args.all else ["sm_90a"])
         jobs = args.jobs
-        if args.all or args.head_dims or args.dtypes:
+        if args.decode:
+            planned = plan_work(decode_cases(args.head_dims or DECODE_HEAD_DIMS, args.dtypes or DTYPES), archs, every)
+        elif args.all or args.head_dims or args.dtypes:
             planned = plan_work(all_cases(args.head_dims or HEAD_DIMS, args.dtypes or DTYPES), archs, every)
         else:
             planned = [p for a in archs for p in plan_work(subset_cases(a), [a], every)]
@@ -605,13 +659,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not quiet:
         print(f"{len(list(_work(planned)))} compiles for {', '.join(archs)} in {jobs} process(es)", flush=True)
     facts = _run_here(planned, jobs, progress)
-    with_lessons = args.lessons or (args.all and "sm_90a" in archs)
+    with_lessons = not args.decode and (args.lessons or (args.all and "sm_90a" in archs))
     lessons = lesson_facts(jobs) if with_lessons and not args.spec else []
     for f in lessons:
         progress(f)
     bad = [f for f in facts if f.problems()]
     result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                                              "source_hash": source_hash(), "archs": archs, "every_config": every,
+                                              "source_hash": decode_source_hash() if args.decode else source_hash(),
+                                              "archs": archs, "every_config": every,
                                               "jobs": jobs, "wall_s": round(time.perf_counter() - t0, 1),
                                               "command": " ".join(["python -m diffattn_tutorial.kernels.triton.aot",
                                                                    *(sys.argv[1:] if argv is None else argv)])},
@@ -624,6 +679,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(text)
         else:
             Path(args.json).write_text(text + "\n")
+    if args.decode and args.write == FACTS_FILE:
+        args.write = DECODE_FACTS_FILE
     if args.write:
         old = json.loads(args.write.read_text()) if args.write.exists() else None
         merged = merge_runs(old, result)

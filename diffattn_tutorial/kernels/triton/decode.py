@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
+from diffattn_tutorial.kernels.triton import flash_diff as fd
 from diffattn_tutorial.kernels.triton.configs import MAX_HEAD_DIM
 from diffattn_tutorial.kernels.triton.flash_diff import (
     INTERPRETER_BLOCK,
@@ -59,7 +60,12 @@ WIDE_TILE = 2048
 """From this ``BLOCK_M x BLOCK_D`` on the partial kernel runs 8 warps instead of 4 (d = 128 with 16 rows spilled
 40 bytes at 4 warps on sm_90a, none at 8)."""
 BLOCK_KEYS = 64
-"""Keys per tile on a GPU (:data:`~diffattn_tutorial.kernels.triton.flash_diff.INTERPRETER_BLOCK` in the interpreter)."""
+"""Keys per tile on a GPU from sm_80 on (:data:`~diffattn_tutorial.kernels.triton.flash_diff.INTERPRETER_BLOCK` in
+the interpreter)."""
+BLOCK_KEYS_TURING = 16
+"""Keys per tile below sm_80 (a T4), where this Triton lowers the dots to FMA loops: 64 keys spilled about 4 KB of
+registers per thread at d = 64 and 128 and needed 80 KiB of shared memory at d = 128 (over the T4's 64 KiB), 32 keys
+still spilled; 16 compile clean (``recorded/compile_facts_decode.json``)."""
 PROGRAMS_PER_SM = 2
 """The default split count aims at this many partial programs per multiprocessor (flash-decoding's heuristic)."""
 MAX_SPLITS = 64
@@ -228,9 +234,24 @@ def tile_shape(group: int, nq: int, d: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(group * nq)), max(16, triton.next_power_of_2(d))
 
 
+def _on_gpu() -> bool:
+    """Launch as on a GPU: outside the interpreter, or recording launches for the ahead-of-time compile."""
+    return not _interpret_mode() or fd._capture is not None
+
+
+def default_block_keys(device: torch.device) -> int:
+    """Keys per tile: the interpreter's small tile, :data:`BLOCK_KEYS_TURING` below sm_80, else :data:`BLOCK_KEYS`."""
+    if not _on_gpu():
+        return INTERPRETER_BLOCK
+    return BLOCK_KEYS if fd._capability(device) >= 80 else BLOCK_KEYS_TURING
+
+
 def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
+    """Refuse what the kernels cannot run; where they run is not checked inside
+    :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` (launches recorded, never run)."""
+    capturing = fd._capture is not None
     ok, why = triton_available()
-    if not ok:
+    if not ok and not capturing:
         raise RuntimeError(f"the Triton decode kernel cannot run here: {why}")
     if q.dtype == torch.float64:
         raise ValueError("the Triton decode kernel computes in float32 at most; for float64 use "
@@ -242,13 +263,73 @@ def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
         raise ValueError(f"(H // Hkv) * Nq = {group} * {nq} query rows per KV group at head dim {d} exceed the "
                          f"kernel's {MAX_ROWS_X_DIM // block_d} rows: it decodes a few tokens; for more queries use "
                          f"diff_attention(..., backend='triton')")
-    if not _interpret_mode() and q.device.type != "cuda":
+    if not capturing and not _interpret_mode() and q.device.type != "cuda":
         raise ValueError(f"the Triton decode kernel runs on a CUDA GPU (or in the interpreter), q is on {q.device}")
 
 
-def _warps(tile: int) -> dict:
-    """Launch options of the partial kernel for a ``BLOCK_M x BLOCK_D`` tile (none in the interpreter)."""
-    return {} if _interpret_mode() else {"num_warps": 8 if tile >= WIDE_TILE else 4, "num_stages": 2}
+DECODE_OP = "diffattn::triton_decode"
+""":func:`decode_attention`'s kernels as a torch operator (``torch.library.custom_op`` with a fake implementation,
+as :data:`~diffattn_tutorial.kernels.triton.flash_diff.FORWARD_OP`), so a compiled decode step
+(``torch.compile(fullgraph=True)``) keeps the call as one node. Forward only: decoding needs no gradient."""
+
+KERNELS = {"_decode_partial": _decode_partial, "_decode_combine": _decode_combine}
+"""The decode kernels by name, as :data:`~diffattn_tutorial.kernels.triton.flash_diff.KERNELS` (a recorded
+:class:`~diffattn_tutorial.kernels.triton.flash_diff.Launch` names its kernel; the ahead-of-time compile looks
+it up in both tables)."""
+
+
+def _launch_options(name: str, tile: int = 0) -> dict:
+    """Launch options of a decode kernel on a GPU (none in the interpreter): the partial kernel runs 8 warps from
+    a ``BLOCK_M x BLOCK_D`` tile of :data:`WIDE_TILE` on, else 4; the combine 4."""
+    if not _on_gpu():
+        return {}
+    wide = name == "_decode_partial" and tile >= WIDE_TILE
+    return {"num_warps": 8 if wide else 4, "num_stages": 2}
+
+
+def _launch(name: str, grid: tuple, args: tuple, consts: dict, opts: dict, dtype: torch.dtype) -> None:
+    """Run kernel ``name``, or record the launch inside
+    :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` (what the ahead-of-time compile reads)."""
+    if fd._capture is not None:
+        config = triton.Config({}, num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2))
+        fd._capture.append(fd.Launch(name, args, dict(consts), [config], dtype))
+        return
+    KERNELS[name][grid](*args, **consts, **opts)
+
+
+@torch.library.custom_op(DECODE_OP, mutates_args=())
+def triton_decode(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor, causal: bool, scale: float,
+                  num_splits: int, block_n: int) -> Tensor:
+    """The two decode kernels on inputs :func:`decode_attention` has checked (``lengths`` ``(B,)`` int32,
+    ``num_splits >= 1``, ``block_n`` a power of two >= 16): ``(B, H, Nq, 2d)`` in q's dtype."""
+    B, H2, Nq, d = q.shape
+    H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
+    group = H // Hkv
+    keys_per_split = triton.cdiv(triton.cdiv(max(Nk, 1), num_splits), block_n) * block_n
+    splits = max(1, triton.cdiv(Nk, keys_per_split))  # no split that starts past the buffer
+    block_m, block_d = tile_shape(group, Nq, d)
+    o_part = _alloc(2, B * H * Nq, splits, 2 * block_d, like=q, dtype=torch.float32)
+    lse_part = _alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
+    upcast = not _on_gpu() and q.dtype == torch.bfloat16
+    _launch("_decode_partial", (B * Hkv, splits),
+            (q, k, v, lengths, o_part, lse_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+             H, Hkv, Nq, Nk, scale * LOG2E, keys_per_split),
+            dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+                 UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n),
+            _launch_options("_decode_partial", block_m * block_d), q.dtype)
+    out = torch.empty(B, H, Nq, 2 * d, dtype=q.dtype, device=q.device)
+    lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
+    _launch("_decode_combine", (B * H * Nq,),
+            (o_part, lse_part, lam4, out, splits, *lam4.stride()[:3], *out.stride()[:3], H, Nq),
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)),
+            _launch_options("_decode_combine"), q.dtype)
+    return out
+
+
+@triton_decode.register_fake
+def _(q, k, v, lam, lengths, causal, scale, num_splits, block_n):
+    B, H2, Nq, d = q.shape
+    return q.new_empty(B, H2 // 2, Nq, 2 * d)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor], *,
@@ -266,40 +347,44 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor],
             every valid key. With one query token the two agree.
         scale: softmax scale, default ``1/sqrt(d)``.
         num_splits: key splits (default :func:`default_splits`); block_n: keys per tile (default
-            :data:`BLOCK_KEYS`, :data:`~diffattn_tutorial.kernels.triton.flash_diff.INTERPRETER_BLOCK` in the interpreter).
+            :func:`default_block_keys`).
 
     Returns:
         ``(B, H, Nq, 2d)`` in q's dtype, equal to ``diff_attention(q, k[..., :length, :], ...)`` per sequence.
+        Checks its inputs, then runs the operator :data:`DECODE_OP` (one node under ``torch.compile``). No
+        gradient: inputs that require one are refused while autograd is on.
     """
     lam_t, _, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam)
     group = H // Hkv
     _check_decode(q, group, Nq, d)
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, lam)):
+        raise ValueError("decode_attention gives no gradient (decoding is inference); call it under "
+                         "torch.no_grad() or torch.inference_mode(), or pass .detach()ed tensors; to train, use "
+                         "diff_attention(..., backend='triton')")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a whole number >= 1 or None, got {num_splits!r}")
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16 or None, got {block_n!r}")
     lens = _lengths(lengths, B, Nk, q.device)
     scale = d ** -0.5 if scale is None else float(scale)
-    block_n = block_n or (INTERPRETER_BLOCK if _interpret_mode() else BLOCK_KEYS)
+    block_n = block_n or default_block_keys(q.device)
     splits = num_splits or default_splits(B * Hkv, Nk, block_n, q.device)
-    keys_per_split = triton.cdiv(triton.cdiv(max(Nk, 1), splits), block_n) * block_n
-    splits = max(1, triton.cdiv(Nk, keys_per_split))  # no split that starts past the buffer
-    block_m, block_d = tile_shape(group, Nq, d)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o_part = _alloc(2, B * H * Nq, splits, 2 * block_d, like=q, dtype=torch.float32)
-    lse_part = _alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
-    upcast = _interpret_mode() and q.dtype == torch.bfloat16
-    _decode_partial[(B * Hkv, splits)](
-        q, k, v, lens, o_part, lse_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        H, Hkv, Nq, Nk, scale * LOG2E, keys_per_split,
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-        UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n, **_warps(block_m * block_d))
-    out = torch.empty(B, H, Nq, 2 * d, dtype=q.dtype, device=q.device)
-    lam4 = lam_t.reshape((1,) * (4 - lam_t.ndim) + tuple(lam_t.shape)).expand(B, H, Nq, 1)
-    _decode_combine[(B * H * Nq,)](
-        o_part, lse_part, lam4, out, splits, *lam4.stride()[:3], *out.stride()[:3], H, Nq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits))
-    return out
+    return triton_decode(q, k, v, lam_t, lens, bool(causal), scale, splits, block_n)
+
+
+def capture_step(head_dim: int, dtype: torch.dtype, group: int, capability: int) -> list:
+    """The launches (:class:`~diffattn_tutorial.kernels.triton.flash_diff.Launch`) one decode step makes on a GPU of
+    compute ``capability``: one query token, ``group`` heads per KV group (2 groups), 4096 cached keys in
+    :data:`MAX_SPLITS` splits (the combine's widest ``BLOCK_S``), recorded by
+    :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` on CPU tensors, never run
+    (:mod:`~diffattn_tutorial.kernels.triton.aot` compiles them)."""
+    B, Hkv, n, d = 1, 2, 4096, head_dim
+    q, k = torch.zeros(B, 2 * Hkv * group, 1, d, dtype=dtype), torch.zeros(B, 2 * Hkv, n, d, dtype=dtype)
+    v, lam = torch.zeros(B, Hkv, n, 2 * d, dtype=dtype), torch.zeros(B, Hkv * group, 1, 1, dtype=dtype)
+    with fd.capture_launches(capability) as launches, torch.no_grad():
+        decode_attention(q, k, v, lam, num_splits=MAX_SPLITS)
+    return launches
 
 
 # ============================================================================================
@@ -341,5 +426,5 @@ def split_k_reference(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor]
     return (o[:, :, 0] - lam_t.to(dtype) * o[:, :, 1]).to(q.dtype)
 
 
-__all__ = ["MAX_ROWS_X_DIM", "WIDE_TILE", "BLOCK_KEYS", "decode_attention", "default_splits", "split_k_reference",
-           "tile_shape"]
+__all__ = ["MAX_ROWS_X_DIM", "WIDE_TILE", "BLOCK_KEYS", "BLOCK_KEYS_TURING", "DECODE_OP", "KERNELS", "capture_step", "decode_attention",
+           "default_block_keys", "default_splits", "split_k_reference", "tile_shape", "triton_decode"]
