@@ -78,6 +78,7 @@ class Needs(NamedTuple):
     mask_grad: bool = False  # a gradient to an additive mask (a learned bias)
     dropout: bool = False
     compiling: bool = False  # traced by torch.compile
+    queries: Optional[int] = None  # Nq, the query rows of the call (None: any number)
 
 
 ANY_CALL = Needs(dtype=None, grad=True, mask_grad=True)
@@ -126,6 +127,8 @@ class Backend:
     backend names is ranked by the key :data:`OTHER_DEVICES`."""
     auto_dtypes: Optional[tuple[torch.dtype, ...]] = None
     """The dtypes ``"auto"`` chooses it for (None: all of ``dtypes``)."""
+    auto_max_queries: Optional[int] = None
+    """``"auto"`` chooses it only for calls with at most this many query rows (None: any number)."""
     sdpa_rank: Optional[int] = None
     """Its rank for the alias ``"sdpa"`` (None: the alias never chooses it)."""
     family: str = "maps"
@@ -283,8 +286,11 @@ def _takes(b: Backend, device: torch.device, needs: Needs, *, by_auto: bool) -> 
     its ``auto_dtypes``, and only what runs under ``torch.compile`` while compiling). Status not consulted."""
     dtypes = (b.auto_dtypes or b.dtypes) if by_auto else b.dtypes
     dtype_ok = set(FLOAT_DTYPES) <= set(dtypes) if needs.dtype is None else needs.dtype in dtypes
-    return (b.runs_on(device) and dtype_ok and (b.backward or not needs.grad) and (b.dropout or not needs.dropout)
-            and (b.mask_grad or not needs.mask_grad) and (b.compiles or not needs.compiling or not by_auto))
+    queries_ok = (not by_auto or b.auto_max_queries is None
+                  or (needs.queries is not None and needs.queries <= b.auto_max_queries))
+    return (b.runs_on(device) and dtype_ok and queries_ok and (b.backward or not needs.grad)
+            and (b.dropout or not needs.dropout) and (b.mask_grad or not needs.mask_grad)
+            and (b.compiles or not needs.compiling or not by_auto))
 
 
 def _auto_key(device: torch.device) -> Callable[[Backend], Optional[int]]:
@@ -383,6 +389,9 @@ def _condition(b: Backend) -> str:
     dtypes = b.auto_dtypes or b.dtypes
     words = [] if set(FLOAT_DTYPES) <= set(dtypes) else ["/".join(_dtype_name(d) for d in dtypes)]
     words.append("inference" if not b.backward else "calls without a learned mask" if not b.mask_grad else "calls")
+    if b.auto_max_queries is not None:
+        rows = "one query row" if b.auto_max_queries == 1 else f"at most {b.auto_max_queries} query rows"
+        words.append(f"with {rows} (decoding)")
     if not b.compiles:
         words.append("outside torch.compile")
     return " ".join(words)

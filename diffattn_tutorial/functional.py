@@ -307,11 +307,16 @@ def _triton_status(device: torch.device) -> tuple[bool, str]:
 
 _HALF = (torch.float32, torch.float16, torch.bfloat16)
 
+DECODE_QUERIES = 1
+"""On a CPU ``"auto"`` runs ``naive`` for calls with at most this many query rows: decoding one token, where the
+fused kernel's per-call cost in the keys (it transposes all of K) and SDPA's padding are not repaid;
+``benchmarks/bench_cpu_queries.py`` measures it (one query row over 4096 keys: ``naive`` several times faster)."""
+
 # The library's backends, each declared once; "auto" ranks (lower first): on a CPU the fused kernel for what it
 # takes, then sdpa_padded, then sdpa_wide (dropout); elsewhere sdpa_split, then sdpa_wide (dropout).
 for _backend in (
     Backend("naive", "explicit maps `(A1 - lambda A2) V`: the teaching version", _run_naive,
-            origin="unilm multihead_diffattn"),
+            origin="unilm multihead_diffattn", auto_rank={"cpu": -1}, auto_max_queries=DECODE_QUERIES),
     Backend("sdpa_wide", "two SDPA calls with V of width 2d (timm, unilm `flashdiff_1`)", _on_sdpa(_sdpa_wide),
             family="sdpa", origin="timm, unilm multihead_flashdiff_1", causal="sdpa", status=_sdpa_status,
             sdpa_rank=1, auto_rank={"cpu": 2, backends.OTHER_DEVICES: 1}),
@@ -373,7 +378,7 @@ def diff_attention(
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
-                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling())
+                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(), queries=Nq)
     name = backends.resolve(backend, q.device, needs)
     if backend not in backends.ALIASES:  # asked for by name: refuse what it cannot do, naming the fix
         backends.check_call(name, q.device, needs)

@@ -206,6 +206,21 @@ def test_diff_attention_runs_what_auto_chooses(ran):
     assert ran == [CPU_FUSED_OR_PADDED, "sdpa_padded", CPU_FUSED_OR_PADDED, "sdpa_padded", "sdpa_wide"]
 
 
+def test_auto_decodes_one_query_row_with_naive_on_a_cpu(ran):
+    """One query row (a decode step): naive, whatever the dtype or gradient (benchmarks/bench_cpu_queries.py);
+    two rows: the ranking above. A GPU has no such rule."""
+    q, k, v, lam = inputs(nq=1)
+    with torch.no_grad():
+        diff_attention(q, k, v, lam)
+    diff_attention(q.requires_grad_(), k, v, lam, dropout_p=0.1)
+    with torch.no_grad():
+        diff_attention(*inputs(nq=2))
+    assert ran == ["naive", "naive", CPU_FUSED_OR_PADDED]
+    assert resolve("auto", "cpu", Needs(torch.float32, queries=1)) == "naive"
+    assert resolve("auto", "cpu", Needs(torch.float32)) == CPU_FUSED_OR_PADDED  # the number of rows unknown
+    assert resolve("auto", "cuda", Needs(torch.float16, queries=1)) == "sdpa_split"
+
+
 def test_auto_skips_a_backend_that_does_not_work_here(monkeypatch, ran):
     def unavailable():
         raise cpu_fused.KernelUnavailable("no C++ compiler found (test)")
@@ -214,20 +229,22 @@ def test_auto_skips_a_backend_that_does_not_work_here(monkeypatch, ran):
     with torch.no_grad():
         diff_attention(*inputs())
     assert ran == ["sdpa_padded"]
-    assert backend_status("cpu")["auto"] == (True, "-> sdpa_padded (sdpa_wide with dropout)")
+    assert backend_status("cpu")["auto"] == (True, "-> naive for calls with one query row (decoding), else "
+                                                  "sdpa_padded (sdpa_wide with dropout)")
 
 
 def test_the_prose_comes_from_the_registry():
-    assert backends.describe_auto("cpu") == ('On a CPU, `backend="auto"` runs `cpu_fused` for float32 inference '
-                                             '(needs a C++ compiler), else `sdpa_padded` (`sdpa_wide` with dropout).')
+    assert backends.describe_auto("cpu") == ('On a CPU, `backend="auto"` runs `naive` for calls with one query row '
+                                             '(decoding), else `cpu_fused` for float32 inference (needs a C++ '
+                                             'compiler), else `sdpa_padded` (`sdpa_wide` with dropout).')
     assert backends.describe_auto("cuda") == 'On a GPU, `backend="auto"` runs `sdpa_split` (`sdpa_wide` with dropout).'
     table = backends.backend_table().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [f"| `{n}`" for n in (*BACKENDS, "auto")]
     assert "| float32, float16, bfloat16 (computed in float32) | no | no | no | yes |" in table[2 + BACKENDS.index(
         "cpu_fused")]
     if FUSED_OK:
-        assert backend_status("cpu")["auto"][1] == "-> cpu_fused for float32 inference, else sdpa_padded (sdpa_wide " \
-                                                   "with dropout)"
+        assert backend_status("cpu")["auto"][1] == ("-> naive for calls with one query row (decoding), else cpu_fused "
+                                                    "for float32 inference, else sdpa_padded (sdpa_wide with dropout)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -251,7 +268,8 @@ def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
     with registered(fake_backend(status=status)):
         assert BACKENDS[-1] == "fake" and "fake" in FORWARD_ONLY and "fake" not in SDPA_FORMULATIONS
         assert backend_status("cpu")["fake"] == (True, "fake status")
-        assert backend_status("cpu")["auto"][1].startswith("-> fake for float64 inference, ")
+        assert backend_status("cpu")["auto"][1].startswith("-> naive for calls with one query row (decoding), else "
+                                                           "fake for float64 inference, ")
         assert "`fake` for float64 inference" in backends.describe_auto("cpu")
         assert "| `fake` | a test's backend | any device | float64 | no |" in backends.backend_table()
         q, k, v, lam = inputs(torch.float64)

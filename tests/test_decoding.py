@@ -162,22 +162,26 @@ def test_next_token_greedy_top_k_and_temperature():
     assert torch.equal(a, next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(7)))
 
 
-def test_float32_decode_step_runs_the_fused_cpu_kernel(monkeypatch):
-    """In float32 inference ``backend="auto"`` sends DIFF's one-query steps to the fused CPU kernel (where it
-    builds), with either cache, and the tokens agree with recomputation."""
+def test_float32_decode_steps_run_naive_and_the_prompt_the_fused_kernel(monkeypatch):
+    """In float32 inference ``backend="auto"`` sends DIFF's one-query decode steps to ``naive`` (the fastest for one
+    row: benchmarks/bench_cpu_queries.py) and the prompt's many rows to the fused CPU kernel (where it builds), with
+    either cache, and the tokens agree with recomputation."""
+    from diffattn_tutorial import functional
     from diffattn_tutorial.kernels.cpu import cpu_fused
 
     if not cpu_fused.kernel_status()[0]:
         pytest.skip(f"the fused CPU kernel is unavailable here: {cpu_fused.kernel_status()[1]}")
-    calls = []
-    real = cpu_fused.fused_diff_attention
-    monkeypatch.setattr(cpu_fused, "fused_diff_attention", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    fused, naive = [], []
+    real_fused, real_naive = cpu_fused.fused_diff_attention, functional._naive
+    monkeypatch.setattr(cpu_fused, "fused_diff_attention", lambda q, *a, **kw: fused.append(q.shape) or real_fused(q, *a, **kw))
+    monkeypatch.setattr(functional, "_naive", lambda q, *a, **kw: naive.append(q.shape) or real_naive(q, *a, **kw))
     m, p = lm("diff", torch.float32, n_kv_heads=2), prompt()
     for cache in ("static", "dynamic"):
-        calls.clear()
+        fused.clear()
+        naive.clear()
         assert torch.equal(m.generate(p, 6, cache=cache), m.generate(p, 6, cache=None))
-        one_query = [s for s in calls if s[2] == 1]
-        assert len(one_query) == 5 * len(m.blocks), cache  # every decode step of every layer
+        assert len([s for s in naive if s[2] == 1]) == 5 * len(m.blocks), cache  # every decode step of every layer
+        assert not [s for s in fused if s[2] == 1] and [s for s in fused if s[2] == p.shape[1]], cache
 
 
 @pytest.fixture
