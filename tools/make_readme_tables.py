@@ -222,9 +222,12 @@ def compile_facts_block() -> str:
     data = _load(path)
     rec = data.get("recorded", {})
     facts = data["facts"]
+    command = _command(rec if rec.get("command") else data)
+    if "diffattn_tutorial.triton_compile" in command:  # recorded before the module moved
+        command += " (the module's name then; now `python -m diffattn_tutorial.kernels.triton.aot`)"
     lines = [f"From `{_rel(path)}`: triton {rec.get('triton', NOT_RECORDED)}, torch {rec.get('torch', NOT_RECORDED)}, "
              f"Python {rec.get('python', NOT_RECORDED)}, {rec.get('date', NOT_RECORDED)}, "
-             f"{_command(rec if rec.get('command') else data)}; compiled on a CPU for each target, not run on one.",
+             f"{command}; compiled on a CPU for each target, not run on one.",
              "",
              "| target | compiles | failed | with register spills | most registers per thread | tensor-core products "
              "| compiles with a product computed more than once |",

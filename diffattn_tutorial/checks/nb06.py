@@ -1,6 +1,6 @@
 """Checks for ``exercises/06_full_module.ipynb``: the bottom-right causal mask, GQA expansion of K/V for
 differential heads, and a full multi-head differential attention forward. References:
-``functional.causal_mask``, ``functional.diff_attention`` and ``modules.MultiheadDiffAttn``."""
+``functional.causal_mask``, ``functional.diff_attention`` and ``layers.attention.MultiheadDiffAttn``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checks for ``exercises/10_diff_v2.ipynb``: DIFF V2's attention (one softmax-attention call over 2H query
 heads, then heads ``2i`` minus ``sigmoid(lambda)`` times heads ``2i+1``, per token), the GQA group of each
 query head of a pair, and the whole ``DiffAttnV2`` forward. References: ``functional.diff_attention_v2``,
-``functional.softmax_attention`` (its GQA assignment of query heads to KV heads) and ``modules.DiffAttnV2``.
+``functional.softmax_attention`` (its GQA assignment of query heads to KV heads) and ``layers.attention.DiffAttnV2``.
 """
 
 from __future__ import annotations

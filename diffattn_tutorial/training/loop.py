@@ -399,7 +399,8 @@ def build_parser(prog: str = "python -m diffattn_tutorial.training.loop") -> arg
     p.add_argument("--allow-unverified-checkpoint", dest="allow_unverified", action="store_true",
                    help="let --resume load a checkpoint without a valid manifest.json (DCP unpickles it: only for "
                         "folders you trust)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="hide the tqdm progress bar (shown on rank 0 unless this is given)")
     return p
 
 

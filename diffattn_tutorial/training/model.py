@@ -262,7 +262,8 @@ class TinyLM(nn.Module):
                 token). ``"static"``: a :class:`StaticKVCache` per layer, preallocated for ``N + max_new_tokens``
                 positions (rounded up to a multiple of :data:`STATIC_CACHE_MULTIPLE`) and written in place, so
                 every step has the same shapes. ``None``: no cache, every step recomputes the whole sequence.
-                All three give the same tokens.
+                All three give the same tokens (in 16-bit, up to an exact tie of the top two logits, which
+                rounding may break either way).
             compile: compile the decode step with ``torch.compile`` once and reuse it for every token (True: the
                 default ``"inductor"`` backend; otherwise the backend to use, a name such as ``"aot_eager"`` or a
                 backend function). With the static cache the step is one graph of fixed shapes
