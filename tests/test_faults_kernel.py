@@ -337,7 +337,7 @@ def test_a_compiler_given_with_arguments(tmp_path, monkeypatch, fresh_state):
     assert cpu_fused.compiler() == [str(launcher), "c++"]
     ok, why = cpu_fused.kernel_status()
     assert ok, why
-    assert why == f"fused C++ kernel, compiled with {launcher} c++"
+    assert why == "fused C++ kernel, compiled with launcher c++"  # named as a person does, without its folder
     assert "c++" in log.read_text().split()
 
 

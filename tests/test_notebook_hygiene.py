@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXECUTED = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
-ABS_PATH = re.compile(r"(?<![\w.:/])/(?:home|root|Users|tmp|work|private|var/folders)/[\w.-]+")
+ABS_PATH = re.compile(r"(?<![\w.:/])/(?:home|root|Users|tmp|work|private|var/folders|usr|opt)/[\w.-]+")
 NAME = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
 
 

@@ -94,6 +94,12 @@ class KernelUnavailable(RuntimeError):
     """The fused CPU kernel cannot be built, loaded or trusted here; the message says why."""
 
 
+def _command_name(cxx: Optional[list[str]]) -> str:
+    """``c++`` for ``["/usr/bin/c++"]``: the compiler as a person names it (a report, or a notebook's stored output,
+    should not carry this machine's paths)."""
+    return shlex.join([os.path.basename(cxx[0]), *cxx[1:]]) if cxx else "?"
+
+
 def compiler() -> Optional[list[str]]:
     """The command that runs the C++ compiler: ``$CXX`` split as a shell would (``"ccache c++"`` gives two
     words), its first word found on the PATH; else the first of ``c++``, ``g++``, ``clang++`` on the PATH;
@@ -344,7 +350,7 @@ def _kernel() -> ctypes.CDLL:
             _FAILED[settings] = why
             raise KernelUnavailable(why) from e
         cxx = compiler()
-        _LOADED.update(lib=lib, why=f"fused C++ kernel, compiled with {shlex.join(cxx) if cxx else '?'}")
+        _LOADED.update(lib=lib, why=f"fused C++ kernel, compiled with {_command_name(cxx)}")
         return lib
 
 
