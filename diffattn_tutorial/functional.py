@@ -42,6 +42,7 @@ from diffattn_tutorial.validation import (  # noqa: F401 (causal_mask, check_dif
     LambdaLike,
     _check_lambda,
     _check_mask,
+    _check_plain,
     _check_same,
     _check_scale_dropout,
     _check_tensor,
@@ -437,29 +438,6 @@ def diff_attention_maps(
 # --------------------------------------------------------------------------------------------
 # plain softmax attention (baseline) and DIFF V2
 # --------------------------------------------------------------------------------------------
-
-
-def _check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], what: str) -> tuple:
-    _check_tensor("q", q, 4, "(B, Hq, Nq, d)")
-    _check_tensor("k", k, 4, "(B, Hkv, Nk, d)")
-    _check_tensor("v", v, 4, "(B, Hkv, Nk, dv)")
-    _check_same(q, k=k, v=v)
-    B, Hq, Nq, d = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[3] != d:
-        raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
-    if d == 0:
-        raise ValueError("q and k have head dim d = 0: give them at least one feature (d >= 1)")
-    if k.shape[1] == 0:
-        raise ValueError("k and v have no heads (Hkv = 0): pass at least one KV head")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share heads and length")
-    if Hq % k.shape[1]:
-        raise ValueError(f"{what}: {Hq} query heads is not a multiple of {k.shape[1]} KV heads; "
-                         f"choose num_kv_heads dividing the query heads")
-    mask = _check_mask(attn_mask, (B, Hq, Nq, k.shape[2]), q)
-    return mask, (B, Hq, Nq, k.shape[2], d)
 
 
 def _plain(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,

@@ -190,6 +190,16 @@ def _check_scale_dropout(scale: Optional[float], dropout_p: float) -> None:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, q_layout: str, k_layout: str, v_layout: str) -> None:
+    """q, k, v are 4-D tensors of one device and dtype family, with one batch size (the layouts name their dims)."""
+    _check_tensor("q", q, 4, q_layout)
+    _check_tensor("k", k, 4, k_layout)
+    _check_tensor("v", v, 4, v_layout)
+    _check_same(q, k=k, v=v)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+
+
 def check_diff_inputs(
     q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, attn_mask: Optional[Tensor] = None
 ) -> tuple[Tensor, Optional[Tensor], tuple[int, int, int, int, int, int]]:
@@ -198,13 +208,8 @@ def check_diff_inputs(
     Returns ``(lam, attn_mask, (B, H, Hkv, Nq, Nk, d))`` with ``lam`` a tensor and ``attn_mask`` a 4-D view.
     Raises ``ValueError``/``TypeError`` naming the argument and the fix.
     """
-    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
-    _check_tensor("k", k, 4, "(B, 2Hkv, Nk, d)")
-    _check_tensor("v", v, 4, "(B, Hkv, Nk, 2d)")
-    _check_same(q, k=k, v=v)
+    _check_qkv(q, k, v, "(B, 2H, Nq, d)", "(B, 2Hkv, Nk, d)", "(B, Hkv, Nk, 2d)")
     B, H2, Nq, d = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
     if H2 % 2:
         raise ValueError(f"q has {H2} heads, an odd number: differential attention needs 2H query heads, "
                          f"the two maps of head i at 2i and 2i+1 (did you pass baseline q with H heads?)")
@@ -232,3 +237,23 @@ def check_diff_inputs(
     lam_t = _check_lambda(lam, (B, H, Nq, 1), q)
     mask = _check_mask(attn_mask, (B, H, Nq, Nk), q)
     return lam_t, mask, (B, H, Hkv, Nq, Nk, d)
+
+
+def _check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], what: str) -> tuple:
+    """The checks of :func:`~diffattn_tutorial.functional.softmax_attention` and ``diff_attention_v2`` (``what``
+    names the caller): returns the 4-D mask and ``(B, Hq, Nq, Nk, d)``."""
+    _check_qkv(q, k, v, "(B, Hq, Nq, d)", "(B, Hkv, Nk, d)", "(B, Hkv, Nk, dv)")
+    B, Hq, Nq, d = q.shape
+    if k.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
+    if d == 0:
+        raise ValueError("q and k have head dim d = 0: give them at least one feature (d >= 1)")
+    if k.shape[1] == 0:
+        raise ValueError("k and v have no heads (Hkv = 0): pass at least one KV head")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share heads and length")
+    if Hq % k.shape[1]:
+        raise ValueError(f"{what}: {Hq} query heads is not a multiple of {k.shape[1]} KV heads; "
+                         f"choose num_kv_heads dividing the query heads")
+    mask = _check_mask(attn_mask, (B, Hq, Nq, k.shape[2]), q)
+    return mask, (B, Hq, Nq, k.shape[2], d)
