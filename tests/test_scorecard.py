@@ -62,17 +62,25 @@ def test_unsolved_copy_is_not_attempted(tmp_path, capsys):
 
 
 def test_one_wrong_answer_fails_with_its_hint(tmp_path, capsys):
+    """Also: TASK 1 solved in a copy pasted below its stub (as people do in Jupyter) is one task, graded by the
+    copy that ran last, and the scorecard says which copy counts."""
     nb = nbformat.read(ROOT / "solutions" / NAME, as_version=4)
-    task3 = nb.cells[find_tasks(nb)[2].task_cell]
+    tasks = find_tasks(nb)
+    task3 = nb.cells[tasks[2].task_cell]
     task3.source = task3.source.replace("20 * math.log10", "10 * math.log10")
     assert "10 * math.log10" in task3.source
+    stub = nbformat.read(ROOT / "exercises" / NAME, as_version=4).cells[tasks[0].task_cell]
+    nb.cells.insert(tasks[0].task_cell, stub)
     path = tmp_path / "wrong.ipynb"
     nbformat.write(nb, path)
     assert main(["check", str(path)]) == 1
-    lines = task_lines(capsys.readouterr().out)
-    assert [ln.split(":")[0].strip() for ln in lines] == ["TASK 1", "TASK 2", "TASK 3"]
+    out = capsys.readouterr().out
+    lines = task_lines(out)
+    assert [ln.split(":")[0].strip() for ln in lines] == ["TASK 1", "TASK 2", "TASK 3"], out
     assert lines[0].endswith(PASSED) and lines[1].endswith(PASSED)
     assert f"{FAILED}: cmrr_db is not right. Likely mistake: used 10 * log10" in lines[2]
+    assert "2/3 tasks passed." in out and "not attempted" not in out
+    assert "note: TASK 1 is in 2 cells; the last one is graded" in out
 
 
 def test_jupyter_and_the_scorecard_show_the_same_one_line(tmp_path):
@@ -246,3 +254,25 @@ def test_score_rules():
     assert res[5].status == FAILED and res[5].detail == "ZeroDivisionError: division by zero"
     assert res[6].status == FAILED and "no '# CHECK 6' cell" in res[6].detail
     assert res[7].status == FAILED and "timed out after 9 s" in res[7].detail
+
+
+def test_a_copied_task_cell_is_one_task_graded_by_the_last_copy():
+    """A TASK (or CHECK) cell pasted again: the notebook still has its declared tasks, each once, and the copy
+    that ran last is graded (the earlier one's error is neither the task's nor a note of its own)."""
+    cells = [
+        new_code_cell("# TASK 1: one\ndef f(): raise NotImplementedError"),
+        new_code_cell("# CHECK 1\ncheck_f(f)", outputs=[_err("NotAttempted", "TASK 1 not attempted yet")]),
+        new_code_cell("# TASK 1: one\ndef f(): return 1"),
+        new_code_cell("# CHECK 1\ncheck_f(f)"),
+        new_code_cell("# TASK 2: two\ndef g(:", outputs=[_err("SyntaxError", "invalid syntax")]),
+        new_code_cell("# TASK 2: two\ndef g(): return 2"),
+        new_code_cell("# CHECK 2\ncheck_g(g)"),
+        new_code_cell("# TASK 3: three\ndef h(): return 3"),
+        new_code_cell("# CHECK 3\ncheck_h(h)", outputs=[_err("NotAttempted", "TASK 3 not attempted yet")]),
+    ]
+    nb = new_notebook(cells=cells)
+    tasks = find_tasks(nb)
+    assert [(t.number, t.task_cell, t.check_cell, t.copies) for t in tasks] == [
+        (1, 2, 3, (0, 1)), (2, 5, 6, (4,)), (3, 7, 8, ())]
+    assert [r.status for r in score(nb, tasks)] == [PASSED, PASSED, NOT_ATTEMPTED]
+

@@ -10,6 +10,9 @@ after the other, going on after errors. Then each task is
   other error, or its TASK cell raised;
 * **not attempted**: its CHECK cell raised ``NotAttempted`` or ``NotImplementedError`` (the stub is still there).
 
+A task counts once however many cells carry its ``# TASK <n>`` (or ``# CHECK <n>``) line: a solved copy pasted
+below the stub, as people do in Jupyter, is graded by the copy that ran last, and the scorecard says so.
+
 A cell running past the timeout is interrupted (it shows ``KeyboardInterrupt``) and the next cells run. A cell
 that ignores the interrupt (it catches ``KeyboardInterrupt``) gets ``min(timeout, 5)`` seconds more; then the
 kernel is stopped, that cell's task fails as timed out and every later task fails as not run.
@@ -46,12 +49,14 @@ the kernel died on its own, and the cells after either (never run)."""
 
 @dataclass
 class Task:
-    """One exercise: its number, title, and the indices of its TASK and CHECK cells (None if missing)."""
+    """One exercise: its number, title, the indices of its TASK and CHECK cells (None if missing; the last cell
+    of each when the notebook has copies), and the indices of the earlier copies (not graded)."""
 
     number: int
     title: str
     task_cell: int
     check_cell: Optional[int]
+    copies: tuple[int, ...] = ()
 
 
 @dataclass
@@ -68,22 +73,25 @@ def _first_line(cell) -> str:
 
 
 def find_tasks(nb) -> list[Task]:
-    """The tasks of an exercise notebook, in order, each with its TASK and CHECK cell indices."""
-    tasks: list[Task] = []
-    checks: dict[int, int] = {}
+    """The tasks of an exercise notebook, each number once, in the order they first appear, each with its TASK
+    and CHECK cell indices: the last cell of each (the one that ran last), earlier copies in ``copies``."""
+    task_cells: dict[int, list[int]] = {}
+    titles: dict[int, str] = {}
+    check_cells: dict[int, list[int]] = {}
     for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code":
             continue
         line = _first_line(cell)
-        m = TASK_RE.match(line)
-        if m:
-            tasks.append(Task(int(m.group(1)), m.group(2), i, None))
-            continue
-        m = CHECK_RE.match(line)
-        if m:
-            checks.setdefault(int(m.group(1)), i)
-    for t in tasks:
-        t.check_cell = checks.get(t.number)
+        if m := TASK_RE.match(line):
+            task_cells.setdefault(int(m.group(1)), []).append(i)
+            titles[int(m.group(1))] = m.group(2)
+        elif m := CHECK_RE.match(line):
+            check_cells.setdefault(int(m.group(1)), []).append(i)
+    tasks = []
+    for number, cells in task_cells.items():
+        checks = check_cells.get(number, [])
+        copies = tuple(sorted(cells[:-1] + checks[:-1]))
+        tasks.append(Task(number, titles[number], cells[-1], checks[-1] if checks else None, copies))
     return tasks
 
 
@@ -318,6 +326,16 @@ def _error(message: str) -> int:
     return 2
 
 
+def _copies_note(nb, task: Task) -> str:
+    """The scorecard's words for a task whose TASK or CHECK line is in several cells."""
+    cells = [nb.cells[i] for i in (task.task_cell, task.check_cell, *task.copies) if i is not None]
+    counts = [(kind, n, sum(1 for c in cells if pattern.match(_first_line(c))))
+              for kind, n, pattern in (("TASK", task.number, TASK_RE), ("CHECK", task.number, CHECK_RE))]
+    copied = [f"{kind} {n} is in {count} cells" for kind, n, count in counts if count > 1]
+    last = "the last one is" if len(copied) == 1 else "the last of each is"
+    return f"{' and '.join(copied)}; {last} graded (delete the other copies)"
+
+
 def check_notebook(path: Union[str, Path], timeout: int = 600) -> int:
     """Run the exercise notebook at ``path`` and print its scorecard; return the exit code (0, 1 or 2)."""
     import nbformat
@@ -346,7 +364,10 @@ def check_notebook(path: Union[str, Path], timeout: int = 600) -> int:
     summary = f"{n_pass}/{len(results)} tasks passed"
     if n_todo:
         summary += f", {n_todo} not attempted"
-    task_cells = {t.task_cell for t in tasks} | {t.check_cell for t in tasks}
+    for t in tasks:
+        if t.copies:
+            print(_one_line(f"  note: {_copies_note(nb, t)}"))
+    task_cells = {t.task_cell for t in tasks} | {t.check_cell for t in tasks} | {i for t in tasks for i in t.copies}
     others = [(i, e) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code" and i not in task_cells
               for e in [cell_error(c)] if e is not None]
     if others:
