@@ -193,6 +193,22 @@ def test_a_run_refused_for_this_device_leaves_its_folder_untouched(tmp_path, cap
     assert not (tmp_path / "run").exists()  # so the corrected command needs no --overwrite
 
 
+@pytest.mark.parametrize("bad, message, existing", [
+    (["--n-heads", "3"], "d_model=16 must be divisible by n_heads=3", False),  # the reported command
+    (["--n-heads", "1"], "n_heads=1 and n_kv_heads=1 must both be even", True),  # into an empty folder
+])
+def test_a_refused_model_shape_leaves_the_folder_untouched_and_the_corrected_command_runs(bad, message, existing,
+                                                                                        tmp_path, capsys):
+    out = tmp_path / "run"
+    if existing:
+        out.mkdir()
+    assert run(out, *bad, "--steps", "2") == 2
+    assert message in one_line_error(capsys)
+    assert (sorted(out.iterdir()) == [] if existing else not out.exists())
+    assert run(out, "--steps", "2") == 0  # no --overwrite, no --resume needed
+    assert [r["step"] for r in read_steps(out / "metrics.jsonl")] == [1, 2]
+
+
 def test_stop_at_before_the_checkpoint_is_refused(tmp_path, capsys):
     assert run(tmp_path, "--stop-at", "3") == 0
     assert run(tmp_path, "--resume", "--stop-at", "2") == 2

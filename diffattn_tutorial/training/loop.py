@@ -249,15 +249,17 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     is :func:`diffattn_tutorial.training.study.train_toy_model`); returns this session's step losses (the global
     batch's mean loss after each optimizer step). Ctrl-C raises :class:`Interrupted`. (``cfg.threads`` is applied
     around it by :func:`main`.)"""
+    # every refusal (a backend or precision this device lacks, a model shape such as d_model not divisible by
+    # n_heads) comes before the run folder is touched, so the corrected command needs no --overwrite
     check_backend_here(cfg.attn_backend, ctx.device)
-    _mixed_precision(cfg, ctx)  # its refusals (a precision this device lacks) come before the run folder is touched
+    _mixed_precision(cfg, ctx)
+    source = DataSource(cfg)
+    model = build_run_model(cfg, source.vocab_size, source.max_len)
     run = D.on_main(lambda: _resume_from(cfg) if cfg.resume else _start_fresh(cfg), ctx)
     for reason in run.skipped if ctx.is_main else ():
         print(f"warning: {reason}; skipped", file=sys.stderr, flush=True)
     if ctx.is_main and run.skipped:
         print(f"resuming from {run.checkpoint}", file=sys.stderr, flush=True)
-    source = DataSource(cfg)
-    model = build_run_model(cfg, source.vocab_size, source.max_len)
     if cfg.compile:
         for block in model.blocks:
             block.compile(backend=cfg.compile_backend)
