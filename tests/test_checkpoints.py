@@ -222,6 +222,53 @@ def test_a_diverging_loss_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
         one_line_error(capsys)
 
 
+CHILD = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "from diffattn_tutorial.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _steps_logged(out: Path) -> int:
+    log = out / "metrics.jsonl"
+    return len(read_steps(log)) if log.exists() else 0
+
+
+def interrupted_run(out: Path, *args: str, when) -> tuple[int, str]:
+    """``train`` in a process of its own, sent SIGINT (Ctrl-C) once ``when()`` holds; its exit code and stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *TINY, "--out", str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not when() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run did not get there within 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(tmp_path, capsys):
+    """The reported circle: --resume said "run without --resume first", which refused the folder as not empty."""
+    out = tmp_path / "run"
+    code, err = interrupted_run(out, "--steps", "10000", when=lambda: _steps_logged(out) >= 1)
+    assert code == 130 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "before any checkpoint was saved; --resume starts it again from step 0" in err
+    assert not (out / "checkpoints").exists() and (out / "config.json").exists()
+    assert run(out, "--steps", "10000", "--stop-at", "2") == 2
+    assert "continue its run with --resume" in one_line_error(capsys)
+    assert run(out, "--steps", "10000", "--stop-at", "2", "--resume", "--lr", "0.5") == 2  # still the same run
+    assert "trains a different run than the run in" in one_line_error(capsys)
+    assert run(out, "--steps", "10000", "--stop-at", "2", "--resume") == 0
+    records = read_records(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2]  # the log reads as one run
+    assert [r["step"] for r in records if r["event"] == "start"] == [0, 0]
+    assert json.loads((out / "config.json").read_text())["run_id"] == verify_checkpoint(
+        checkpoint_dir(out, 2))["run_id"]
+
+
 def test_ctrl_c_stops_with_the_step_and_how_to_resume(tmp_path):
     """SIGINT in the middle of training: one line, exit code 130, and ``--resume`` continues from the checkpoint."""
     out = tmp_path / "run"

@@ -37,7 +37,8 @@ What the script does, and where each piece lives:
   function of the step and the data of ``(seed, step)``, so a resumed run continues the same loss curve. When
   a checkpoint is complete, rank 0 writes its ``manifest.json`` (atomically, last): the sha256 of every file, the
   step, the run's config and its run id. ``--resume`` takes the newest checkpoint whose files match their
-  manifest (naming and skipping damaged or unfinished ones) and whose run id and config match the run's.
+  manifest (naming and skipping damaged or unfinished ones) and whose run id and config match the run's; a run
+  stopped before its first checkpoint starts again from step 0.
 * **Trust**: DCP reads a checkpoint's ``.metadata`` with ``pickle``, which runs whatever code the file names. Only
   load checkpoint folders you trust (your own runs). The manifest is checked before torch reads a byte, so a
   damaged or altered file is refused, but whoever can write the folder can also write a matching manifest: the
@@ -142,25 +143,27 @@ def _grad_scaler(cfg: RunConfig, ctx: D.DistContext) -> torch.amp.GradScaler:
 
 # --- starting or resuming a run ------------------------------------------------------------------------------
 
-def _differences(cfg: RunConfig, saved: dict) -> list[str]:
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RUN_DEFINING
+def _differences(cfg: RunConfig, saved: dict, what: str) -> list[str]:
+    return [f"{k}: {what} {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RUN_DEFINING
             if saved.get(k) != getattr(cfg, k)]
 
 
-def _check_resumable(cfg: RunConfig, path: Path, manifest: Optional[dict], run_id: Optional[str],
+def _check_resumable(cfg: RunConfig, path: Optional[Path], manifest: Optional[dict], run_id: Optional[str],
                      saved: dict) -> None:
-    """A resumed run must define the same training as its checkpoint (:data:`RUN_DEFINING`), and the checkpoint
-    must belong to the run of the folder's ``config.json`` (the same run id)."""
+    """A resumed run must define the same training as its checkpoint (:data:`RUN_DEFINING`; ``path`` None: as
+    the folder's ``config.json``, for a run stopped before its first checkpoint), and the checkpoint must belong
+    to the run of the folder's ``config.json`` (the same run id)."""
     if manifest is not None and manifest.get("run_id") != run_id:
         raise CheckpointError(f"--resume: checkpoint {path} belongs to run {manifest.get('run_id')}, but "
                               f"{cfg.out}/config.json to run {run_id}: the folder mixes two runs; start again with "
                               f"--overwrite or use another --out")
     if manifest is not None and manifest.get("config"):
         saved = manifest["config"]
-    differ = _differences(cfg, saved)
+    what = "checkpoint" if path is not None else "run"
+    differ = _differences(cfg, saved, what)
     if differ:
-        raise ValueError(f"--resume: this command trains a different run than the checkpoint in {cfg.out} "
-                         f"({'; '.join(differ)}); use the checkpoint's settings or another --out")
+        raise ValueError(f"--resume: this command trains a different run than the {what} in {cfg.out} "
+                         f"({'; '.join(differ)}); use the {what}'s settings or another --out")
 
 
 class RunStart(NamedTuple):
@@ -173,12 +176,17 @@ class RunStart(NamedTuple):
 
 
 def _resume_from(cfg: RunConfig) -> RunStart:
-    """Rank 0's choice for ``--resume``: the newest intact checkpoint of the folder's run, checked against it."""
-    if not (Path(cfg.out) / "config.json").exists() or not list_checkpoints(cfg.out):
-        raise ValueError(f"--resume: no checkpoint in {cfg.out}/checkpoints; run without --resume first")
+    """Rank 0's choice for ``--resume``: the newest intact checkpoint of the folder's run, checked against it;
+    step 0 for a run stopped before its first checkpoint (its folder holds ``config.json`` and no checkpoint)."""
+    if not (Path(cfg.out) / "config.json").exists():
+        raise ValueError(f"--resume: {cfg.out} holds no run to continue (no config.json); run without --resume "
+                         f"first")
     saved, run_id = read_run_config(cfg.out)
     if (Path(cfg.out) / "metrics.jsonl").exists():
         read_records(Path(cfg.out) / "metrics.jsonl")  # a damaged log is named now, not by rank 0 alone later
+    if not list_checkpoints(cfg.out):
+        _check_resumable(cfg, None, None, run_id, saved)
+        return RunStart(run_id or uuid.uuid4().hex, None, ())
     skipped, unverified = [], False
     for path in reversed(list_checkpoints(cfg.out)):
         try:
@@ -238,8 +246,8 @@ class Interrupted(Exception):
 
     def __str__(self) -> str:
         if self.saved is None:
-            return (f"stopped at step {self.step} of {self.stop}, before any checkpoint was saved; start again with "
-                    f"--overwrite (--checkpoint-every N saves every N steps)")
+            return (f"stopped at step {self.step} of {self.stop}, before any checkpoint was saved; --resume starts "
+                    f"it again from step 0 (--checkpoint-every N saves every N steps)")
         redo = f" (steps {self.saved + 1}-{self.step} will run again)" if self.saved < self.step else ""
         return f"stopped at step {self.step} of {self.stop}; resume with --resume from step {self.saved}{redo}"
 
@@ -277,8 +285,8 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     if start > stop:
         raise ValueError(f"--stop-at {stop} lies before step {start} of the checkpoint {run.checkpoint}; give a later "
                          f"--stop-at, or none")
-    if run.checkpoint is not None:
-        log.truncate_after(start)
+    if cfg.resume:
+        log.truncate_after(start)  # drop what the run did after its checkpoint (all its steps when it had none)
     log.write({"event": "start", "step": start, "world_size": ctx.world_size, "strategy": cfg.strategy,
                "device": str(ctx.device), "backend": ctx.backend, "mixed_precision": mixed,
                "torch": torch.__version__, "python": platform.python_version(),
