@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 
 from diffattn_tutorial.functional import causal_mask, check_diff_inputs, diff_attention  # noqa: E402
 from diffattn_tutorial.kernels.triton.configs import train_head_dim_limit  # noqa: E402
+from diffattn_tutorial.kernels.triton.flags import MAPS_1, MAPS_2  # noqa: E402
 from diffattn_tutorial.kernels.triton.flash_diff import (  # noqa: E402
     capture_launches,
     tile_schedule,
@@ -367,7 +368,7 @@ def test_a_gpu_without_bf16_is_told_to_use_fp16():
         triton_diff_attention(*_zeros_qkv(128, torch.float16), lam.half())
     with capture_launches(75) as launches, torch.no_grad():
         triton_diff_attention(*_zeros_qkv(128, torch.float16), lam.half())
-    assert [x.consts["MAP"] for x in launches] == [2, 1]
+    assert [x.consts["MAPS"] for x in launches] == [MAPS_2, MAPS_1]  # map 2 stores o2, map 1 combines
 
 
 # ------------------------------------------------------------------------------------------------

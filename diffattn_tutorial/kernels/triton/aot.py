@@ -245,8 +245,8 @@ def _mock_tensors(launches: list) -> list:
     from triton.runtime.jit import MockTensor
 
     for launch in launches:  # the compiler needs only each tensor's dtype (and 16-byte alignment, which holds)
-        assert all(a.data_ptr() % 16 == 0 for a in launch.args if isinstance(a, torch.Tensor))
-        launch.args = tuple(MockTensor(a.dtype) if isinstance(a, torch.Tensor) else a for a in launch.args)
+        assert all(a.data_ptr() % 16 == 0 for a in launch.args.values() if isinstance(a, torch.Tensor))
+        launch.args = {k: MockTensor(a.dtype) if isinstance(a, torch.Tensor) else a for k, a in launch.args.items()}
     return launches
 
 
@@ -330,7 +330,7 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*launch.args, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
+    bound, spec, opts = binder(**launch.args, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
     if len(inspect.signature(fn._pack_args).parameters) >= 5:  # Triton 3.9; older ones take no options
         options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
     else:
@@ -439,7 +439,7 @@ def _work(planned: Iterable[tuple[Case, bool, str]]):
                 spec = tuple(sorted((k, str(v)) for k, v in launch.consts.items()))
                 args = tuple((type(a).__name__, str(getattr(a, "dtype", "")),
                               a if isinstance(a, int) and a in (0, 1) else
-                              (a % 16 == 0 if isinstance(a, int) else None)) for a in launch.args)
+                              (a % 16 == 0 if isinstance(a, int) else None)) for a in launch.args.values())
                 key = (launch.name, spec, args, str(config), arch)
                 if key in seen:
                     continue
@@ -536,9 +536,10 @@ def _hash_jit(*modules):
 
 def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
-    from diffattn_tutorial.kernels.triton import configs, flash_kernels
+    from diffattn_tutorial.kernels.triton import configs, flags, flash_kernels
 
     h = _hash_jit(flash_kernels)
+    h.update(repr(sorted((k, getattr(flags, k)) for k in flags.__all__)).encode())  # the variant flags' values
     for table in (configs._CONFIGS_16BIT, configs._CONFIGS_AMPERE, configs._CONFIGS_TURING,
                   configs._CONFIGS_FP32):
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
@@ -551,9 +552,10 @@ def source_hash() -> str:
 
 def decode_source_hash() -> str:
     """A hash of what decides the decode kernels' code: theirs and flash_kernels' source, launch constants, targets."""
-    from diffattn_tutorial.kernels.triton import decode, flash_kernels
+    from diffattn_tutorial.kernels.triton import decode, flags, flash_kernels
 
     h = _hash_jit(decode, flash_kernels)
+    h.update(repr(sorted((k, getattr(flags, k)) for k in flags.__all__)).encode())
     h.update(repr((decode.WIDE_TILE, decode.BLOCK_KEYS, decode.BLOCK_KEYS_TURING, decode.MAX_SPLITS, DECODE_HEAD_DIMS,
                    DECODE_GROUPS, *(inspect.getsource(f) for f in (decode._launch_options, decode.default_block_keys,
                                                                    decode.capture_step)),

@@ -12,6 +12,8 @@ import os
 import torch
 import triton
 
+from diffattn_tutorial.kernels.triton.flags import MAPS_1, MAPS_2, MAPS_BOTH, MAPS_NONE
+
 MAX_HEAD_DIM = 128
 AUTOTUNE_ENV = "DIFFATTN_TRITON_AUTOTUNE"
 """Set to ``0`` to pin every kernel to the first configuration of its list instead of autotuning."""
@@ -24,18 +26,18 @@ class Plan:
     accumulators (registers) at the price of recomputing some score tiles in a second launch."""
 
     name: str
-    fwd_maps: tuple[int, ...]  # forward launches, in order (MAP): (0,) both maps; (2, 1) map 2, then map 1
-    kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches (DV_OUT, DK_MAPS): DK_MAPS 3 = both maps
-    dq_maps: tuple[int, ...]  # dQ launches (DQ_MAPS): (3,) both maps, or (1, 2)
+    fwd_maps: tuple[int, ...]  # forward launches in order, each its MAPS flag (map 2 before map 1: it stores o2)
+    kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches, each (DV_OUT, DK_MAPS)
+    dq_maps: tuple[int, ...]  # dQ launches, each its DQ_MAPS flag
 
 
 PLANS = {
     # d <= 32: one launch per kernel, both maps per program
-    "fused": Plan("fused", (0,), ((True, 3),), (3,)),
+    "fused": Plan("fused", (MAPS_BOTH,), ((True, MAPS_BOTH),), (MAPS_BOTH,)),
     # d = 64: dK1, dK2 (4d float32 per key row with dV) do not fit next to the score tiles: dV and dK apart
-    "split_kv": Plan("split_kv", (0,), ((True, 0), (False, 3)), (3,)),
+    "split_kv": Plan("split_kv", (MAPS_BOTH,), ((True, MAPS_NONE), (False, MAPS_BOTH)), (MAPS_BOTH,)),
     # d = 128: one map per forward and dQ program, dV and each map's dK apart
-    "split": Plan("split", (2, 1), ((True, 0), (False, 1), (False, 2)), (1, 2)),
+    "split": Plan("split", (MAPS_2, MAPS_1), ((True, MAPS_NONE), (False, MAPS_1), (False, MAPS_2)), (MAPS_1, MAPS_2)),
 }
 
 
@@ -61,7 +63,8 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 
 # (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
 # without spills, with every 16-bit dot on wgmma and no dot duplicated across warpgroups
-# (tests/test_triton_compile.py; python -m diffattn_tutorial.kernels.triton.aot --all; diffattn_tutorial/recorded/compile_facts.json).
+# (tests/test_triton_compile.py; python -m diffattn_tutorial.kernels.triton.aot --all;
+# diffattn_tutorial/recorded/compile_facts.json).
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
         16: [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],
@@ -82,15 +85,15 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_bwd_dkdv", "dk"): {
         64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(16, 128, 8, 3), _cfg(16, 64, 4, 2)],
     },
-    ("_diff_attn_bwd_dkdv", "dk1"): {
+    ("_diff_attn_bwd_dkdv", "dk_map"): {
         128: [_cfg(32, 128, 8, 3)],
     },
-    ("_diff_attn_bwd_dq", "dq2"): {
+    ("_diff_attn_bwd_dq", "dq"): {
         16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
         32: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
         64: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
     },
-    ("_diff_attn_bwd_dq", "dq1"): {
+    ("_diff_attn_bwd_dq", "dq_map"): {
         128: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
     },
 }
@@ -98,8 +101,8 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
 _FP32_FWD, _FP32_KV, _FP32_Q = [_cfg(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
 _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     **{("_diff_attn_fwd", form): {d: _FP32_FWD for d in (16, 32, 64, 128)} for form in ("fused", "map")},
-    **{("_diff_attn_bwd_dkdv", form): {d: _FP32_KV for d in (16, 32, 64, 128)} for form in ("dkdv", "dv", "dk", "dk1")},
-    **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq2", "dq1")},
+    **{("_diff_attn_bwd_dkdv", form): {d: _FP32_KV for d in (16, 32, 64, 128)} for form in ("dkdv", "dv", "dk", "dk_map")},
+    **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq", "dq_map")},
 }
 # Ampere and Ada (sm_80, sm_86, sm_89: mma.sync, both operands in registers): one map per program at every head
 # dim, smaller tiles; each entry clean on all three targets (their ptxas allocate registers differently)
@@ -116,13 +119,13 @@ _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
         64: [_cfg(16, 128, 8, 2)],
         128: [_cfg(32, 64, 8, 2)],
     },
-    ("_diff_attn_bwd_dkdv", "dk1"): {
+    ("_diff_attn_bwd_dkdv", "dk_map"): {
         16: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
         32: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
         64: [_cfg(16, 64, 4, 1), _cfg(16, 32, 2, 2)],  # 16x64 w4 s2 spilled 4 B on sm_86 (GQA 4:1)
         128: [_cfg(32, 32, 4, 2)],
     },
-    ("_diff_attn_bwd_dq", "dq1"): {  # spilled 4-32 B on sm_80/86/89 at 255 registers: 64x64 w4 (d 32),
+    ("_diff_attn_bwd_dq", "dq_map"): {  # spilled 4-32 B on sm_80/86/89 at 255 registers: 64x64 w4 (d 32),
         16: [_cfg(64, 32, 4, 2)],  # 128x32 w8 (d 64), 32x32 w4 (d 128); 8 warps over 32 or 64 rows compute
         32: [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],  # the same product twice (dup 2): not kept either
         64: [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
@@ -146,12 +149,12 @@ _CONFIGS_TURING: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
         32: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
         64: [_cfg(16, 64, 8, 1), _cfg(32, 16, 16, 1)],
     },
-    ("_diff_attn_bwd_dkdv", "dk1"): {
+    ("_diff_attn_bwd_dkdv", "dk_map"): {
         16: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
         32: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
         64: [_cfg(16, 16, 8, 1)],
     },
-    ("_diff_attn_bwd_dq", "dq1"): {
+    ("_diff_attn_bwd_dq", "dq_map"): {
         16: [_cfg(64, 16, 8, 1), _cfg(32, 32, 8, 1)],
         32: [_cfg(64, 16, 8, 1), _cfg(32, 16, 8, 1)],  # 32x32 w8 spilled 8 B without a mask
         64: [_cfg(64, 16, 8, 1), _cfg(32, 16, 16, 1)],
@@ -161,14 +164,18 @@ AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "spl
 
 
 def _form(name: str, consts: dict) -> str:
-    """A short name for the kernel variant the constexprs select (the autotune lists are per variant)."""
+    """A short name for the kernel variant the constexprs select (the autotune lists are per variant): ``fused``
+    (forward, both maps) or ``map`` (one map); ``dkdv`` (dV and both maps' dK), ``dv``, ``dk`` (both maps) or
+    ``dk_map`` (one map); ``dq`` (both maps) or ``dq_map`` (one map); ``pre`` (the backward's preprocess)."""
     if name == "_diff_attn_fwd":
-        return "fused" if consts["MAP"] == 0 else "map"
+        return "fused" if consts["MAPS"] == MAPS_BOTH else "map"
     if name == "_diff_attn_bwd_dkdv":
         dv, dk = consts["DV_OUT"], consts["DK_MAPS"]
-        return "dkdv" if dv and dk else ("dv" if dv else ("dk" if dk == 3 else "dk1"))
+        if dk == MAPS_NONE:
+            return "dv"
+        return ("dkdv" if dv else "dk") if dk == MAPS_BOTH else "dk_map"
     if name == "_diff_attn_bwd_dq":
-        return "dq2" if consts["DQ_MAPS"] == 3 else "dq1"
+        return "dq" if consts["DQ_MAPS"] == MAPS_BOTH else "dq_map"
     return "pre"
 
 

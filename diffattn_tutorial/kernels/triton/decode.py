@@ -140,11 +140,13 @@ def _decode_partial(Q, K, V, LENS, O_PART, LSE_PART,
         v = tl.load(V + n64 * stride_vn + v_off, mask=col_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM), other=0.0)
         visible = col_ok[None, :] & (cols[None, :] <= last[:, None])
         kt1 = tl.load(K1 + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
-        s1 = tl.where(visible, _dot(q1, kt1, None, DOT_PRECISION, UPCAST) * qk_scale, float("-inf"))
-        acc1, m1, l1 = _online_softmax_step(acc1, m1, l1, s1, v, DOT_PRECISION, UPCAST)
+        s1 = _dot(q1, kt1, None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST) * qk_scale
+        acc1, m1, l1 = _online_softmax_step(acc1, m1, l1, tl.where(visible, s1, float("-inf")), v,
+                                            DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         kt2 = tl.load(K1 + stride_kh + n64 * stride_kn + kt_off, mask=kt_mask, other=0.0)
-        s2 = tl.where(visible, _dot(q2, kt2, None, DOT_PRECISION, UPCAST) * qk_scale, float("-inf"))
-        acc2, m2, l2 = _online_softmax_step(acc2, m2, l2, s2, v, DOT_PRECISION, UPCAST)
+        s2 = _dot(q2, kt2, None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST) * qk_scale
+        acc2, m2, l2 = _online_softmax_step(acc2, m2, l2, tl.where(visible, s2, float("-inf")), v,
+                                            DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     # partial results, float32: O_PART (2, B*H*Nq, n_splits, 2d), LSE_PART (2, B*H*Nq, n_splits)
     rows = (b64 * H + g64 * GROUP) * Nq + offs_m  # this group's rows in (B, H, Nq) order
@@ -187,9 +189,9 @@ def _decode_combine(O_PART, LSE_PART, LAM, OUT, n_splits,
     b = row // (H * Nq)
     h = (row // Nq) % H
     i = row % Nq
-    o1 = _merge_splits(O_PART, LSE_PART, row, n_splits, BLOCK_DV, BLOCK_S)
+    o1 = _merge_splits(O_PART, LSE_PART, row, n_splits, BLOCK_DV=BLOCK_DV, BLOCK_S=BLOCK_S)
     o2 = _merge_splits(O_PART + n_rows * n_splits * BLOCK_DV, LSE_PART + n_rows * n_splits, row, n_splits,
-                       BLOCK_DV, BLOCK_S)
+                       BLOCK_DV=BLOCK_DV, BLOCK_S=BLOCK_S)
     lam = tl.load(LAM + b * stride_lb + h * stride_lh + i * stride_lm).to(tl.float32)
     offs_dv = tl.arange(0, BLOCK_DV)
     tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_om + offs_dv, (o1 - lam * o2).to(OUT.dtype.element_ty),
@@ -287,14 +289,14 @@ def _launch_options(name: str, tile: int = 0) -> dict:
     return {"num_warps": 8 if wide else 4, "num_stages": 2}
 
 
-def _launch(name: str, grid: tuple, args: tuple, consts: dict, opts: dict, dtype: torch.dtype) -> None:
+def _launch(name: str, grid: tuple, args: dict, consts: dict, opts: dict, dtype: torch.dtype) -> None:
     """Run kernel ``name``, or record the launch inside
     :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` (what the ahead-of-time compile reads)."""
     if fd._capture is not None:
         config = triton.Config({}, num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2))
         fd._capture.append(fd.Launch(name, args, dict(consts), [config], dtype))
         return
-    KERNELS[name][grid](*args, **consts, **opts)
+    KERNELS[name][grid](**args, **consts, **opts)
 
 
 @torch.library.custom_op(DECODE_OP, mutates_args=())
@@ -312,15 +314,17 @@ def triton_decode(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor,
     lse_part = _alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
     upcast = not _on_gpu() and q.dtype == torch.bfloat16
     _launch("_decode_partial", (B * Hkv, splits),
-            (q, k, v, lengths, o_part, lse_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-             H, Hkv, Nq, Nk, scale * LOG2E, keys_per_split),
+            dict(Q=q, K=k, V=v, LENS=lengths, O_PART=o_part, LSE_PART=lse_part, **fd._strides(q, "q", "bhm"),
+                 **fd._strides(k, "k", "bhn"), **fd._strides(v, "v", "bhn"), H=H, Hkv=Hkv, Nq=Nq, Nk=Nk,
+                 qk_scale=scale * LOG2E, keys_per_split=keys_per_split),
             dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
                  UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n),
             _launch_options("_decode_partial", block_m * block_d), q.dtype)
     out = torch.empty(B, H, Nq, 2 * d, dtype=q.dtype, device=q.device)
     lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
     _launch("_decode_combine", (B * H * Nq,),
-            (o_part, lse_part, lam4, out, splits, *lam4.stride()[:3], *out.stride()[:3], H, Nq),
+            dict(O_PART=o_part, LSE_PART=lse_part, LAM=lam4, OUT=out, n_splits=splits, **fd._strides(lam4, "l", "bhm"),
+                 **fd._strides(out, "o", "bhm"), H=H, Nq=Nq),
             dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)),
             _launch_options("_decode_combine"), q.dtype)
     return out

@@ -86,6 +86,7 @@ from diffattn_tutorial.kernels.triton.configs import (
     plan_for,
     train_head_dim_limit,
 )
+from diffattn_tutorial.kernels.triton.flags import MAPS_BOTH, MAPS_NONE, MASK_ADD, MASK_BOOL, MASK_NONE
 
 Tensor = torch.Tensor
 
@@ -96,8 +97,6 @@ POISON_ENV = "DIFFATTN_TRITON_POISON"
 run, instead of leaving it uninitialised: a tile that is never written then shows as NaN (tests use it)."""
 MAX_TILE_ROWS = 256
 """Offsets inside a tile are int32: ``stride * MAX_TILE_ROWS`` must stay below 2**31 (checked on the host)."""
-
-MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
 
 def _interpret_mode() -> bool:
@@ -142,8 +141,8 @@ class Launch:
     """One kernel launch as the host code makes it (recorded by :func:`capture_launches`)."""
 
     name: str
-    args: tuple
-    consts: dict
+    args: dict  # the kernel's runtime arguments, by name
+    consts: dict  # its tl.constexpr arguments, by name
     configs: list
     dtype: torch.dtype
 
@@ -192,7 +191,7 @@ def _tuned_kernel(name: str, consts: dict, configs: list):
     return _tuned[key]
 
 
-def _launch(name: str, n_programs, args: tuple, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool,
+def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool,
             dtype: torch.dtype, capability: int) -> None:
     """Launch kernel ``name`` on a 1-D grid of ``n_programs(meta)`` programs: the interpreter's fixed
     blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
@@ -203,7 +202,7 @@ def _launch(name: str, n_programs, args: tuple, consts: dict, blocks: Optional[t
         return
     kernel = KERNELS[name]
     if name == "_diff_attn_bwd_preprocess":
-        kernel[(n_programs(consts),)](*args, **consts)
+        kernel[(n_programs(consts),)](**args, **consts)
         return
     if interpret or blocks is not None:
         bm, bn = blocks or (INTERPRETER_BLOCK, INTERPRETER_BLOCK)
@@ -211,12 +210,13 @@ def _launch(name: str, n_programs, args: tuple, consts: dict, blocks: Optional[t
         same = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == (bm, bn)]
         opts = {} if interpret else {"num_warps": same[0].num_warps if same else 4,
                                      "num_stages": same[0].num_stages if same else 2}
-        kernel[(n_programs(meta),)](*args, **consts, **meta, **opts)
+        kernel[(n_programs(meta),)](**args, **consts, **meta, **opts)
     elif not autotune_enabled():
         c = configs[0]
-        kernel[(n_programs(c.kwargs),)](*args, **consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+        kernel[(n_programs(c.kwargs),)](**args, **consts, **c.kwargs, num_warps=c.num_warps,
+                                        num_stages=c.num_stages)
     else:
-        _tuned_kernel(name, consts, configs)[lambda meta: (n_programs(meta),)](*args, **consts)
+        _tuned_kernel(name, consts, configs)[lambda meta: (n_programs(meta),)](**args, **consts)
 
 
 def chosen_configs() -> dict[str, dict]:
@@ -240,15 +240,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _strides(t: Tensor, letter: str, dims: str) -> dict[str, int]:
+    """``t``'s strides as the kernels name them: ``_strides(q, "q", "bhm")`` is ``{"stride_qb": ..., "stride_qh":
+    ..., "stride_qm": ...}`` (the first ``len(dims)`` dims)."""
+    return {f"stride_{letter}{dim}": stride for dim, stride in zip(dims, t.stride())}
+
+
 def _mask_args(mask: Optional[Tensor], shape4: tuple[int, int, int, int], q: Tensor):
-    """``(tensor, strides, kind, min)`` for the kernels (a dummy pointer when there is no mask). Additive masks
-    are read in their own dtype; their entries ``<= finfo(dtype).min`` count as masked."""
+    """``(tensor, strides, kind, min)`` for the kernels (a dummy pointer when there is no mask), the strides as
+    :func:`_strides` names them. Additive masks are read in their own dtype; their entries ``<= finfo(dtype).min``
+    count as masked."""
     if mask is None:
-        return q, (0, 0, 0, 0), MASK_NONE, 0.0
+        return q, dict(stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0), MASK_NONE, 0.0
     m = mask.expand(shape4)
     if m.dtype == torch.bool:
-        return m.view(torch.uint8), tuple(m.stride()), MASK_BOOL, 0.0  # same bytes; the kernels test != 0
-    return m, tuple(m.stride()), MASK_ADD, float(torch.finfo(m.dtype).min)
+        return m.view(torch.uint8), _strides(m, "m", "bhmn"), MASK_BOOL, 0.0  # same bytes; the kernels test != 0
+    return m, _strides(m, "m", "bhmn"), MASK_ADD, float(torch.finfo(m.dtype).min)
 
 
 def _unit_last_stride(t: Tensor) -> Tensor:
@@ -350,14 +357,17 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     out = _alloc(B, H, Nq, 2 * d, like=q)
     # o2 in float32: it travels between the split plan's launches, and the backward's dlam = -dO . o2
     # keeps its precision (a 16-bit o2 would round it)
-    o2 = _alloc(B, H, Nq, 2 * d, like=q, dtype=torch.float32) if store_o2 or the_plan.fwd_maps != (0,) else out
+    split_maps = the_plan.fwd_maps != (MAPS_BOTH,)  # the map-1 launch reads o2 back from the map-2 launch
+    o2 = _alloc(B, H, Nq, 2 * d, like=q, dtype=torch.float32) if store_o2 or split_maps else out
     lse = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32)
     if out.numel():
-        args = (q, k, v, lam4, m, out, o2, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                *out.stride()[:3], *lam4.stride()[:3], *m_strides, H, Nq, Nk, scale * LOG2E, n_bucket)
-        for map_ in the_plan.fwd_maps:
+        args = dict(Q=q, K=k, V=v, LAM=lam4, MASK=m, OUT=out, O2=o2, LSE=lse, **_strides(q, "q", "bhm"),
+                    **_strides(k, "k", "bhn"), **_strides(v, "v", "bhn"), **_strides(out, "o", "bhm"),
+                    **_strides(lam4, "l", "bhm"), **m_strides, H=H, Nq=Nq, Nk=Nk, qk_scale=scale * LOG2E,
+                    N_BUCKET=n_bucket)
+        for maps in the_plan.fwd_maps:
             _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
-                    dict(consts, MAP=map_, STORE_O2=store_o2), _blocks(blocks), interpret, q.dtype, cap)
+                    dict(consts, MAPS=maps, STORE_O2=store_o2), _blocks(blocks), interpret, q.dtype, cap)
     return out, (o2 if store_o2 else lse.new_empty(0)), lse  # never out itself: an operator's outputs do not alias
 
 
@@ -395,20 +405,23 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         return dq, dk, dv, delta
     pre_bm = INTERPRETER_BLOCK if interpret else 4096 // (2 * consts["BLOCK_D"])  # 3 tiles of 2d
     _launch("_diff_attn_bwd_preprocess", lambda meta: triton.cdiv(Nq, pre_bm) * B * H,
-            (out, o2, dout, lam4, delta, *out.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], H, Nq),
+            dict(OUT=out, O2=o2, DO=dout, LAM=lam4, DELTA=delta, **_strides(out, "o", "bhm"),
+                 **_strides(dout, "g", "bhm"), **_strides(lam4, "l", "bhm"), H=H, Nq=Nq),
             dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype, cap)
-    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lam4.stride()[:3], *m_strides)
+    common = dict(Q=q, K=k, V=v, LAM=lam4, MASK=m, DO=dout, LSE=lse, DELTA=delta, **_strides(q, "q", "bhm"),
+                  **_strides(k, "k", "bhn"), **_strides(v, "v", "bhn"), **_strides(dout, "g", "bhm"),
+                  **_strides(lam4, "l", "bhm"), **m_strides, H=H, Nq=Nq, Nk=Nk, qk_scale=scale * LOG2E,
+                  sm_scale=scale, N_BUCKET=n_bucket)
     for dv_out, dk_maps in the_plan.kv_parts if needs[1] or needs[2] else ():
-        if not (dv_out and needs[2]) and not (dk_maps and needs[1]):
+        if not (dv_out and needs[2]) and not (dk_maps != MAPS_NONE and needs[1]):
             continue
         _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
-                (q, k, v, lam4, m, dout, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3], H, Hkv,
-                 Nq, Nk, scale * LOG2E, scale, n_bucket),
+                dict(common, DK=dk, DV=dv, **_strides(dk, "dk", "bhn"), **_strides(dv, "dv", "bhn"), Hkv=Hkv),
                 dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap)
     for dq_maps in the_plan.dq_maps if needs[0] else ():
         _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
-                (q, k, v, lam4, m, dout, lse, delta, dq, *common, *dq.stride()[:3], H, Nq, Nk, scale * LOG2E, scale,
-                 n_bucket), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks), interpret, q.dtype, cap)
+                dict(common, DQ=dq, **_strides(dq, "dq", "bhm")), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks),
+                interpret, q.dtype, cap)
     return dq, dk, dv, delta
 
 

@@ -1,8 +1,19 @@
-"""The ``@triton.jit`` code of the fused differential flash-attention kernel: the forward kernel, the backward's
-preprocess, dK/dV and dQ kernels, and the small helpers they share (scores, masks, the online-softmax step, tile
-bounds), each a function with ``tl.constexpr`` switches. The host code that launches them, the autograd function and
-the algorithm's description are in :mod:`diffattn_tutorial.kernels.triton.flash_diff`; the configuration tables in
-:mod:`diffattn_tutorial.kernels.triton.configs`."""
+"""The ``@triton.jit`` code of the fused differential flash-attention kernel, in the order the host launches it.
+
+Forward (:func:`_diff_attn_fwd`): one program per query tile of one (batch, differential head) walks the key tiles
+of its KV group in two loops, the tiles that need no masking, then those that cross ``Nk`` or the causal diagonal
+(:func:`_key_tile_bounds`). Per key tile it loads ``k1``, ``k2`` and ``v`` once and feeds them to one online-softmax
+stream per map (:func:`_fwd_map_step`), each with its running max, sum and float32 accumulator; the epilogue
+combines ``o1 - lam o2`` and stores each map's base-2 log-sum-exp. Backward: :func:`_diff_attn_bwd_preprocess`
+computes ``delta = dO . o`` per map and row, :func:`_diff_attn_bwd_dkdv` (one program per key tile, looping over
+the query tiles and the heads of its KV group) and :func:`_diff_attn_bwd_dq` (one program per query tile) recompute
+the probabilities from the saved log-sum-exps and accumulate the gradients; nothing of size ``Nq x Nk`` is stored.
+
+Contract: every kernel reads its tensors through the strides it is given and writes only its output buffers;
+which maps a launch computes (``MAPS``, ``DK_MAPS``, ``DQ_MAPS``) and what the mask holds (``MASK_KIND``) are the
+flags of :mod:`~diffattn_tutorial.kernels.triton.flags`, the same constants on both sides. Inner loops are
+``@triton.jit`` helpers; every ``tl.constexpr`` switch is passed by name. The host code that checks the inputs and
+launches these kernels is :mod:`~diffattn_tutorial.kernels.triton.flash_diff`."""
 
 from __future__ import annotations
 
@@ -10,8 +21,14 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E  # 1 / ln 2: the kernels use exp2 (base-2 scores)
+from diffattn_tutorial.kernels.triton import flags
 
 _LOG2E = tl.constexpr(LOG2E)  # the same number, visible inside @triton.jit functions
+# the variant flags of flags.py as constexprs, visible inside @triton.jit functions under the same names
+MAPS_NONE, MAPS_1, MAPS_2, MAPS_BOTH = (tl.constexpr(flags.MAPS_NONE), tl.constexpr(flags.MAPS_1),
+                                        tl.constexpr(flags.MAPS_2), tl.constexpr(flags.MAPS_BOTH))
+MASK_NONE, MASK_BOOL, MASK_ADD = (tl.constexpr(flags.MASK_NONE), tl.constexpr(flags.MASK_BOOL),
+                                   tl.constexpr(flags.MASK_ADD))
 
 
 @triton.jit
@@ -29,9 +46,9 @@ def _apply_mask(s, mvals, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr):
     """Scores ``s`` (base 2) with the user's mask tile: bool (``mvals != 0`` may attend) or additive (natural
     log units, so times ``LOG2E``; entries ``<= MASK_MIN``, the dtype's most negative finite number, count as
     masked, as Hugging Face models fill their masks). NaN in an additive mask stays NaN."""
-    if MASK_KIND == 1:
+    if MASK_KIND == MASK_BOOL:
         s = tl.where(mvals != 0, s, float("-inf"))
-    elif MASK_KIND == 2:
+    elif MASK_KIND == MASK_ADD:
         mf = mvals.to(tl.float32)
         s = tl.where(mf <= MASK_MIN, float("-inf"), s + mf * _LOG2E)
     return s
@@ -53,11 +70,11 @@ def _visible(s, rows, cols, Nq, Nk, EDGE: tl.constexpr, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _load_mask_tile(MASK, q_off, k_off, q_ok, k_ok, stride_mm, stride_mn, MASK_KIND: tl.constexpr):
-    """The user's mask tile, or 0 without one (``MASK_KIND == 0``). ``MASK`` points at the tile's first entry;
+    """The user's mask tile, or 0 without one (``MASK_KIND == MASK_NONE``). ``MASK`` points at the tile's first entry;
     ``q_off``, ``k_off`` are the query and key offsets inside the tile and ``q_ok``, ``k_ok`` which of them exist,
     broadcastable to the tile's shape. One load serves both maps of a head."""
     mvals = 0
-    if MASK_KIND != 0:
+    if MASK_KIND != MASK_NONE:
         mvals = tl.load(MASK + q_off * stride_mm + k_off * stride_mn, mask=q_ok & k_ok, other=0)
     return mvals
 
@@ -70,8 +87,9 @@ def _scores(a, b, mvals, rows, cols, Nq, Nk, qk_scale, EDGE: tl.constexpr, CAUSA
     hidden (:func:`_visible`). ``a = q`` ``(BLOCK_M, d)`` and ``b = k^T`` ``(d, BLOCK_N)`` give
     ``(BLOCK_M, BLOCK_N)``; the dK/dV kernel passes ``k`` and ``q^T`` for the transposed tile, ``EDGE`` off (it
     masks the diagonal on the probabilities, see :func:`_probs_t`)."""
-    s = _dot(a, b, None, DOT_PRECISION, UPCAST) * qk_scale
-    return _visible(_apply_mask(s, mvals, MASK_KIND, MASK_MIN), rows, cols, Nq, Nk, EDGE, CAUSAL)
+    s = _dot(a, b, None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST) * qk_scale
+    s = _apply_mask(s, mvals, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN)
+    return _visible(s, rows, cols, Nq, Nk, EDGE=EDGE, CAUSAL=CAUSAL)
 
 
 @triton.jit
@@ -135,7 +153,7 @@ def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr, UPCAST: t
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m - m_ref)
     l = l * alpha + tl.sum(p, 1)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     return acc, m_new, l
 
 
@@ -151,9 +169,9 @@ def _fwd_map_step(acc, m, l, q, K, kt_off, kt_mask, v, mvals, rows, cols, Nq, Nk
     """One key tile of one map's stream: load its k tile (``K`` points at the tile), score it against ``q``,
     one online-softmax step with the shared ``v`` tile. Returns the new ``(acc, m, l)``."""
     kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
-    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN,
-                DOT_PRECISION, UPCAST)
-    return _online_softmax_step(acc, m, l, s, v, DOT_PRECISION, UPCAST)
+    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
+                MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    return _online_softmax_step(acc, m, l, s, v, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
 
 @triton.jit
@@ -167,7 +185,8 @@ def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map
     (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
-    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM)
+    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                                                             HEAD_DIM=HEAD_DIM)
     v_off = offs_n[:, None] * stride_vn + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         n64 = tl.cast(start_n, tl.int64)  # tile bases in int64, offsets inside a tile in int32
@@ -181,13 +200,14 @@ def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map
             v_mask = dv_ok[None, :]
         v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
         mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
-                                cols[None, :] < Nk, stride_mm, stride_mn, MASK_KIND)
+                                cols[None, :] < Nk, stride_mm, stride_mn, MASK_KIND=MASK_KIND)
         acc1, m1, l1 = _fwd_map_step(acc1, m1, l1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows, cols,
-                                     Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+                                     Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
+                                     MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         if TWO_MAPS:  # map 2: the same update with its own state, the same v and mask tiles
             acc2, m2, l2 = _fwd_map_step(acc2, m2, l2, q2, K2 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows,
-                                         cols, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, DOT_PRECISION,
-                                         UPCAST)
+                                         cols, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
+                                         MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     return acc1, m1, l1, acc2, m2, l2
 
 
@@ -208,12 +228,12 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
                    H, Nq, Nk, qk_scale, N_BUCKET,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                   MAP: tl.constexpr, STORE_O2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   MAPS: tl.constexpr, STORE_O2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: one query tile of one (batch, differential head), on a 1-D grid (no 65535 limit).
 
-    ``MAP = 0``: both maps, output ``o1 - lam o2``. ``MAP = 2``: map 2 only, stores ``o2`` (float32) and its
-    log-sum-exp. ``MAP = 1``: map 1 only, reads ``o2`` back and stores the output (run after ``MAP = 2``)."""
+    ``MAPS == MAPS_BOTH``: both maps, output ``o1 - lam o2``. ``MAPS_2``: map 2 only, stores ``o2`` (float32) and
+    its log-sum-exp. ``MAPS_1``: map 1 only, reads ``o2`` back and stores the output (run after ``MAPS_2``)."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_m = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -223,7 +243,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
     h = off_bh % H
     g = h // GROUP  # the KV group of this differential head
     b64, h64, g64, m64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64), start_m.to(tl.int64)
-    FIRST: tl.constexpr = 1 if MAP == 2 else 0  # the map held in slot 1
+    FIRST: tl.constexpr = 1 if MAPS == MAPS_2 else 0  # the map held in slot 1 (its head offset)
     Q1 = Q + b64 * stride_qb + (2 * h64 + FIRST) * stride_qh + m64 * stride_qm
     K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
     V = V + b64 * stride_vb + g64 * stride_vh
@@ -238,7 +258,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    TWO_MAPS: tl.constexpr = MAP == 0
+    TWO_MAPS: tl.constexpr = MAPS == MAPS_BOTH
     if TWO_MAPS:
         q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
         m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -248,15 +268,17 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
         q2, m2, l2, acc2 = q1, m1, l1, acc1
 
     # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
-    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
     acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
-        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, 0, full_hi, Nq, Nk, qk_scale,
-        stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
-        False, CAUSAL, MASK_KIND, MASK_MIN, TWO_MAPS, DOT_PRECISION, UPCAST)
+        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, lo=0, hi=full_hi, Nq=Nq, Nk=Nk,
+        qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False, CAUSAL=CAUSAL,
+        MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
-        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, full_hi, hi, Nq, Nk, qk_scale,
-        stride_kn, stride_vn, stride_mm, stride_mn, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
-        True, CAUSAL, MASK_KIND, MASK_MIN, TWO_MAPS, DOT_PRECISION, UPCAST)
+        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
+        qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True, CAUSAL=CAUSAL,
+        MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     # epilogue: normalise, combine with lambda; fully masked rows (l == 0) give 0
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -264,7 +286,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
     o_mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
     LSE = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
     o_slot1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
-    if MAP == 2:
+    if MAPS == MAPS_2:
         tl.store(O2 + o_off, o_slot1.to(O2.dtype.element_ty), mask=o_mask)
         tl.store(LSE + Nq, _lse(m1, l1), mask=row_ok)
     else:
@@ -339,7 +361,8 @@ def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale,
     other kernels do with :func:`_visible`, costs the heaviest dK variants register spills: compile facts).
     Returns ``(p^T, q^T)``: the dK product reuses q^T."""
     qt = tl.load(Q + qt_off, mask=qt_mask, other=0.0)
-    st = _scores(k, qt, mvals, 0, 0, 0, 0, qk_scale, False, False, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+    st = _scores(k, qt, mvals, 0, 0, 0, 0, qk_scale, EDGE=False, CAUSAL=False, MASK_KIND=MASK_KIND,
+                 MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     pt = tl.math.exp2(st - tl.load(LSE + rows, mask=row_ok, other=float("inf"))[None, :])
     if DIAG:
         pt = tl.where(visible, pt, 0.0)
@@ -363,8 +386,10 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
     offs_dv = tl.arange(0, 2 * BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < 2 * HEAD_DIM
-    NEED1: tl.constexpr = DV_OUT or DK_MAPS == 1 or DK_MAPS == 3
-    NEED2: tl.constexpr = DV_OUT or DK_MAPS == 2 or DK_MAPS == 3
+    DK1: tl.constexpr = DK_MAPS == MAPS_1 or DK_MAPS == MAPS_BOTH
+    DK2: tl.constexpr = DK_MAPS == MAPS_2 or DK_MAPS == MAPS_BOTH
+    NEED1: tl.constexpr = DV_OUT or DK1  # dV needs both maps' probabilities
+    NEED2: tl.constexpr = DV_OUT or DK2
     qt_off = offs_mb[None, :] * stride_qm + offs_d[:, None]
     do_off = offs_mb[:, None] * stride_gm + offs_dv[None, :]
     for start_m in range(lo, hi, BLOCK_M):
@@ -375,29 +400,31 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
         do = tl.load(DOh + m64 * stride_gm + do_off, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
         lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
         mvals = _load_mask_tile(MASKh + m64 * stride_mm, offs_mb[None, :], offs_nl[:, None], row_ok[None, :],
-                                offs_n[:, None] < Nk, stride_mm, stride_mn, MASK_KIND)
+                                offs_n[:, None] < Nk, stride_mm, stride_mn, MASK_KIND=MASK_KIND)
         visible = 0
         if DIAG:  # key j seen by query i (bottom-right aligned causal), transposed
             visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
         # recompute the maps, transposed: (BLOCK_N, BLOCK_M); map 2's upstream gradient is -lam dO
         if NEED1:
             p1t, q1t = _probs_t(k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, mvals, visible, rows, row_ok, qk_scale,
-                                DIAG, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+                                DIAG=DIAG, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION,
+                                UPCAST=UPCAST)
         if NEED2:
             p2t, q2t = _probs_t(k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, mvals, visible, rows,
-                                row_ok, qk_scale, DIAG, MASK_KIND, MASK_MIN, DOT_PRECISION, UPCAST)
+                                row_ok, qk_scale, DIAG=DIAG, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN,
+                                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         if DV_OUT:  # dV += (P1 - lam P2)^T dO: the differential map, transposed
-            dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
-        if DK_MAPS != 0:  # dP = dO v^T, shared by both maps
-            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
-            if NEED1 and DK_MAPS != 2:
+            dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+        if DK_MAPS != MAPS_NONE:  # dP = dO v^T, shared by both maps
+            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+            if DK1:
                 delta1 = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
-                ds1t = _score_grad(p1t, dpt, delta1[None, :], lam[None, :], False)
-                dk1 = _dot(ds1t.to(q1t.dtype), tl.trans(q1t), dk1, DOT_PRECISION, UPCAST)
-            if NEED2 and DK_MAPS != 1:
+                ds1t = _score_grad(p1t, dpt, delta1[None, :], lam[None, :], MAP2=False)
+                dk1 = _dot(ds1t.to(q1t.dtype), tl.trans(q1t), dk1, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+            if DK2:
                 delta2 = tl.load(DELTAh + Nq + rows, mask=row_ok, other=0.0)
-                ds2t = _score_grad(p2t, dpt, delta2[None, :], lam[None, :], True)
-                dk2 = _dot(ds2t.to(q2t.dtype), tl.trans(q2t), dk2, DOT_PRECISION, UPCAST)
+                ds2t = _score_grad(p2t, dpt, delta2[None, :], lam[None, :], MAP2=True)
+                dk2 = _dot(ds2t.to(q2t.dtype), tl.trans(q2t), dk2, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     return dk1, dk2, dv
 
 
@@ -418,9 +445,9 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
                         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     """One program: one key tile of one (batch, KV group); it sums over the ``GROUP`` differential heads that
-    share the group, so each dK/dV row has one writer. ``DV_OUT``: accumulate dV; ``DK_MAPS``: dK of map 1
-    (1), map 2 (2), both (3) or none (0). ``DK``, ``DV`` are written with their own strides: a gradient buffer
-    is dense even where k or v is a view with gaps, overlaps (``expand``) or a storage offset."""
+    share the group, so each dK/dV row has one writer. ``DV_OUT``: accumulate dV; ``DK_MAPS``: dK of
+    ``MAPS_1``, ``MAPS_2``, ``MAPS_BOTH`` or ``MAPS_NONE``. ``DK``, ``DV`` are written with their own strides: a
+    gradient buffer is dense even where k or v is a view with gaps, overlaps (``expand``) or a storage offset."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_n = tl.cdiv(Nk, BLOCK_N)
     pid = tl.program_id(0)
@@ -445,7 +472,7 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    lo, mid = _query_tile_bounds(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, mid = _query_tile_bounds(start_n, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
     for r in range(GROUP):
         h64 = g64 * GROUP + r
         bh = b64 * H + h64
@@ -455,26 +482,29 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
         MASKh = MASK + b64 * stride_mb + h64 * stride_mh + n64 * stride_mn
         LSEh = LSE + bh * 2 * Nq
         DELTAh = DELTA + bh * 2 * Nq
-        if CAUSAL:
-            dk1, dk2, dv = _bwd_kv_loop(dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh,
-                                        start_n, lo, mid, Nq, Nk, qk_scale,
-                                        stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
-                                        BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN,
-                                        DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
-        dk1, dk2, dv = _bwd_kv_loop(dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh,
-                                    start_n, mid, Nq, Nq, Nk, qk_scale,
-                                    stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
-                                    BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN,
-                                    DV_OUT, DK_MAPS, DOT_PRECISION, UPCAST)
+        if CAUSAL:  # the query tiles [lo, mid) cross the diagonal
+            dk1, dk2, dv = _bwd_kv_loop(
+                dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh, start_n, lo=lo, hi=mid, Nq=Nq, Nk=Nk,
+                qk_scale=qk_scale, stride_qh=stride_qh, stride_qm=stride_qm, stride_gm=stride_gm,
+                stride_lm=stride_lm, stride_mm=stride_mm, stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, DIAG=True, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
+                MASK_MIN=MASK_MIN, DV_OUT=DV_OUT, DK_MAPS=DK_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+        dk1, dk2, dv = _bwd_kv_loop(
+            dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh, start_n, lo=mid, hi=Nq, Nq=Nq, Nk=Nk,
+            qk_scale=qk_scale, stride_qh=stride_qh, stride_qm=stride_qm, stride_gm=stride_gm,
+            stride_lm=stride_lm, stride_mm=stride_mm, stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, DIAG=False, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
+            MASK_MIN=MASK_MIN, DV_OUT=DV_OUT, DK_MAPS=DK_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     dk_off = offs_n[:, None] * stride_dkn + offs_d[None, :]
     DK1 = DK + b64 * stride_dkb + (2 * g64) * stride_dkh + n64 * stride_dkn
-    if DK_MAPS == 1 or DK_MAPS == 3:
+    if DK_MAPS == MAPS_1 or DK_MAPS == MAPS_BOTH:
         tl.store(DK1 + dk_off, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-    if DK_MAPS == 2 or DK_MAPS == 3:
+    if DK_MAPS == MAPS_2 or DK_MAPS == MAPS_BOTH:
         tl.store(DK1 + stride_dkh + dk_off, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
     if DV_OUT:
-        dv_off = b64 * stride_dvb + g64 * stride_dvh + n64 * stride_dvn + offs_n[:, None] * stride_dvn + offs_dv[None, :]
+        dv_off = (b64 * stride_dvb + g64 * stride_dvh + n64 * stride_dvn + offs_n[:, None] * stride_dvn
+                  + offs_dv[None, :])
         tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
@@ -485,10 +515,10 @@ def _dq_map_step(dq, q, K, kt_off, kt_mask, mvals, rows, cols, lse, delta, lam, 
     """One key tile of one map: load its k tile (``K`` points at the tile), recompute ``P = 2^(s - lse)`` from
     the scores, ``dQ += dS k`` with ``dS`` from :func:`_score_grad` (``MAP2``: map 2's ``-lam``)."""
     kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
-    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN,
-                DOT_PRECISION, UPCAST)
-    ds = _score_grad(tl.math.exp2(s - lse[:, None]), dp, delta[:, None], lam[:, None], MAP2)
-    return _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
+    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
+                MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    ds = _score_grad(tl.math.exp2(s - lse[:, None]), dp, delta[:, None], lam[:, None], MAP2=MAP2)
+    return _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
 
 @triton.jit
@@ -500,7 +530,8 @@ def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam,  # this q
     """Key tiles ``[lo, hi)`` for one query tile: ``dQ_m += dS_m k_m`` for the maps in ``DQ_MAPS``."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
-    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM)
+    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                                                             HEAD_DIM=HEAD_DIM)
     vt_off = offs_n[None, :] * stride_vn + offs_dv[:, None]
     for start_n in range(lo, hi, BLOCK_N):
         n64 = tl.cast(start_n, tl.int64)
@@ -508,16 +539,17 @@ def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam,  # this q
         col_ok = cols < Nk
         kt_mask = d_ok[:, None] & col_ok[None, :]
         vt = tl.load(V + n64 * stride_vn + vt_off, mask=dv_ok[:, None] & col_ok[None, :], other=0.0)  # (2d, BLOCK_N)
-        dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)  # dP = dO v^T, shared by both maps
+        dp = _dot(do, vt, None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)  # dP = dO v^T, shared by both maps
         mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
-                                col_ok[None, :], stride_mm, stride_mn, MASK_KIND)
-        if DQ_MAPS != 2:
+                                col_ok[None, :], stride_mm, stride_mn, MASK_KIND=MASK_KIND)
+        if DQ_MAPS == MAPS_1 or DQ_MAPS == MAPS_BOTH:
             dq1 = _dq_map_step(dq1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse1, delta1, lam,
-                               dp, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, False, DOT_PRECISION, UPCAST)
-        if DQ_MAPS != 1:
+                               dp, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
+                               MASK_MIN=MASK_MIN, MAP2=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+        if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
             dq2 = _dq_map_step(dq2, q2, K1 + stride_kh + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse2,
-                               delta2, lam, dp, Nq, Nk, qk_scale, EDGE, CAUSAL, MASK_KIND, MASK_MIN, True,
-                               DOT_PRECISION, UPCAST)
+                               delta2, lam, dp, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
+                               MASK_MIN=MASK_MIN, MAP2=True, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     return dq1, dq2
 
 
@@ -535,8 +567,8 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
                       CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
                       DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: one query tile of one (batch, differential head); dQ of map 1 (``DQ_MAPS`` 1), map 2 (2)
-    or both (3), written with ``DQ``'s own strides."""
+    """One program: one query tile of one (batch, differential head); dQ of the maps in ``DQ_MAPS`` (``MAPS_1``,
+    ``MAPS_2`` or ``MAPS_BOTH``), written with ``DQ``'s own strides."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_m = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -565,11 +597,11 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
     # the maps this program does not compute get placeholders (the loop never reads them)
     q1, lse1, delta1 = do, lam, lam
     q2, lse2, delta2 = do, lam, lam
-    if DQ_MAPS != 2:
+    if DQ_MAPS == MAPS_1 or DQ_MAPS == MAPS_BOTH:
         q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
         lse1 = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
         delta1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    if DQ_MAPS != 1:
+    if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
         q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
         lse2 = tl.load(LSE + Nq + rows, mask=row_ok, other=float("inf"))
         delta2 = tl.load(DELTA + Nq + rows, mask=row_ok, other=0.0)
@@ -577,21 +609,25 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
     V = V + b64 * stride_vb + g64 * stride_vh
     MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
 
-    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, 0, full_hi,
-                           Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
-                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
-                           DOT_PRECISION, UPCAST)
-    dq1, dq2 = _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, full_hi, hi,
-                           Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
-                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, MASK_KIND, MASK_MIN, DQ_MAPS,
-                           DOT_PRECISION, UPCAST)
+    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+    dq1, dq2 = _bwd_q_loop(
+        dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, lo=0, hi=full_hi, Nq=Nq, Nk=Nk,
+        qk_scale=qk_scale, stride_kh=stride_kh, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm,
+        stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False,
+        CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DQ_MAPS=DQ_MAPS, DOT_PRECISION=DOT_PRECISION,
+        UPCAST=UPCAST)
+    dq1, dq2 = _bwd_q_loop(
+        dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
+        qk_scale=qk_scale, stride_kh=stride_kh, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm,
+        stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True,
+        CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DQ_MAPS=DQ_MAPS, DOT_PRECISION=DOT_PRECISION,
+        UPCAST=UPCAST)
 
     DQ1 = DQ + b64 * stride_dqb + (2 * h64) * stride_dqh + m64 * stride_dqm
     dq_off = offs_m[:, None] * stride_dqm + offs_d[None, :]
-    if DQ_MAPS != 2:
+    if DQ_MAPS == MAPS_1 or DQ_MAPS == MAPS_BOTH:
         tl.store(DQ1 + dq_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
-    if DQ_MAPS != 1:
+    if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
         tl.store(DQ1 + stride_dqh + dq_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
