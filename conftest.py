@@ -9,6 +9,11 @@
   from a built wheel, kernel compiles, the mutation test) and the notebooks.
 * **Without Triton** (``pip install -e ".[notebooks,test]"``, which leaves out its 1 GB), the tests that execute
   notebook 09, its solution or its exercise are skipped with the reason; the Triton tests skip themselves.
+* **Every notebook runs once, and that run checks two things**: its stored outputs (strict nbval) and that it runs
+  the way Colab or a pip install runs it, against the package built as a wheel (not this checkout) from an empty
+  folder. The wheel is built once per test session; each notebook kernel starts with an IPython start-up file that
+  puts the wheel first on its path, drops the editable install's import hook and moves into an empty folder
+  (``tests/test_wheel.py`` checks that this holds).
 * **A fresh training cache per test session.** Notebooks 07 and 10 and their tests train toy models through
   ``retrieval_study(cache=True)``. The suite points ``DIFFATTN_CACHE`` at an empty folder of its own (unless you
   set it), so every run trains from scratch once and shares the result between the notebooks and tests of that
@@ -17,15 +22,20 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-_OWN_CACHE: list[str] = []
+ROOT = Path(__file__).resolve().parent
+_OWN_FOLDERS: list[str] = []
+RUN_DIR = "DIFFATTN_TEST_RUN_DIR"  # this test session's scratch folder, shared by the xdist workers
 
 # Two workers share two cores, so a multi-threaded op in one always waits for a core the other holds. OpenMP's
 # default wait policy spins while it waits, burning the core it waits for: measured here, 60 training steps of the
@@ -57,8 +67,11 @@ def pytest_configure(config) -> None:
         if opt.nbval_sanitize_with is None:
             opt.nbval_sanitize_with = str(Path(__file__).parent / "tests" / "nbval_sanitize.cfg")
     if "DIFFATTN_CACHE" not in os.environ:
-        _OWN_CACHE.append(tempfile.mkdtemp(prefix="diffattn-test-cache-"))
-        os.environ["DIFFATTN_CACHE"] = _OWN_CACHE[0]
+        _OWN_FOLDERS.append(tempfile.mkdtemp(prefix="diffattn-test-cache-"))
+        os.environ["DIFFATTN_CACHE"] = _OWN_FOLDERS[-1]
+    if RUN_DIR not in os.environ:  # set before the workers start, so they share it
+        _OWN_FOLDERS.append(tempfile.mkdtemp(prefix="diffattn-test-run-"))
+        os.environ[RUN_DIR] = _OWN_FOLDERS[-1]
 
 
 def _has_triton() -> bool:
@@ -74,10 +87,99 @@ def pytest_collection_modifyitems(config, items) -> None:
         return
     skip = pytest.mark.skip(reason='notebook 09 needs Triton: pip install -e ".[dev]" (or pip install triton)')
     for item in items:
-        if "09_triton_kernel" in item.nodeid or "TestNotebook09" in item.nodeid:
+        if "09_triton_kernel" in item.nodeid:
             item.add_marker(skip)
 
 
 def pytest_unconfigure(config) -> None:
-    for folder in _OWN_CACHE:
+    for folder in _OWN_FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- the notebooks run from the wheel -------------------------------------------------------------------------------
+
+def build_wheel(out: Path) -> Path:
+    """Build the wheel from a copy of what a source distribution holds (the package, pyproject.toml, README.md)."""
+    src = out / "src"
+    shutil.copytree(ROOT / "diffattn_tutorial", src / "diffattn_tutorial",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                    "--quiet", "-w", str(out / "dist")], check=True, capture_output=True, text=True)
+    (wheel,) = (out / "dist").glob("diffattn_tutorial-*.whl")
+    return wheel
+
+
+def wheel_site() -> Path:
+    """A folder holding only the package installed from its wheel: built once per test session, by whichever worker
+    asks first (the others wait on a lock)."""
+    run = Path(os.environ[RUN_DIR])
+    site, done = run / "site", run / "site.done"
+    with open(run / "wheel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(run / "wheel", ignore_errors=True)
+            wheel = build_wheel(run / "wheel")
+            subprocess.run([sys.executable, "-m", "pip", "install", str(wheel), "--no-deps", "--no-index",
+                            "--quiet", "--target", str(site)], check=True, capture_output=True, text=True)
+            done.write_text(wheel.name)
+    return site
+
+
+FROM_THE_WHEEL = '''def _from_the_wheel():
+    """Test set-up (conftest.py): import the course from its wheel, from an empty folder, as Colab or pip would."""
+    import os, sys, tempfile
+    # the editable install's import hook would find a module missing from the wheel in the checkout: drop it
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+    sys.path_hooks[:] = [h for h in sys.path_hooks if not getattr(h, "__module__", "").startswith("__editable__")]
+    sys.path_importer_cache.clear()
+    sys.path.insert(0, {site!r})
+    os.environ["PYTHONPATH"] = os.pathsep.join([{site!r}, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    os.chdir(tempfile.mkdtemp(prefix="learner-", dir={run!r}))
+
+
+_from_the_wheel()
+del _from_the_wheel
+'''
+
+
+def learner_ipython_dir() -> Path:
+    """An ``IPYTHONDIR`` whose start-up file makes a kernel import the wheel from an empty folder."""
+    run = Path(os.environ[RUN_DIR])
+    startup = run / "ipython" / "profile_default" / "startup"
+    if not (startup / "00_from_the_wheel.py").exists():
+        source = FROM_THE_WHEEL.format(site=str(wheel_site()), run=str(run))
+        startup.mkdir(parents=True, exist_ok=True)
+        tmp = startup / f".{os.getpid()}.tmp"
+        tmp.write_text(source)
+        tmp.replace(startup / "00_from_the_wheel.py")  # atomic: a worker never reads half a file
+    return run / "ipython"
+
+
+@pytest.fixture(scope="session")
+def wheel_site_dir() -> Path:
+    return wheel_site()
+
+
+@pytest.fixture(scope="session")
+def learner_ipython() -> Path:
+    return learner_ipython_dir()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """Before a notebook's kernel starts (nbval starts it when its first cell is set up), point it at the wheel."""
+    notebook = item.parent
+    if type(notebook).__name__ != "IPyNbFile" or getattr(notebook, "kernel", None) is not None:
+        yield
+        return
+    before = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = str(learner_ipython_dir())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("IPYTHONDIR", None)
+        else:
+            os.environ["IPYTHONDIR"] = before
