@@ -254,9 +254,16 @@ def test_seed0_reproduces_the_recorded_row(kind):
     assert disagreements(_seed0(kind), row) == []
 
 
-@pytest.mark.slow
-def test_kept_claim_lines_are_the_same_at_two_thread_counts():
-    """The lines notebook 07 keeps in its outputs (claim_lines) must not change with the thread count."""
-    one = claim_lines(_seed0("baseline"), _seed0("diff"))
-    two = claim_lines(_seed0("baseline", num_threads=2), _seed0("diff", num_threads=2))
-    assert one == two and all(line.startswith("holds: ") for line in one), one
+def test_kept_claim_lines_hold_for_every_recorded_seed():
+    """The lines notebook 07 keeps in its outputs (claim_lines) hold with a margin, not by float luck: another CPU,
+    thread count or BLAS build sums in another order, which after 500 steps moves a run about as far as another
+    seed does, and the claims hold for every one of the ten recorded seeds. (Seed 0 is re-run live above, so the
+    recorded rows are those of today's code.)"""
+    rows = recorded.load("seed_study")["rows"]
+    seeds = sorted({r["seed"] for r in rows})
+    assert len(seeds) >= 10
+    for seed in seeds:
+        baseline, diff = (next(r for r in rows if r["attention"] == kind and r["seed"] == seed)
+                          for kind in ("baseline", "diff"))
+        lines = claim_lines(baseline, diff)
+        assert lines and all(line.startswith("holds: ") for line in lines), (seed, lines)
