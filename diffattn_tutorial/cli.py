@@ -127,7 +127,7 @@ def _bench_device_here(device: Optional[torch.device]) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise CommandError("--device cuda, but no CUDA GPU is visible to torch here; use --device cpu")
+        raise CommandError(f"--device {device}, but no CUDA GPU is visible to torch here; use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
                            f"numbered from 0")
@@ -158,8 +158,24 @@ def bench(args: argparse.Namespace) -> int:
                      progress=(lambda s: print("  " + s, file=sys.stderr, flush=True)) if args.verbose else None)
     except (ValueError, TypeError) as e:  # a backend that refuses these options (e.g. a dtype it does not take)
         raise CommandError(f"{e} (--backends and --dtype choose what runs)") from None
+    except (RuntimeError, MemoryError) as e:
+        if not _out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CommandError(f"not enough memory for B={args.batch} H={args.heads} N={max(args.lengths)} "
+                           f"d={args.head_dim} {args.dtype} on {device.type} ({first}); use smaller --lengths, "
+                           f"--heads, --batch or --head-dim") from None
     print(B.format_table(rows))
     return 0
+
+
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "not enough memory", "storage size calculation overflowed")
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is torch (or Python) failing to allocate, on the CPU or a GPU."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or any(
+        words in str(error).lower() for words in _OUT_OF_MEMORY)
 
 
 def check(args: argparse.Namespace) -> int:

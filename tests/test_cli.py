@@ -38,6 +38,28 @@ def test_cpu_peak_memory_is_measured_not_guessed():
     assert mem["sdpa_split"] < maps / 4  # the fused kernel keeps no N x N map
 
 
+@pytest.mark.skipif(not timing.cpu_memory_supported(), reason="CPU peak memory is measured on Linux only")
+def test_a_refusal_in_the_memory_child_comes_back_as_its_own_one_line_error():
+    """A function the memory-measuring child runs raises what it raised (type and message), not a
+    RuntimeError carrying the child's traceback."""
+    import functools
+
+    from diffattn_tutorial.functional import diff_attention
+
+    fn = functools.partial(diff_attention, backend="cpu_fused")
+    with pytest.raises(TypeError, match="^backend 'cpu_fused' takes float32.*got float64") as info:
+        timing.peak_extra_memory({"fused": fn}, b=1, h=1, n=8, d=4, dtype=torch.float64)
+    assert "Traceback" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bench_out_of_memory_names_the_options(capsys):
+    assert main(["bench", "--batch", "65536", "--heads", "65536", "--lengths", "4096", "--reps", "1",
+                 "--device", "cpu", "--no-memory"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not enough memory for B=65536 H=65536 N=4096 d=64" in err
+    assert "use smaller --lengths, --heads, --batch or --head-dim" in err
+
+
 def test_run_rows_and_table():
     rows = timing.run("cpu", lengths=[32], backends=["sdpa_split"], h=2, d=8, reps=1, memory=False)
     assert [r.backend for r in rows] == ["naive", "sdpa_split"]
@@ -118,6 +140,10 @@ def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_
     text.write_text("not a notebook")
     (tmp_path / "corrupt.ipynb").write_text('{"cells": [')
     (tmp_path / "list.ipynb").write_text("[]")
+    (tmp_path / "int_source.ipynb").write_text(json.dumps({"cells": [
+        {"cell_type": "code", "source": "# TASK 1: a\nx = 1", "metadata": {}, "outputs": [], "execution_count": None},
+        {"cell_type": "code", "source": 3, "metadata": {}, "outputs": [], "execution_count": None}],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 4}))
     (tmp_path / "no_tasks.ipynb").write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4,
                                                          "nbformat_minor": 5}))
     broken = tmp_path / "broken_run"
@@ -134,9 +160,16 @@ def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_
                   ["bench", "--lengths", "x"], ["bench", "--reps", "-1"], ["bench", "--dtype", "int8"],
                   ["bench", "--batch", "0"], ["bench", "--heads", "1.5"], ["bench", "--head-dim", "nan"],
                   ["bench", "--backends", "cpu_fused", "--dtype", "float64", "--lengths", "8", "--reps", "1",
-                   "--no-memory", "--device", "cpu"]],
+                   "--no-memory", "--device", "cpu"],
+                  ["bench", "--backends", "cpu_fused", "--dtype", "float64", "--lengths", "8", "--reps", "1",
+                   "--device", "cpu"],  # the memory-measuring child is not where the refusal surfaces
+                  ["bench", "--batch", "65536", "--heads", "65536", "--lengths", "4096", "--reps", "1",
+                   "--device", "cpu"],  # inputs of 8 PiB: no machine can allocate them
+                  ["bench", "--heads", "65536", "--lengths", "4096", "--head-dim", "65536", "--batch", "65536",
+                   "--reps", "1", "--device", "cpu"]],  # past what torch can even size
         "check": [["check"], ["check", str(tmp_path / "missing.ipynb")], ["check", str(text)],
                   ["check", str(tmp_path / "corrupt.ipynb")], ["check", str(tmp_path / "list.ipynb")],
+                  ["check", str(tmp_path / "int_source.ipynb")],
                   ["check", str(tmp_path / "no_tasks.ipynb")], ["check", str(tmp_path)],
                   ["check", str(text), "--timeout", "0"]],
         "train": [[*train, "--out", str(a_file / "x")], [*train, "--out", str(a_file)],

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -326,6 +327,14 @@ def _error(message: str) -> int:
     return 2
 
 
+def _check_sources(nb) -> None:
+    """A ``ValueError`` naming the first cell whose source is not text (what grading and running need)."""
+    for i, cell in enumerate(nb.cells):
+        src = cell.get("source", "")
+        if not isinstance(src, str) and not (isinstance(src, list) and all(isinstance(s, str) for s in src)):
+            raise ValueError(f"cell {i + 1}'s source is {type(src).__name__}, not text")
+
+
 def _copies_note(nb, task: Task) -> str:
     """The scorecard's words for a task whose TASK or CHECK line is in several cells."""
     cells = [nb.cells[i] for i in (task.task_cell, task.check_cell, *task.copies) if i is not None]
@@ -343,7 +352,10 @@ def check_notebook(path: Union[str, Path], timeout: int = 600) -> int:
     check_timeout(timeout)
     path = Path(path)
     try:
-        nb = nbformat.read(path, as_version=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nbformat's notes on older notebooks (cells without ids): harmless here
+            nb = nbformat.read(path, as_version=4)
+        _check_sources(nb)
     except Exception as e:  # noqa: BLE001 - missing, unreadable, not JSON, not a notebook: all the same to the learner
         reason = e.strerror if isinstance(e, OSError) and e.strerror else (_one_line(str(e), 160) or type(e).__name__)
         return _error(f"cannot read {path} as a Jupyter notebook ({reason})")

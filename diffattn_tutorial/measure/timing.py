@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -195,6 +196,8 @@ def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int,
     script, sent as source together with ``helpers`` (the functions they call); the source may use
     ``torch``, ``F``, ``math``, ``rearrange``, ``functional`` and ``diff_attention`` without importing them.
     Returns ``{label: bytes}``, or ``{label: None}`` where CPU memory cannot be measured (macOS, Windows).
+    A function that raises ``ValueError``, ``TypeError`` or ``MemoryError`` in the child raises it here, with its
+    message (any other error as a ``RuntimeError`` naming it).
 
     >>> import functools
     >>> mem = peak_extra_memory({"naive": functools.partial(diff_attention, backend="naive")}, b=1, h=1, n=64, d=8)
@@ -209,9 +212,22 @@ def peak_extra_memory(functions: Mapping[str, Callable[..., Tensor]], *, b: int,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "diffattn_tutorial.measure.timing", "--memory-child", json.dumps(spec)],
                           capture_output=True, text=True, env=env)
+    if proc.returncode == _CHILD_RAISED:
+        ename, message = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+        raise _CHILD_ERRORS.get(ename, RuntimeError)(message if ename in _CHILD_ERRORS else f"{ename}: {message}")
+    if proc.returncode == -getattr(signal, "SIGKILL", 9):
+        raise MemoryError("the memory-measuring child was killed (SIGKILL), most likely by the system for want of "
+                          "memory")
     if proc.returncode:
         raise RuntimeError(f"the memory-measuring child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_CHILD_RAISED = 3
+"""Exit code of a memory child whose function raised; its last line of output is ``{"error": [name, message]}``."""
+_CHILD_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError}
+"""Errors of a measured function that :func:`peak_extra_memory` raises again as themselves (bad options, no memory);
+any other becomes a ``RuntimeError`` naming it."""
 
 
 def _package_root() -> str:
@@ -237,19 +253,22 @@ def run(device: str | torch.device = "cpu", *, lengths: Sequence[int] = DEFAULT_
     Returns one :class:`Row` per (length, backend).
     """
     device = torch.device(device)
-    backends = ["naive"] + [name for name in backends if name != "naive"]
+    backends = ["naive"] + [name for name in dict.fromkeys(backends) if name != "naive"]
     rows = []
     for n in lengths:
         q, k, v, lam = make_inputs(b, h, n, d, dtype=dtype, device=device)
         with torch.no_grad():
             ref = diff_attention(q, k, v, lam, causal=causal, backend="naive")
+            # every backend's first call (its warm-up) here: one refusing these options raises its own error
+            # before a memory-measuring child starts
+            errs = {name: (diff_attention(q, k, v, lam, causal=causal, backend=name).float() - ref.float())
+                    .abs().max().item() for name in backends}
             mem: dict[str, Optional[int]] = {name: None for name in backends}
             if memory and device.type == "cpu":
                 mem = cpu_peak_extra(backends, b=b, h=h, n=n, d=d, causal=causal, dtype=dtype)
             for name in backends:
                 fn = lambda: diff_attention(q, k, v, lam, causal=causal, backend=name)  # noqa: E731
-                out = fn()
-                err = (out.float() - ref.float()).abs().max().item()
+                err = errs[name]
                 if memory and device.type == "cuda":
                     mem[name] = cuda_peak_extra(fn)
                 sec = median_time(fn, warmup=warmup, reps=reps, device=device)
@@ -278,7 +297,12 @@ def _main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="internal: the memory-measuring child of diffattn-tutorial bench")
     ap.add_argument("--memory-child", required=True)
     args = ap.parse_args(argv)
-    print(json.dumps(_memory_child(json.loads(args.memory_child))))
+    try:
+        result = _memory_child(json.loads(args.memory_child))
+    except Exception as e:  # noqa: BLE001 - the parent raises it again (see _CHILD_ERRORS)
+        print(json.dumps({"error": [type(e).__name__, str(e)]}))
+        return _CHILD_RAISED
+    print(json.dumps(result))
     return 0
 
 
