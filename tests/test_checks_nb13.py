@@ -125,8 +125,11 @@ def test_sample_next_mistakes_are_named(kw, match):
 
 @pytest.mark.parametrize("fn, match", [
     (lambda logits, t, k, g: torch.multinomial(torch.softmax(logits, -1), 1, generator=g), "not greedy"),
-    (lambda logits, t, k, g: logits.argmax(-1), r"\(B, 1\) torch.long"),
-    (lambda logits, t, k, g: logits.argmax(-1, keepdim=True).float(), r"\(B, 1\) torch.long"),
+    # a 1-D result: the shape is the mistake, not the dtype (both are int64)
+    (lambda logits, t, k, g: logits.argmax(-1), r"should return shape \(64, 1\).*got shape \(64,\): the column "
+                                                r"dimension was dropped"),
+    (lambda logits, t, k, g: logits.argmax(-1, keepdim=True).float(), r"as torch.long \(int64\), got dtype "
+                                                                      r"torch.float32"),
     (lambda logits, t, k, g: (torch.rand(1, generator=g), sample(logits, t, k, g))[1], "different tokens"),
 ])
 def test_sample_next_other_mistakes(fn, match):

@@ -13,7 +13,8 @@ everything outside the markers is hand-written and left alone. The blocks and th
 * ``busy-cpu``: ``benchmarks/results_busy_cpu_<cpu>.json`` (``bench_busy_cpu.py``): training steps idle and loaded;
 * ``mutation``: ``diffattn_tutorial/recorded/mutation.json`` (``python tools/mutation.py --record``);
 * ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``kernels.triton.aot --write``), per target;
-* ``layout``: the Layout table, listing the library's modules, the benchmark scripts and the tools as they are.
+* ``layout``: the Layout table, listing the library's modules, the benchmark scripts and the tools as they are;
+* ``needs``: which notebooks have GPU cells and which run Triton, read from the notebooks' own code cells.
 
 **Speed-up** has one definition, stated once in the README next to the CPU table: the median time of ``naive``
 over the median time of the backend, both over the same rounds of the same run (``diffattn-tutorial bench``
@@ -125,6 +126,12 @@ def cpu_table_block() -> str:
     return "\n".join(_cpu_table(p, p.with_name(f"{p.stem}_loaded.json")) for p in idle_files)
 
 
+def _remeasured(data: dict) -> str:
+    """The note of a results file whose memory column was measured again after its timed run."""
+    again = data.get("peak_extra_bytes_remeasured")
+    return (f" (measured again on {again['date']}, apart from the times: {again['why']})" if again else "")
+
+
 def _cpu_table(idle_path: Path, loaded_path: Path) -> str:
     idle = _load(idle_path)
     loaded = _load(loaded_path) if loaded_path.exists() else None
@@ -136,7 +143,7 @@ def _cpu_table(idle_path: Path, loaded_path: Path) -> str:
         f"From {files}: {_provenance(idle)}" + (f"; loaded: {_provenance(loaded)}" if loaded else "") + ". "
         f"B=1, H=8, N={idle['n']}, d=64, float32, {'causal' if idle['causal'] else 'non-causal'}, inference; ms is the "
         f"median over {rounds} rounds" + (f" ({len(loaded['times_s']['naive'])} loaded)" if loaded else "") +
-        ", peak extra memory that of a fresh process, output included.",
+        ", peak extra memory that of a fresh process, output included" + _remeasured(idle) + ".",
         "",
         "| backend | ms | speed-up | peak extra MiB | memory vs naive |"
         + (" loaded: ms | loaded: speed-up |" if loaded else ""),
@@ -242,7 +249,61 @@ def compile_facts_block() -> str:
         dup = sum((f.get("dup") or 1) > 1 for f in rows)
         lines.append(f"| {arch} | {len(rows)} | {sum(bool(f.get('error')) for f in rows)} | {spills} "
                      f"| {max(f.get('regs') or 0 for f in rows)} | {instr_text} | {dup} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _duplicated_products(facts)
+
+
+def _duplicated_products(facts: list[dict]) -> str:
+    """One sentence on the compiles that compute a product more than once: which kernel and configuration, and
+    where ``kernels.triton.aot.Facts.problems`` counts it as a problem (sm_90a only: warpgroups over one row block)."""
+    dup = [f for f in facts if (f.get("dup") or 1) > 1]
+    if not dup:
+        return "\nNo compile computes a product more than once.\n"
+    kinds = Counter((f["kernel"], f.get("form"), f.get("head_dim"), f["block_m"], f["num_warps"]) for f in dup)
+    what = "; ".join(f"`{k}`{f' (form {form})' if form else ''}, d {d}, block_m {m}, {w} warps"
+                     for (k, form, d, m, w) in sorted(kinds, key=str))
+    archs = ", ".join(dict.fromkeys(f["arch"] for f in dup))
+    flagged = sum(f["arch"] == "sm_90a" for f in dup)
+    return (f"\nThe {len(dup)} compiles with a product computed more than once ({archs}) are all one configuration: {what}. "
+            f"`kernels.triton.aot.Facts.problems` counts a product computed twice as a problem on sm_90a only "
+            f"(warpgroups over the same rows), where there are {flagged}.\n")
+
+
+# --- which notebooks need a GPU or Triton -----------------------------------------------------------------------
+
+GPU_CELL = re.compile(r"^\s*(?:el)?if\b[^\n]*(?:\bGPU\b|torch\.cuda\.is_available\(\)|device\.type\s*==\s*[\"']cuda)|"
+                      r"^\s*GPU\s*=", re.MULTILINE)
+TRITON_CELL = re.compile(r"^\s*(?:import triton|from triton\b|from diffattn_tutorial\.kernels\.triton\b)|"
+                         r"backend=[\"']triton[\"']", re.MULTILINE)
+
+
+def _code_without_comments(source: str) -> str:
+    return "\n".join(line.split("#", 1)[0] if not line.lstrip().startswith("#") else "" for line in source.splitlines())
+
+
+def notebook_needs() -> dict[str, list[str]]:
+    """``{"gpu": [...], "triton": [...]}``: the numbers of the notebooks (``notebooks/NN_*.ipynb``) with a code cell
+    that branches on a GPU, and with one that runs Triton (imports it, directly or in a string a subprocess runs,
+    or calls ``backend="triton"``)."""
+    out: dict[str, list[str]] = {"gpu": [], "triton": []}
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        code = [_code_without_comments("".join(c["source"])) for c in json.loads(path.read_text())["cells"]
+                if c["cell_type"] == "code"]
+        for key, pattern in (("gpu", GPU_CELL), ("triton", TRITON_CELL)):
+            if any(pattern.search(c) for c in code):
+                out[key].append(path.name[:2])
+    return out
+
+
+def _numbers(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def needs_block() -> str:
+    needs = notebook_needs()
+    return (f"Every notebook runs on a CPU. Notebooks {_numbers(needs['gpu'])} have GPU cells: they run where a GPU "
+            f"is present and say so where not. Notebooks {_numbers(needs['triton'])} run Triton (on a CPU in its "
+            f"interpreter); without Triton their Triton cells are skipped, saying why (by `pytest`, or by the "
+            f"cell itself).\n")
 
 
 # --- layout -----------------------------------------------------------------------------------------------------
@@ -311,7 +372,7 @@ def decode_block() -> str:
         new = data["config"]["new"]
         med = {name: statistics.median(t) for name, t in data["times_s"].items()}
         rows = ["| kind | recompute (eager) | dynamic (eager) | static (eager) | static (compiled) | static compiled: "
-                "speed-up over recompute |", "|---|---:|---:|---:|---:|---:|"]
+                "speed-up over recompute (ratio of medians) |", "|---|---:|---:|---:|---:|---:|"]
         for kind in ("baseline", "diff", "diff_v2"):
             ref = data["times_s"][f"{kind} cache=None eager"]
             cells = [f"{new / med[f'{kind} cache={c}']:.0f} tok/s" for c in ("None eager", "dynamic eager",
@@ -333,6 +394,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "mutation": mutation_block,
     "compile-facts": compile_facts_block,
     "layout": layout_block,
+    "needs": needs_block,
 }
 
 

@@ -175,10 +175,13 @@ def check_sample_next(fn: Callable) -> None:
         expected = next_token(logits, temperature=temp, top_k=top_k, generator=torch.Generator().manual_seed(seed))
         got = call(fn, logits.clone(), temp, top_k, torch.Generator().manual_seed(seed), what=what)
         where = f"{what}(logits of shape {tuple(logits.shape)}, temperature={temp}, top_k={top_k})"
-        if not isinstance(got, Tensor) or got.dtype != torch.long or got.shape != expected.shape:
-            shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
-            fail(f"{where} should return a (B, 1) torch.long tensor of token ids, got "
-                 f"{getattr(got, 'dtype', '')} {shape}".replace("  ", " "))
+        if not isinstance(got, Tensor):
+            fail(f"{where} should return a tensor of token ids, got {type(got).__name__}")
+        if got.dtype != torch.long:
+            fail(f"{where} should return token ids as torch.long (int64), got dtype {got.dtype}")
+        if got.shape != expected.shape:
+            fail(f"{where} should return shape {tuple(expected.shape)}: one token per row, in a column (B, 1), "
+                 f"got shape {tuple(got.shape)}" + (": the column dimension was dropped" if got.dim() == 1 else ""))
         if torch.equal(got, expected):
             continue
         if temp == 0:
