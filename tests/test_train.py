@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -19,8 +20,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from diffattn_tutorial.paths import package_root
 from diffattn_tutorial.training import distributed as D
-from diffattn_tutorial.training.checkpoints import latest_checkpoint, load_model
+from diffattn_tutorial.training.checkpoints import (
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model,
+    verify_checkpoint,
+)
 from diffattn_tutorial.training.config import DataSource, RunConfig, graph_breaks
 from diffattn_tutorial.training.loop import main
 from diffattn_tutorial.training.runlog import loss_curve, read_records, read_steps
@@ -139,6 +147,40 @@ def test_compiled_blocks_train_the_same_model(runs, tmp_path):
     for name, value in params(runs["one"]).items():
         assert_close(params(tmp_path)[name], value, **PARAM_TOL, msg=name)
     assert json.loads((tmp_path / "config.json").read_text())["compile"] is True
+
+
+@pytest.mark.slow  # torchrun launches
+def test_ctrl_c_under_torchrun_stops_both_ranks_after_the_same_step(tmp_path):
+    """torchrun forwards Ctrl-C to every worker: both finish the step (and a checkpoint being written), agree on
+    the step to stop after, and rank 0 prints one line; a new pair of processes resumes from that checkpoint."""
+    out = tmp_path / "run"
+    args = [*COMMON, "--steps", "10000", "--checkpoint-every", "2", "--batch-size", "4", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_root()), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(D.torchrun_command("diffattn_tutorial.training.loop", args), env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (checkpoint_dir(out, 2) / "manifest.json").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            D._kill_tree(proc.pid)
+            proc.communicate()
+    last = read_records(out / "metrics.jsonl")[-1]
+    assert last["event"] == "interrupted", output
+    saved = last["step"] - last["step"] % 2
+    assert list_checkpoints(out)[-1] == checkpoint_dir(out, saved)
+    verify_checkpoint(checkpoint_dir(out, saved))
+    ours = [line for line in output.splitlines() if "diffattn_tutorial" in line]  # torchrun adds its own traceback
+    assert len(ours) == 1, output  # rank 0's line, no worker traceback
+    assert f"stopped at step {last['step']} of 10000; resume with --resume from step {saved}" in ours[0]
+    run_two(out, "--steps", "10000", "--checkpoint-every", "2", "--batch-size", "4", "--stop-at", str(saved + 1),
+            "--resume")
+    assert [r["step"] for r in read_steps(out / "metrics.jsonl")] == list(range(1, saved + 2))
 
 
 @pytest.mark.parametrize("attention, backend", [("baseline", "auto"), ("diff", "auto"), ("diff_v2", "auto"),

@@ -93,7 +93,7 @@ def write_manifest(path: Union[str, Path], *, step: int, run_id: Optional[str], 
     manifest = {"format": 1, "step": step, "run_id": run_id, "config": config, "files": files}
     tmp = path / f"{MANIFEST}.tmp"
     with tmp.open("w") as f:
-        json.dump(manifest, f, indent=1)
+        f.write(json.dumps(manifest, indent=1))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / MANIFEST)

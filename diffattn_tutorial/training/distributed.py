@@ -11,6 +11,7 @@
   :func:`fsdp_local_shard` of every parameter, gradient and optimizer state on each rank and gathers a block's
   full weights only while it runs.
 * :func:`gradient_sync`: skip the gradient exchange on the micro-steps before the last one (accumulation).
+* :func:`deferred_sigint` / :func:`any_rank`: Ctrl-C as a request that every rank acts on after the same step.
 * :func:`torchrun_command` / :func:`launch`: run a module under ``torchrun`` on a free port, with a timeout, as
   the tests and notebook 12 do.
 """
@@ -24,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
@@ -224,6 +226,38 @@ def _picklable(outcome: tuple) -> tuple:
         return ("error", RuntimeError(f"{type(e).__name__}: {e}"))
 
 
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` holds on at least one rank (itself without a process group): every rank gets the same
+    answer, so all of them can act on it together."""
+    if not ctx.distributed:
+        return flag
+    value = torch.tensor(int(flag), device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+@contextlib.contextmanager
+def deferred_sigint() -> Iterator[Callable[[], bool]]:
+    """Hold Ctrl-C (SIGINT) while the block runs: the signal only sets a flag, read by calling the yielded
+    function, and the caller stops where stopping is safe (the training loop: after a step and the checkpoint it
+    writes, all ranks after the same step through :func:`any_rank`; ``torchrun`` forwards Ctrl-C to every worker).
+
+    Raising ``KeyboardInterrupt`` wherever the signal lands instead would cut a checkpoint short, or abort the
+    process when it lands in a write that C++ makes through Python (``torch.save``), and would leave the other
+    ranks waiting in a collective. Only Python's default handler is replaced (an ignored SIGINT stays ignored,
+    someone else's handler stays theirs), and only in the main thread, where signal handlers run.
+    """
+    received: list[int] = []
+    install = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum)) if install else None
+    try:
+        yield lambda: bool(received)
+    finally:
+        if install:
+            signal.signal(signal.SIGINT, previous)
+
+
 def gather_ints(value: int, ctx: DistContext) -> list[int]:
     """``value`` from every rank, in rank order (``[value]`` without a process group)."""
     if not ctx.distributed:
@@ -309,5 +343,5 @@ def _kill_tree(pid: int) -> None:
 
 
 __all__ = ["STRATEGIES", "DistContext", "init", "shutdown", "micro_batch_rows", "fsdp_local_shard", "wrap",
-           "gradient_sync", "mean_over_ranks", "on_main", "gather_ints", "local_numel", "free_port", "torchrun_command",
+           "gradient_sync", "mean_over_ranks", "on_main", "any_rank", "deferred_sigint", "gather_ints", "local_numel", "free_port", "torchrun_command",
            "launch"]

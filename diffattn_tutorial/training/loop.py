@@ -47,7 +47,8 @@ What the script does, and where each piece lives:
 * **Output** (``--out DIR``, a new or empty folder; ``--resume`` continues the run in it, ``--overwrite`` clears
   it first): ``config.json``, ``metrics.jsonl`` (JSON lines, :mod:`diffattn_tutorial.training.runlog`, plotted by
   :func:`~diffattn_tutorial.training.runlog.plot_loss_curves`), ``checkpoints/step_NNNNNN/``; a ``tqdm`` bar on rank 0.
-  Ctrl-C stops a run with "stopped at step N" and the checkpoint to resume from, exit code 130 (under ``torchrun``,
+  Ctrl-C lets the step in progress and a checkpoint being written finish, then stops the run (every rank after
+  the same step) with "stopped at step N" and the checkpoint to resume from, exit code 130 (under ``torchrun``,
   torchrun reports its workers' end); bad options exit with 2 and one line naming the fix.
 """
 
@@ -301,24 +302,27 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     model.train()
     done, saved = start, (start if run.checkpoint is not None else None)
     try:
-        for step in bar:
-            loss = _train_step(model, opt, source, cfg, ctx, step, scaler)
-            scaler.unscale_(opt)  # fp16: true gradients before clipping (a no-op otherwise)
-            grad_norm = _clip(model, cfg.clip)
-            scaler.step(opt)  # fp16: skipped when a gradient is inf/NaN; otherwise opt.step()
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            losses.append(D.mean_over_ranks(loss, ctx))
-            done = step + 1
-            tokens += cfg.global_batch * source.row_len(step)
-            log.write({"event": "step", "step": step + 1, "loss": losses[-1], "lr": opt.param_groups[0]["lr"],
-                       "grad_norm": grad_norm, "tokens": tokens,
-                       "seconds": round(time.perf_counter() - t0, 3)})
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if step + 1 == stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
-                save_checkpoint(model, opt, step + 1, cfg.out, run_id=run.run_id, config=cfg.to_json())
-                saved = step + 1
+        with D.deferred_sigint() as ctrl_c:  # Ctrl-C lets the step and its checkpoint finish (see deferred_sigint)
+            for step in bar:
+                loss = _train_step(model, opt, source, cfg, ctx, step, scaler)
+                scaler.unscale_(opt)  # fp16: true gradients before clipping (a no-op otherwise)
+                grad_norm = _clip(model, cfg.clip)
+                scaler.step(opt)  # fp16: skipped when a gradient is inf/NaN; otherwise opt.step()
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                losses.append(D.mean_over_ranks(loss, ctx))
+                done = step + 1
+                tokens += cfg.global_batch * source.row_len(step)
+                log.write({"event": "step", "step": step + 1, "loss": losses[-1], "lr": opt.param_groups[0]["lr"],
+                           "grad_norm": grad_norm, "tokens": tokens,
+                           "seconds": round(time.perf_counter() - t0, 3)})
+                if step % 10 == 0:
+                    bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                if step + 1 == stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
+                    save_checkpoint(model, opt, step + 1, cfg.out, run_id=run.run_id, config=cfg.to_json())
+                    saved = step + 1
+                if step + 1 < stop and D.any_rank(ctrl_c(), ctx):
+                    raise KeyboardInterrupt  # on every rank after the same step
     except KeyboardInterrupt:
         bar.close()
         log.write({"event": "interrupted", "step": done, "seconds": round(time.perf_counter() - t0, 3)})
