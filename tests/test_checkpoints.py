@@ -169,8 +169,11 @@ def test_load_model_refuses_a_checkpoint_without_manifest_unless_told(tmp_path):
     assert run(tmp_path, "--stop-at", "2") == 0
     reference = load_model(tmp_path).state_dict()
     (checkpoint_dir(tmp_path, 2) / MANIFEST).unlink()
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        load_model(tmp_path)  # no finished checkpoint left
+    with pytest.raises(CheckpointError, match=f"no verified checkpoint in {tmp_path}/checkpoints: step_000002 "
+                                              f"has no {MANIFEST} .*load_model\\(..., allow_unverified=True\\)"):
+        load_model(tmp_path)  # the step folders and the option are named (it said "no checkpoint")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 3 in .* \(it holds step_000002\)"):
+        load_model(tmp_path, step=3)
     with pytest.raises(CheckpointError, match=f"step_000002 has no {MANIFEST}"):
         load_model(tmp_path, step=2)
     loaded = load_model(tmp_path, allow_unverified=True).state_dict()

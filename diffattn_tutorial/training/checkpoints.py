@@ -264,6 +264,26 @@ def read_run_config(out: Union[str, Path]) -> tuple[dict, Optional[str]]:
     return saved, run_id
 
 
+def _no_checkpoint(out: Union[str, Path], step: Optional[int], allow_unverified: bool) -> None:
+    """Raise the error for :func:`load_model` finding no checkpoint to load, naming the step folders there are."""
+    found = list_checkpoints(out)
+    names = ", ".join(p.name for p in found[-4:]) + (f" and {len(found) - 4} older" if len(found) > 4 else "")
+    where, have = f"{out}/checkpoints", "has" if len(found) == 1 else "have"
+    if step is not None:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {where} ({'it holds ' + names if found else 'none'}"
+                                f"); pass one of its steps, or step=None for the newest")
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {where}: {out} is not a training run's folder, or its run "
+                                f"stopped before the first checkpoint")
+    if allow_unverified:
+        raise CheckpointError(f"no finished checkpoint in {where}: {names} {have} no .metadata (a save that "
+                              f"did not finish)")
+    raise UnverifiedCheckpoint(f"no verified checkpoint in {where}: {names} {have} no {MANIFEST} (a save that did "
+                               f"not finish, or folders not written by this library); if you trust them, "
+                               f"load_model(..., allow_unverified=True) loads the newest with a .metadata (DCP "
+                               f"unpickles it)")
+
+
 def load_model(out: Union[str, Path], step: Optional[int] = None, *, allow_unverified: bool = False) -> TinyLM:
     """The model of run folder ``out`` (its latest checkpoint, or that of ``step``), in one process, on the CPU,
     in eval mode: whatever world size and strategy trained it.
@@ -277,7 +297,7 @@ def load_model(out: Union[str, Path], step: Optional[int] = None, *, allow_unver
         done = [p for p in list_checkpoints(out) if (p / ".metadata").is_file()]
         path = done[-1] if done else None
     if path is None or not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint {'for step ' + str(step) + ' ' if step else ''}in {out}/checkpoints")
+        _no_checkpoint(out, step, allow_unverified)
     manifest = verify_checkpoint(path, allow_unverified=allow_unverified)
     saved = manifest["config"] if manifest and manifest.get("config") else read_run_config(out)[0]
     saved = {k: v for k, v in saved.items() if k != "out"}
