@@ -141,8 +141,9 @@ def run_example(ex: dict) -> dict:
     return {"ok": not bad, "msg": "; ".join(bad)}
 
 
-def worker_main() -> None:
-    """Answer one JSON line per example read from stdin (an exception is an answer too; a crash is not)."""
+def worker_main(run=run_example) -> None:
+    """Answer one JSON line per example read from stdin with ``run(example)`` (an exception is an answer too; a
+    crash is not)."""
     import torch  # before triton: whether the interpreter is needed (no GPU) must be known first
 
     if not torch.cuda.is_available():
@@ -156,7 +157,7 @@ def worker_main() -> None:
         if ex.get("abort"):  # the test of the harness itself: die as heap corruption does (SIGABRT)
             os.abort()
         try:
-            answer = run_example(ex)
+            answer = run(ex)
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails
             answer = {"ok": False, "msg": f"{type(e).__name__}: {e}"}
         print(json.dumps(answer), flush=True)
@@ -182,17 +183,19 @@ pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter, in a 
 
 
 class Worker:
-    """A subprocess answering examples; restarted after a crash, which it reports as a failed answer."""
+    """A subprocess answering examples (``script --worker``, default this file's worker); restarted after a
+    crash, which it reports as a failed answer."""
 
-    def __init__(self):
+    def __init__(self, script: str = __file__):
         self.env = dict(os.environ, DIFFATTN_TRITON_POISON="1", DIFFATTN_TRITON_AUTOTUNE="0",
                         PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        self.script = script
         self.proc = None
         self.stderr = None
 
     def _start(self) -> None:
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, self.script, "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=self.env)
         assert json.loads(self._read_line(120) or "{}").get("ready"), self._died()
 

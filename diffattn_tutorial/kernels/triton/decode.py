@@ -30,6 +30,7 @@ set before triton is imported: exact but slow).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -260,13 +261,36 @@ def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
                          "diff_attention(..., backend='naive')")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is above the kernel's {MAX_HEAD_DIM}; use diff_attention(..., backend='sdpa')")
+    _check_rows(group, nq, d)
+    if not capturing and not _interpret_mode() and q.device.type != "cuda":
+        raise ValueError(f"the Triton decode kernel runs on a CUDA GPU (or in the interpreter), q is on {q.device}")
+
+
+def _check_rows(group: int, nq: int, d: int) -> None:
     block_m, block_d = tile_shape(group, nq, d)
     if block_m * block_d > MAX_ROWS_X_DIM:
         raise ValueError(f"(H // Hkv) * Nq = {group} * {nq} query rows per KV group at head dim {d} exceed the "
                          f"kernel's {MAX_ROWS_X_DIM // block_d} rows: it decodes a few tokens; for more queries use "
                          f"diff_attention(..., backend='triton')")
-    if not capturing and not _interpret_mode() and q.device.type != "cuda":
-        raise ValueError(f"the Triton decode kernel runs on a CUDA GPU (or in the interpreter), q is on {q.device}")
+
+
+def _check_op(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor, scale: float, num_splits: int,
+              block_n: int) -> dict:
+    """The decode operator's checks, in the operator and its fake implementation: shapes, dtypes, devices and
+    layouts of its tensors (:func:`~diffattn_tutorial.kernels.triton.flash_diff.check_op_inputs`), never the data."""
+    sizes = fd.check_op_inputs(DECODE_OP, q, k, v, lam)
+    fd.check_same(DECODE_OP, q, torch.int32, lengths=lengths)
+    fd.check_shapes(DECODE_OP, {"lengths": ("B",)}, dict(lengths=lengths), sizes)
+    if lengths.stride(0) != 1 and sizes["B"] > 1:
+        raise ValueError(f"{DECODE_OP}: lengths has stride {lengths.stride(0)}; pass lengths.contiguous()")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{DECODE_OP}: scale must be a positive finite number (1/sqrt(d) by default), got {scale!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"{DECODE_OP}: num_splits must be a whole number >= 1, got {num_splits!r}")
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{DECODE_OP}: block_n must be a power of two >= 16, got {block_n!r}")
+    _check_rows(sizes["H"] // sizes["Hkv"], sizes["Nq"], sizes["d"])
+    return sizes
 
 
 DECODE_OP = "diffattn::triton_decode"
@@ -302,8 +326,12 @@ def _launch(name: str, grid: tuple, args: dict, consts: dict, opts: dict, dtype:
 @torch.library.custom_op(DECODE_OP, mutates_args=())
 def triton_decode(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor, causal: bool, scale: float,
                   num_splits: int, block_n: int) -> Tensor:
-    """The two decode kernels on inputs :func:`decode_attention` has checked (``lengths`` ``(B,)`` int32,
-    ``num_splits >= 1``, ``block_n`` a power of two >= 16): ``(B, H, Nq, 2d)`` in q's dtype."""
+    """The two decode kernels: ``(B, H, Nq, 2d)`` in q's dtype, for ``lengths`` ``(B,)`` int32, ``num_splits >= 1``,
+    ``block_n`` a power of two >= 16. Refuses anything else, and mismatched shapes, dtypes or devices, by name
+    (:func:`_check_op`), before a kernel reads memory."""
+    sizes = _check_op(q, k, v, lam, lengths, scale, num_splits, block_n)
+    if fd._capture is None:
+        _check_decode(q, sizes["H"] // sizes["Hkv"], sizes["Nq"], sizes["d"])
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     group = H // Hkv
@@ -332,6 +360,7 @@ def triton_decode(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor,
 
 @triton_decode.register_fake
 def _(q, k, v, lam, lengths, causal, scale, num_splits, block_n):
+    _check_op(q, k, v, lam, lengths, scale, num_splits, block_n)
     B, H2, Nq, d = q.shape
     return q.new_empty(B, H2 // 2, Nq, 2 * d)
 

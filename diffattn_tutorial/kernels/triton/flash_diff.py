@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from typing import Iterator, Optional
 
@@ -316,6 +317,147 @@ def _lam4(lam: Tensor, B: int, H: int, Nq: int) -> Tensor:
     return lam4.contiguous() if abs(lam4.stride(2)) * Nq >= 2**31 else lam4
 
 
+# ============================================================================================
+# the operators' own checks: shapes, dtypes, devices and layouts, never the data
+# ============================================================================================
+
+QKV_LAYOUTS = {"q": ("B", "2H", "Nq", "d"), "k": ("B", "2Hkv", "Nk", "d"), "v": ("B", "Hkv", "Nk", "2d")}
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_shapes(op: str, layouts: dict[str, tuple], tensors: dict[str, Tensor], sizes: Optional[dict] = None
+                 ) -> dict[str, int]:
+    """Bind the symbols of each layout in turn (``"B"``, ``"2H"`` = twice ``H``, a number = that size) to the
+    sizes of the tensor it describes; refuse, naming ``op``, the tensor, its shape and the shape expected, the first
+    tensor whose dims disagree with what the earlier ones fixed. Returns the sizes (``{"B": 1, "H": 2, ...}``)."""
+    sizes, fixed_by = dict(sizes or {}), {}
+    for name, layout in layouts.items():
+        t = tensors[name]
+        if t.ndim != len(layout):
+            raise ValueError(f"{op}: {name} must be {len(layout)}-D ({', '.join(layout)}), got shape {tuple(t.shape)}")
+        for sym, n in zip(layout, t.shape):
+            factor, base = (2, sym[1:]) if sym.startswith("2") and len(sym) > 1 else (1, sym)
+            if base.isdigit() or base in sizes:
+                want = int(base) if base.isdigit() else factor * sizes[base]
+                if n != want:
+                    expected = ", ".join(_expected(s, sizes) for s in layout)
+                    source = f" (from {fixed_by.get(base, 'q, k, v')})" if not base.isdigit() else ""
+                    raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, but ({', '.join(layout)}) = "
+                                     f"({expected}) is expected: its {sym} is {n}, not {want}{source}; pass {name} "
+                                     f"of shape ({expected})")
+            elif n % factor:
+                raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}: its {sym} = {n} must be even (two maps "
+                                 f"per head, layout ({', '.join(layout)})); pass {name} with {sym} even")
+            else:
+                sizes[base], fixed_by[base] = n // factor, name
+    return sizes
+
+
+def _expected(sym: str, sizes: dict) -> str:
+    factor, base = (2, sym[1:]) if sym.startswith("2") and len(sym) > 1 else (1, sym)
+    return base if base.isdigit() else (str(factor * sizes[base]) if base in sizes else sym)
+
+
+def _broadcasts(shape: tuple, target: tuple) -> bool:
+    """``shape`` broadcasts to ``target`` (aligned on the right, each dim 1 or equal), with no more dims."""
+    return len(shape) <= len(target) and all(n in (1, want) for n, want in zip(reversed(shape), reversed(target)))
+
+
+def check_same(op: str, q: Tensor, dtype: Optional[torch.dtype] = None, **tensors: Tensor) -> None:
+    """Each tensor on ``q``'s device and of ``dtype`` (default q's): else an error naming it and the fix."""
+    for name, t in tensors.items():
+        if dtype is None and t.dtype != q.dtype:
+            raise TypeError(f"{op}: {name} is {t.dtype} and q {q.dtype}: they must share one dtype; pass "
+                            f"{name}.to(q.dtype)")
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"{op}: {name} is {t.dtype}, it must be {dtype}; pass {name}.to({dtype})")
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q on {q.device}; pass {name}.to(q.device)")
+
+
+def check_op_inputs(op: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor) -> dict[str, int]:
+    """What every operator checks of q, k, v and lam before any kernel reads them (shapes, dtypes, devices, unit
+    last stride); returns the sizes ``B, H, Hkv, Nq, Nk, d``."""
+    for name, t in dict(q=q, k=k, v=v, lam=lam).items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: q is {q.dtype}; the kernels run float32, float16 and bfloat16: cast q, k, v and lam "
+                        f"with .float(), or use diff_attention(..., backend='naive') for {q.dtype}")
+    check_same(op, q, k=k, v=v, lam=lam)
+    sizes = check_shapes(op, QKV_LAYOUTS, dict(q=q, k=k, v=v))
+    if not 1 <= sizes["d"] <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim d = {sizes['d']} (q {tuple(q.shape)}); the kernels run d from 1 to "
+                         f"{MAX_HEAD_DIM}; use diff_attention(..., backend='sdpa') or 'naive'")
+    if sizes["Hkv"] == 0 or sizes["H"] % sizes["Hkv"]:
+        raise ValueError(f"{op}: k has Hkv = {sizes['Hkv']} KV groups for q's H = {sizes['H']} differential heads; "
+                         f"H must be a positive multiple of Hkv (k (B, 2Hkv, Nk, d), v (B, Hkv, Nk, 2d))")
+    if not _broadcasts(tuple(lam.shape), (sizes["B"], sizes["H"], sizes["Nq"], 1)):
+        raise ValueError(f"{op}: lam of shape {tuple(lam.shape)} does not broadcast to (B, H, Nq, 1) = "
+                         f"({sizes['B']}, {sizes['H']}, {sizes['Nq']}, 1) (from q); pass a 0-dim tensor, one per "
+                         f"head (H, 1, 1) or one per token (B, H, Nq, 1)")
+    for name, t in dict(q=q, k=k, v=v).items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name}'s last dim has stride {t.stride(-1)}; the kernels read it with unit "
+                             f"stride: pass {name}.contiguous()")
+    return sizes
+
+
+def _check_mask_arg(op: str, attn_mask: Optional[Tensor], q: Tensor, sizes: dict) -> None:
+    if attn_mask is None:
+        return
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"{op}: attn_mask is {attn_mask.dtype}; pass a bool mask (True = may attend) or an "
+                        f"additive float one (attn_mask.bool() for 0/1)")
+    if attn_mask.device != q.device:
+        raise ValueError(f"{op}: attn_mask is on {attn_mask.device} but q on {q.device}; pass attn_mask.to(q.device)")
+    target = (sizes["B"], sizes["H"], sizes["Nq"], sizes["Nk"])
+    if not _broadcasts(tuple(attn_mask.shape), target):
+        raise ValueError(f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Nq, Nk) = "
+                         f"{target} (from q and k); pass one of shape (Nq, Nk), (B, 1, Nq, Nk) or (B, H, Nq, Nk)")
+
+
+def _check_launch_args(op: str, scale: float, blocks: list[int], plan: str) -> None:
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{op}: scale must be a positive finite number (1/sqrt(d) by default), got {scale!r}")
+    if blocks and (len(blocks) != 2 or min(blocks) < 16 or any(b & (b - 1) for b in blocks)):
+        raise ValueError(f"{op}: blocks must be [] or two powers of two >= 16 [BLOCK_M, BLOCK_N], got {blocks}")
+    if plan not in PLANS:
+        raise ValueError(f"{op}: plan must be one of {tuple(PLANS)}, got {plan!r}")
+
+
+def _check_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], scale: float,
+                   blocks: list[int], plan: str) -> dict[str, int]:
+    """The forward operator's checks (in the operator and its fake implementation)."""
+    sizes = check_op_inputs(FORWARD_OP, q, k, v, lam)
+    _check_mask_arg(FORWARD_OP, attn_mask, q, sizes)
+    _check_launch_args(FORWARD_OP, scale, blocks, plan)
+    return sizes
+
+
+def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                    out: Tensor, o2: Tensor, lse: Tensor, scale: float, blocks: list[int], plan: str,
+                    needs: list[bool]) -> dict[str, int]:
+    """The backward operator's checks: the forward's, and ``dout``, ``out``, ``o2``, ``lse`` as the forward (with
+    ``store_o2``) made them."""
+    op = BACKWARD_OP
+    sizes = check_op_inputs(op, q, k, v, lam)
+    _check_mask_arg(op, attn_mask, q, sizes)
+    _check_launch_args(op, scale, blocks, plan)
+    check_same(op, q, dout=dout, out=out)
+    check_same(op, q, torch.float32, o2=o2, lse=lse)
+    outs = {"dout": ("B", "H", "Nq", "2d"), "out": ("B", "H", "Nq", "2d"), "o2": ("B", "H", "Nq", "2d"),
+            "lse": ("B", "H", "2", "Nq")}
+    check_shapes(op, outs, dict(dout=dout, out=out, o2=o2, lse=lse), sizes)
+    if o2.stride() != out.stride() or (out.shape[-1] > 1 and out.stride(-1) != 1) or not lse.is_contiguous():
+        raise ValueError(f"{op}: out, o2 and lse must be the forward operator's outputs (out and o2 with one dense "
+                         f"layout, lse contiguous); got strides out {out.stride()}, o2 {o2.stride()}, lse "
+                         f"{lse.stride()}: run {FORWARD_OP} with store_o2=True and pass what it returns")
+    if len(needs) != 3:
+        raise ValueError(f"{op}: needs must be three flags [dq, dk, dv], got {needs}")
+    return sizes
+
+
 FORWARD_OP = "diffattn::triton_forward"
 BACKWARD_OP = "diffattn::triton_backward"
 """The kernels as torch operators (``torch.library.custom_op``, each with a fake implementation for shapes and
@@ -348,7 +490,11 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
                    scale: float, blocks: list[int], plan: str, store_o2: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The forward kernels on inputs :func:`triton_diff_attention` has checked: ``(out, o2, lse)``, ``out``
     ``(B, H, Nq, 2d)`` in q's dtype, ``o2`` the map-2 output in float32 (``(B, H, Nq, 2d)`` when ``store_o2``, for
-    the backward, else empty) and ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32."""
+    the backward, else empty) and ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32. Refuses
+    inputs the kernels cannot read safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts)."""
+    _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
+    if _capture is None:
+        _check_mode(q.device)
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), _capability(q.device)
@@ -373,6 +519,7 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
 
 @triton_forward.register_fake
 def _(q, k, v, lam, attn_mask, causal, scale, blocks, plan, store_o2):
+    _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
     B, H2, Nq, d = q.shape
     o2 = q.new_empty(B, H2 // 2, Nq, 2 * d, dtype=torch.float32) if store_o2 else q.new_empty(0, dtype=torch.float32)
     return q.new_empty(B, H2 // 2, Nq, 2 * d), o2, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32)
@@ -389,7 +536,11 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward kernels: ``(dq, dk, dv, delta)``, each of dq, dk, dv a dense buffer of its input's shape where
     ``needs`` (three flags: dq, dk, dv) asks for it (dk and dv come together, :func:`_wanted`), else empty;
-    ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows)."""
+    ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows).
+    Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse`` not shaped as it made them."""
+    _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
+    if _capture is None:
+        _check_mode(q.device)
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), _capability(q.device)
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
@@ -427,6 +578,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
 
 @triton_backward.register_fake
 def _(dout, q, k, v, lam, attn_mask, out, o2, lse, causal, scale, blocks, plan, needs):
+    _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
     B, H2, Nq, _ = q.shape
     grads = (t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
     return (*grads, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32))
