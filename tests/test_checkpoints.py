@@ -230,11 +230,6 @@ CHILD = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_ha
          "from diffattn_tutorial.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def _steps_logged(out: Path) -> int:
-    log = out / "metrics.jsonl"
-    return len(read_steps(log)) if log.exists() else 0
-
-
 def interrupted_run(out: Path, *args: str, when) -> tuple[int, str]:
     """``train`` in a process of its own, sent SIGINT (Ctrl-C) once ``when()`` holds; its exit code and stderr."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *TINY, "--out", str(out), *args],
@@ -254,12 +249,31 @@ def interrupted_run(out: Path, *args: str, when) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(tmp_path, capsys):
+@pytest.fixture
+def ctrl_c_after_step_1(monkeypatch):
+    """A real SIGINT to this process when step 1 is first logged, Python's default handler in place (as in a
+    shell)."""
+    write, sent = T.MetricsLog.write, []
+
+    def write_then_signal(self, record):
+        write(self, record)
+        if record.get("event") == "step" and record["step"] == 1 and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(T.MetricsLog, "write", write_then_signal)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(tmp_path, capsys, ctrl_c_after_step_1):
     """The reported circle: --resume said "run without --resume first", which refused the folder as not empty."""
     out = tmp_path / "run"
-    code, err = interrupted_run(out, "--steps", "10000", when=lambda: _steps_logged(out) >= 1)
-    assert code == 130 and "Traceback" not in err and err.count("\n") == 1, err
-    assert "before any checkpoint was saved; --resume starts it again from step 0" in err
+    assert run(out, "--steps", "10000") == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert "stopped at step 1 of 10000, before any checkpoint was saved; --resume starts it again from step 0" in err
     assert not (out / "checkpoints").exists() and (out / "config.json").exists()
     assert run(out, "--steps", "10000", "--stop-at", "2") == 2
     assert "continue its run with --resume" in one_line_error(capsys)
