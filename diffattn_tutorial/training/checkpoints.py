@@ -269,12 +269,12 @@ def _no_checkpoint(out: Union[str, Path], step: Optional[int], allow_unverified:
     found = list_checkpoints(out)
     names = ", ".join(p.name for p in found[-4:]) + (f" and {len(found) - 4} older" if len(found) > 4 else "")
     where, have = f"{out}/checkpoints", "has" if len(found) == 1 else "have"
-    if step is not None:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {where} ({'it holds ' + names if found else 'none'}"
-                                f"); pass one of its steps, or step=None for the newest")
     if not found:
-        raise FileNotFoundError(f"no checkpoint in {where}: {out} is not a training run's folder, or its run "
-                                f"stopped before the first checkpoint")
+        raise FileNotFoundError(f"no checkpoint {'' if step is None else f'for step {step} '}in {where}: {out} is "
+                                f"not a training run's folder, or its run stopped before the first checkpoint")
+    if step is not None:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {where} (it holds {names}); pass one of those "
+                                f"steps, or step=None for the newest")
     if allow_unverified:
         raise CheckpointError(f"no finished checkpoint in {where}: {names} {have} no .metadata (a save that "
                               f"did not finish)")

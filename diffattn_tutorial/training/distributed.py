@@ -343,5 +343,5 @@ def _kill_tree(pid: int) -> None:
 
 
 __all__ = ["STRATEGIES", "DistContext", "init", "shutdown", "micro_batch_rows", "fsdp_local_shard", "wrap",
-           "gradient_sync", "mean_over_ranks", "on_main", "any_rank", "deferred_sigint", "gather_ints", "local_numel", "free_port", "torchrun_command",
-           "launch"]
+           "gradient_sync", "mean_over_ranks", "on_main", "any_rank", "deferred_sigint", "gather_ints", "local_numel",
+           "free_port", "torchrun_command", "launch"]
