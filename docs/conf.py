@@ -44,9 +44,10 @@ nitpick_ignore_regex = [
                r"json|os|io|re|random|threading|multiprocessing|datetime|functools|itertools|importlib|warnings)(\..*)?"),
 ]
 autodoc_member_order = "bysource"
+toc_object_entries = False  # each API page opens with its own list of names; a toctree of every object costs ~3 s
 autodoc_typehints_format = "short"
 autodoc_inherit_docstrings = False  # a method without a docstring shows none, not torch.nn.Module's
-autodoc_mock_imports = [] if __import__("importlib.util").util.find_spec("triton") else ["triton"]
+autodoc_mock_imports = __import__("course_site").MOCK_IMPORTS  # triton, when it is not installed
 
 # math: MathJax 3 served from the site itself (copied by course_site), SVG output needs no web fonts
 mathjax_path = "mathjax/tex-svg.js"

@@ -22,6 +22,8 @@ Four jobs, each a small function connected in :func:`setup`:
 from __future__ import annotations
 
 import ast
+import builtins
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -53,6 +55,20 @@ LIVE_WIDGET = "[live widget"  # how the course's show_interactive starts a widge
 logger = logging.getLogger(__name__)
 
 
+def _missing(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return True
+    return False
+
+
+# Triton (about 1 GB, Linux only) is not needed to build the site: without it, its modules import against a mock
+# (their kernels' docs are their docstrings; nothing compiles or runs). Importing the C++ kernel's module never
+# compiles it (that happens on first use).
+MOCK_IMPORTS = ["triton"] if _missing("triton") else []
+
+
 # --- the public API ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -66,15 +82,22 @@ class ModuleAPI:
 
 def public_modules() -> list[str]:
     """Every importable module of the package whose dotted path has no ``_``-prefixed part, sorted."""
-    pkg = importlib.import_module(PACKAGE)
-    names = [PACKAGE] + [m.name for m in pkgutil.walk_packages(pkg.__path__, PACKAGE + ".")]
+    from sphinx.ext.autodoc.mock import mock
+
+    with mock(MOCK_IMPORTS):  # walk_packages imports each subpackage
+        pkg = importlib.import_module(PACKAGE)
+        names = [PACKAGE] + [m.name for m in pkgutil.walk_packages(pkg.__path__, PACKAGE + ".")]
     return sorted(n for n in names if not any(part.startswith("_") for part in n.split(".")))
 
 
 def _assigned_names(module) -> list[str]:
     """Names a module's own source assigns at top level (its constants), in source order."""
-    path = getattr(module, "__file__", None)
-    if not path or not path.endswith(".py"):
+    return _assigned_in(getattr(module, "__file__", None) or "")
+
+
+@functools.lru_cache(maxsize=None)
+def _assigned_in(path: str) -> list[str]:
+    if not path.endswith(".py"):
         return []
     names = []
     for node in ast.parse(Path(path).read_text()).body:
@@ -126,7 +149,10 @@ def _defined_here(module, name: str) -> bool:
 
 def public_api() -> dict[str, ModuleAPI]:
     """Every public module and its public names, each name documented in exactly one home."""
-    modules = {name: importlib.import_module(name) for name in public_modules()}
+    from sphinx.ext.autodoc.mock import mock
+
+    with mock(MOCK_IMPORTS):
+        modules = {name: importlib.import_module(name) for name in public_modules()}
     apis = {name: ModuleAPI(name) for name in modules}
     homes: dict[int, str] = {}  # id(object) -> full name of the page entry that documents it
     pending = []
@@ -150,6 +176,9 @@ def public_api() -> dict[str, ModuleAPI]:
 def _page(api: ModuleAPI) -> str:
     """The reST of one module's page."""
     lines = [api.name, "=" * len(api.name), "", f".. automodule:: {api.name}", ""]
+    if api.documented:
+        lines += ["On this page: " + ", ".join(f":py:obj:`{attr} <{api.name}.{attr}>`" for attr, _ in api.documented)
+                  + ".", ""]
     if api.reexported:
         lines += ["Also importable from here: " + ", ".join(f":py:obj:`{attr} <{home}>`" for attr, home in api.reexported)
                   + ".", ""]
@@ -320,10 +349,10 @@ class StaticWidgets(SphinxTransform):
             if not text.startswith(LIVE_WIDGET):
                 bundle.parent.remove(bundle)
                 continue
+            said = text.strip("[]")
+            said = said[:1].upper() + said[1:] + " Open this notebook in Colab or JupyterLab to move the sliders."
             note = nodes.admonition("", nodes.title("", "Interactive widget: needs a running kernel"),
-                                    nodes.paragraph("", text.strip("[]") + " Open this notebook in Colab or "
-                                                    "JupyterLab to move the sliders."),
-                                    classes=["note", "static-widget"])
+                                    nodes.paragraph("", said), classes=["note", "static-widget"])
             bundle.replace_self(note)
 
 
@@ -344,7 +373,27 @@ def _exists(target: str, module: str | None, cls: str | None) -> bool:
                 break
             return obj.__name__.startswith(PACKAGE) if inspect.ismodule(obj) else full.startswith(PACKAGE)
     # a private helper named from a sibling module (a kernel of flash_kernels named in flash_diff)
-    return "." not in target and any(hasattr(m, target) for n, m in list(sys.modules.items()) if n.startswith(PACKAGE))
+    return "." not in target and target in _package_attributes()
+
+
+@functools.lru_cache(maxsize=None)
+def _package_attributes() -> frozenset[str]:
+    """Every name any module of the package holds, private ones included."""
+    return frozenset(name for mod_name, mod in list(sys.modules.items()) if mod_name.startswith(PACKAGE) and mod
+                     for name in vars(mod))
+
+
+def _by_last_name(domain) -> dict[str, list[str]]:
+    """The documented Python objects' full names, by their last component (built once per build)."""
+    index = getattr(domain, "_course_site_index", None)
+    if index is None or index[0] != len(domain.objects):
+        names: dict[str, list[str]] = {}
+        for name, obj in domain.objects.items():
+            if not obj.aliased:
+                names.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+        index = (len(domain.objects), names)
+        domain._course_site_index = index
+    return index[1]
 
 
 def resolve_short_names(app: Sphinx, env, node, contnode):
@@ -355,12 +404,15 @@ def resolve_short_names(app: Sphinx, env, node, contnode):
     if node.get("refdomain") != "py":
         return None
     target = re.sub(r"\s+", "", node["reftarget"]).lstrip("~.")  # a role broken over two lines
+    head = target.split(".")[0]
+    if hasattr(builtins, head) or (head != PACKAGE and head in sys.modules):
+        return None  # a builtin or another package's name (torch.Tensor): Sphinx and nitpick_ignore decide
     domain = env.get_domain("py")
-    matches = [(name, obj) for name, obj in domain.objects.items()
-               if (name == target or name.endswith("." + target)) and not obj.aliased]
+    matches = [name for name in _by_last_name(domain).get(target.rsplit(".", 1)[-1], [])
+               if name == target or name.endswith("." + target)]
     if len(matches) == 1:
-        name, obj = matches[0]
-        return make_refnode(app.builder, node["refdoc"], obj.docname, obj.node_id, contnode, name)
+        obj = domain.objects[matches[0]]
+        return make_refnode(app.builder, node["refdoc"], obj.docname, obj.node_id, contnode, matches[0])
     if _exists(target, node.get("py:module"), node.get("py:class")):
         return contnode
     return None
