@@ -271,14 +271,16 @@ def browser(tmp_path_factory):
 def test_page_renders_offline_in_chromium(site, browser, page, math):
     browser.open((site / page).as_uri())
     assert browser.errors() == [], f"{page}: {browser.errors()}"
-    state = json.loads(browser.evaluate("""JSON.stringify({
+    state = json.loads(browser.evaluate(r"""JSON.stringify({
         title: document.title,
         text: document.body.innerText.length,
         broken: Array.from(document.images).filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src),
         figures: Array.from(document.images).filter(i => i.src.includes('/_images/') && i.naturalWidth > 100).length,
         math: document.querySelectorAll('mjx-container[jax="SVG"]').length,
-        unrendered: document.querySelectorAll('mjx-merror').length})"""))
+        unrendered: document.querySelectorAll('mjx-merror').length,
+        raw_tex: /\\\(|\$\$/.test(document.body.innerText)})"""))
     assert state["title"] and state["text"] > 1000, state
     assert state["broken"] == [], f"{page}: images that did not load: {state['broken']}"
+    assert not state["raw_tex"], f"{page}: TeX left untypeset (the sidebar's titles hold math on every page)"
     if math:
         assert state["figures"] >= 1 and state["math"] >= 10 and state["unrendered"] == 0, state

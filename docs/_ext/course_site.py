@@ -14,7 +14,7 @@ Four jobs, each a small function connected in :func:`setup`:
 * **Widgets.** Stored widget outputs have no state a static page can run: a live widget (its text fallback starts
   with ``[live widget``) becomes a note saying it needs a running kernel, next to the static figure the notebook
   shows above it; a progress bar (tqdm's widget) is dropped.
-* **Offline math.** MathJax 3 is served from the site itself (``_static/mathjax``, copied from the
+* **Offline math.** On every page (the sidebar's chapter titles hold math), MathJax 3 is served from the site itself (``_static/mathjax``, copied from the
   ``sphinx-mathjax-offline`` package), in its SVG output, which draws glyphs as paths and so needs no web fonts: a
   page opened from ``file://`` without a network typesets its math. The Colab badge image is served locally too.
 """
@@ -455,6 +455,7 @@ def copy_files(app: Sphinx, exc) -> None:
 
 
 def setup(app: Sphinx) -> dict:
+    app.set_html_assets_policy("always")  # MathJax on every page: chapter titles in the sidebar hold math
     app.connect("builder-inited", write_api_pages)
     app.connect("autodoc-process-docstring", own_docstring)
     app.connect("autodoc-process-signature", custom_op_signature)
