@@ -35,8 +35,10 @@ DTYPES = ("float64", "float16", "bfloat16", "int32", "bool")
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _valid_call(ex: dict) -> tuple[dict, dict]:
-    """``(tensors, others)`` of a valid call of ``ex["op"]`` at the example's sizes."""
+def _call(ex: dict) -> tuple[dict, dict]:
+    """``(tensors, others)``: a valid call of ``ex["op"]`` at the example's sizes, with the example's change. The
+    backward gets ``out``, ``o2``, ``lse`` from the forward of its (changed) inputs where the forward accepts them:
+    a change of lam's shape that stays valid is then a valid call (not statistics of another lam)."""
     import torch
 
     g = torch.Generator().manual_seed(ex["seed"])
@@ -46,13 +48,31 @@ def _valid_call(ex: dict) -> tuple[dict, dict]:
     t["lam"] = torch.rand(B, H, Nq, 1, generator=g) if ex["lam_per_token"] else torch.tensor(0.4)
     if ex["op"] == "decode":
         t["lengths"] = torch.full((B,), Nk, dtype=torch.int32)
-        return t, dict(causal=True, scale=d ** -0.5, num_splits=2, block_n=16)
+        return _change(t, ex), dict(causal=True, scale=d ** -0.5, num_splits=2, block_n=16)
     t["attn_mask"] = torch.rand(B, 1, Nq, Nk, generator=g) < 0.8 if ex["mask"] else None
     others = dict(causal=False, scale=d ** -0.5, blocks=[], plan="split")
-    if ex["op"] == "backward":
-        out, o2, lse = torch.ops.diffattn.triton_forward(*(t[n] for n in OPS["forward"]), *others.values(), True)
-        t = dict(dout=torch.randn(B, H, Nq, 2 * d, generator=g), **t, out=out, o2=o2, lse=lse)
-    return t, others
+    if ex["op"] == "forward":
+        return _change(t, ex), others
+    forward = torch.ops.diffattn.triton_forward
+    stats = forward(*(t[n] for n in OPS["forward"]), *others.values(), True)
+    t = dict(dout=torch.randn(B, H, Nq, 2 * d, generator=g), **t)
+    if ex["arg"] in OPS["forward"]:
+        t = _change(t, ex)
+        try:
+            stats = forward(*(t[n] for n in OPS["forward"]), *others.values(), True)
+        except (ValueError, TypeError):
+            pass  # the backward must refuse the change too
+    t.update(zip(("out", "o2", "lse"), stats))
+    return (t if ex["arg"] in OPS["forward"] else _change(t, ex)), others
+
+
+def _change(t: dict, ex: dict) -> dict:
+    import torch
+
+    arg = ex["arg"]
+    if t.get(arg) is None:  # no mask to change: start from one of the wrong size
+        t[arg] = torch.ones(1, 1, ex["Nq"] + 1, ex["Nk"], dtype=torch.bool)
+    return {**t, arg: _changed(t[arg], ex)}
 
 
 def _changed(t, ex: dict):
@@ -107,10 +127,7 @@ def run_example(ex: dict) -> dict:
     from diffattn_tutorial.kernels.triton import decode  # noqa: F401 - registers diffattn::triton_decode
 
     op, arg = ex["op"], ex["arg"]
-    t, others = _valid_call(ex)
-    if t[arg] is None:  # no mask to change: start from one of the wrong size
-        t[arg] = torch.ones(1, 1, ex["Nq"] + 1, ex["Nk"], dtype=torch.bool)
-    t[arg] = _changed(t[arg], ex)
+    t, others = _call(ex)
     call = getattr(torch.ops.diffattn, f"triton_{op}")
     try:
         if ex["fake"]:
@@ -162,9 +179,9 @@ def test_the_decode_operator_refuses_k_and_v_of_different_lengths():
     code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
             "import torch\nimport diffattn_tutorial.kernels.triton.decode\n"
             "q = torch.randn(1, 4, 1, 8); k = torch.randn(1, 2, 2000, 8); v = torch.randn(1, 1, 1, 16)\n"
-            "lens = torch.tensor([2000], dtype=torch.int32)\n"
-            "for op, args in (('triton_decode', (q, k, v, torch.tensor(0.3), lens, True, 0.35, 4, 16)),\n"
-            "                 ('triton_forward', (q, k, v, torch.tensor(0.3), None, False, 0.35, [], 'fused', False))):\n"
+            "lam, lens = torch.tensor(0.3), torch.tensor([2000], dtype=torch.int32)\n"
+            "for op, args in (('triton_decode', (q, k, v, lam, lens, True, 0.35, 4, 16)),\n"
+            "                 ('triton_forward', (q, k, v, lam, None, False, 0.35, [], 'fused', False))):\n"
             "    try:\n        out = getattr(torch.ops.diffattn, op)(*args)\n"
             "        print(op, 'returned, finite:', bool(out[0].isfinite().all()))\n"
             "    except ValueError as e:\n        print(op, 'refused:', e)\n")
@@ -211,6 +228,7 @@ def _example(**kw) -> dict:
 @example(ex=_example(op="backward", arg="o2", dim=3, size=4))  # the backward reads o2 with out's layout
 @example(ex=_example(op="backward", arg="lse", change="dtype", dtype="float16"))
 @example(ex=_example(arg="lam", dim=1, size=1))  # a lambda per token shared by the heads: still valid
+@example(ex=_example(op="backward", arg="lam", lam_per_token=False, change="ndim", size=1))  # lam (1,): valid
 @example(ex=_example(arg="attn_mask", change="dtype", dtype="float64"))  # an additive mask: valid
 @example(ex=_example(op="decode", arg="lengths", change="dtype", dtype="float64"))
 @example(ex=_example(arg="k", change="device"))  # meta: the fake implementation answers

@@ -1,34 +1,21 @@
 """Compile the Triton kernels ahead of time for GPUs that are not here, and read what a GPU would meet.
 
-Triton's compiler runs on any machine: given a target (``GPUTarget("cuda", 90, 32)`` is an H100) it lowers a
-kernel to PTX and assembles it with the ``ptxas`` shipped inside the Triton wheel, whose ``-v`` report says how
-many registers each thread uses and how many bytes it spills to local memory. This module compiles every
-launch :func:`diffattn_tutorial.kernels.triton.flash_diff.triton_diff_attention` makes (captured from the real host code, so
-the arguments, strides and constexprs are exactly those of a run) for every configuration its autotuner may
-pick, for each target of :data:`ARCHS` (the GPUs learners have: T4 sm_75, A100 sm_80, RTX 30xx sm_86, L4 and
-RTX 40xx sm_89, H100 sm_90a), and records per compile (:class:`Facts`):
+Triton's compiler runs on any machine: given a target (``GPUTarget("cuda", 90, 32)`` is an H100) it lowers a kernel
+to PTX, and the ``ptxas`` inside the Triton wheel assembles it and reports registers and spills. This module captures
+every launch the library makes (:func:`launches_for`, from the real host code, so arguments, strides and constexprs
+are a run's), compiles each configuration its autotuner may pick for each target of :data:`ARCHS` (T4 sm_75, A100
+sm_80, RTX 30xx sm_86, L4 and RTX 40xx sm_89, H100 sm_90a) and records per compile (:class:`Facts`): registers,
+spills, shared memory, the matrix instructions in the PTX (``wgmma`` or ``mma.sync``; FMA loops on sm_75), and
+``dup``, how many times a product is computed redundantly (warpgroups over the same rows, read from the TTGIR).
+:meth:`Facts.problems` turns them into failures: a compile error, a spill, a limit exceeded, a 16-bit dot off the
+tensor cores, a product computed twice.
 
-* ``regs``, ``spill_stores``, ``spill_loads``, ``stack``: from ``ptxas -v`` (255 registers is the ceiling);
-* ``shared``: bytes of shared memory (limits per block: 227 KiB H100, 163 KiB A100, 99 KiB sm_86/sm_89, 64 KiB
-  T4);
-* ``wgmma`` / ``mma_sync``: Hopper's warpgroup matrix instructions vs the Ampere path, counted in the PTX,
-  and the ``wgmma`` shapes (``m64n64k16``...); neither on sm_75, where this Triton (3.9) lowers dots to FMA;
-* ``dup``: how many times a matrix product is computed redundantly. Triton spreads a dot over the warps of
-  a program; on Hopper each warpgroup (4 warps) owns 64 rows, so a dot of 64 rows run by 8 warps is done
-  twice, once per warpgroup (read from the layouts in the TTGIR);
-* ``p_via_smem``: the probabilities P change layout through shared memory before the ``P V`` product.
-
-:meth:`Facts.problems` turns them into failures: a compile error, any spill, shared memory or registers over the
-target's limits, on sm_90a a 16-bit dot that is not ``wgmma`` or a duplicated dot, on sm_80-89 a 16-bit dot that
-is not ``mma.sync``. Each case runs on a target as the library runs it there (:func:`case_on`: no bf16 on sm_75,
-training there up to d = 64). ``tests/test_triton_compile.py`` runs a representative subset for sm_90a and sm_75;
-``python -m diffattn_tutorial.kernels.triton.aot --all --write`` runs every case for every target and writes
-``diffattn_tutorial/recorded/compile_facts.json`` (read it with :func:`recorded_facts`, from any folder);
-``--all --archs sm_80 --write`` redoes one target and keeps the others' facts (:func:`merge_runs`), so the full
-check can be recorded in one run per target.
-
-Triton's compiler cannot run in a process where ``TRITON_INTERPRET=1`` was set before triton was imported
-(the kernels are interpreter functions there), so :func:`compile_check` then runs itself in a subprocess.
+``python -m diffattn_tutorial.kernels.triton.aot --all --archs sm_80 --jobs 2 --write`` records one target into
+``diffattn_tutorial/recorded/compile_facts.json`` and keeps the other targets' facts (:func:`merge_runs`) while the
+kernels' source hash (:func:`source_hash`) and Triton are the same; ``--decode`` does the same for the decode kernels
+(``compile_facts_decode.json``). ``tests/test_triton_compile.py`` fails when the record is stale and compiles a
+subset live. The compiler cannot run where ``TRITON_INTERPRET=1`` was set before triton was imported, so
+:func:`compile_check` then runs itself in a subprocess.
 """
 
 from __future__ import annotations

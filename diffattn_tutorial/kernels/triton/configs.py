@@ -1,8 +1,15 @@
-"""Which block sizes, warps and stages each kernel of :mod:`~diffattn_tutorial.kernels.triton.flash_diff` may
-launch with, per GPU architecture and head dim: the plans (fused or split maps, per head dim), and small
-autotune tables, each entry checked by :mod:`diffattn_tutorial.kernels.triton.aot` to compile without register
-spills within the shared memory of its targets (``_CONFIGS_16BIT`` Hopper, ``_CONFIGS_AMPERE`` sm_80/86/89,
-``_CONFIGS_TURING`` sm_75, ``_CONFIGS_FP32``)."""
+"""Which tile sizes, warps and stages each kernel variant may launch with, per GPU architecture and head dim.
+
+A :class:`Plan` splits the work of one attention call into launches: which maps each forward, dK/dV and dQ program
+computes (the flags of :mod:`~diffattn_tutorial.kernels.triton.flags`). Fewer maps per program means fewer float32
+accumulators in registers, at the price of a second launch; :func:`plan_for` picks the plan by padded head dim and
+compute capability. Each variant (a *form*: ``fused``/``map`` forward, ``dkdv``/``dv``/``dk``/``dk_map``,
+``dq``/``dq_map``, see :func:`_form`) has a short list of configurations per head dim, one table per architecture
+(``_CONFIGS_16BIT`` Hopper, ``_CONFIGS_AMPERE`` sm_80/86/89, ``_CONFIGS_TURING`` sm_75, ``_CONFIGS_FP32``); the first
+entry is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins, the others are what the autotuner may pick. Every entry is
+checked by :mod:`~diffattn_tutorial.kernels.triton.aot` to compile for its targets without register spills, within
+their shared memory and on their matrix instructions (``diffattn_tutorial/recorded/compile_facts.json``).
+"""
 
 from __future__ import annotations
 

@@ -1,31 +1,18 @@
 """Flash-decoding for differential attention: a split-K Triton kernel for a few query tokens over a long KV cache.
 
-While a model generates, every step has **one** query token per sequence (``Nq = 1``) against the whole cache.
-The forward kernel of :mod:`diffattn_tutorial.kernels.triton.flash_diff` parallelises over query tiles, so it would run one
-program per (sequence, head), each walking every cached key alone: a handful of programs on a GPU with over a
-hundred multiprocessors, and the cache read at the speed of a few of them. Flash-decoding (Dao, Haziza, Massa and
-Sizov, 2023) splits the **keys** instead, in two kernels:
+While a model generates, each step has one query token per sequence against the whole cache. The flash kernel
+parallelises over query tiles, so it would run one program per (sequence, head), far too few to read the cache at
+the GPU's speed. Flash-decoding (Dao, Haziza, Massa and Sizov, 2023) splits the **keys** instead, in two kernels:
+:func:`_decode_partial`, one program per (sequence, KV group, split), holds the query rows of every head of the
+group (padded to ``BLOCK_M >= 16`` rows for ``tl.dot``), reads each ``k1``, ``k2``, ``v`` tile of its split once for
+both maps and stores per map the split's normalised output and base-2 log-sum-exp; :func:`_decode_combine`, one
+program per query row, merges the splits with weights ``2^(lse_s - max lse)`` and returns ``o1 - lam o2``.
 
-1. :func:`_decode_partial`, one program per (sequence, KV group, split): the query rows of every differential
-   head of the group (``GROUP = H // Hkv`` heads x ``Nq`` queries, padded to ``BLOCK_M >= 16`` rows for
-   ``tl.dot``) against the keys of its split, both maps at once (each ``k1``, ``k2``, ``v`` tile is loaded once
-   for the whole group: GQA read once, as the cache's bytes are what decoding costs). Two online softmaxes, as
-   in the flash kernel; it stores, per map and query row, the split's normalised output ``o_s`` (float32, width
-   ``2d``) and its base-2 log-sum-exp ``lse_s`` (``-inf`` for a split with no visible key).
-2. :func:`_decode_combine`, one program per (sequence, head, query): per map, the weights
-   ``w_s = 2^(lse_s - max lse)`` and ``o = sum w_s o_s / sum w_s``; then ``out = o1 - lam * o2``.
-
-Every cached key and value is read once per step for both maps. Layout as
-:func:`~diffattn_tutorial.functional.diff_attention`: q ``(B, 2H, Nq, d)`` (maps of head ``i`` at ``2i``,
-``2i+1``), k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``; differential head ``i`` uses KV group
-``i // (H // Hkv)`` for both maps; lam a number or broadcastable to ``(B, H, Nq, 1)`` (per head, per token).
-``lengths`` says how many keys of each sequence are valid (a static cache's fill level; the rest of the buffer
-is never read), and with ``causal`` query ``i`` sees keys ``j <= length - Nq + i`` (bottom-right aligned, as the
-library's masks). A query that sees no key gives zeros, as every backend does.
-
-:func:`split_k_reference` is the same algorithm in PyTorch (the partial results, then the combine), next to it
-for reading and for tests. Both run on a CUDA GPU, or on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``
-set before triton is imported: exact but slow).
+Contract of :func:`decode_attention`: the layout of :func:`~diffattn_tutorial.functional.diff_attention`; ``lengths``
+valid keys per sequence (a static cache's fill level: the rest of the buffer is never read); ``causal`` bottom-right
+aligned; a query that sees no key gives zeros; no gradient. It runs the operator :data:`DECODE_OP`, which checks its
+inputs' shapes, dtypes and devices itself. :func:`split_k_reference` is the same algorithm in PyTorch, for reading and
+as the tests' oracle. Both kernels run on a CUDA GPU, or in Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations

@@ -1,67 +1,22 @@
-"""A fused differential flash-attention kernel in Triton, forward and backward (``backend="triton"``).
+"""The host side of the fused differential flash-attention kernel (``backend="triton"``): checks, launches, autograd.
 
-Computes ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` without ever writing an ``N x N`` map,
-in the layout of :func:`diffattn_tutorial.functional.diff_attention`: q ``(B, 2H, Nq, d)`` with the two
-maps of differential head ``i`` at heads ``2i`` and ``2i+1``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``;
-differential head ``i`` reads KV group ``i // (H // Hkv)`` for both maps.
+Computes ``softmax(q1 k1^T s) v - lam softmax(q2 k2^T s) v`` without forming an ``Nq x Nk`` map, in the layout of
+:func:`~diffattn_tutorial.functional.diff_attention`: q ``(B, 2H, Nq, d)`` with the maps of head ``i`` at ``2i`` and
+``2i+1``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``; head ``i`` reads KV group ``i // (H // Hkv)``. The kernels
+(:mod:`~diffattn_tutorial.kernels.triton.flash_kernels`) run one online softmax per map in the forward and recompute
+the probabilities from the saved log-sum-exps in the backward. A plan (``configs.plan_for``, by head dim and GPU)
+says which maps each launch computes, with the flags of
+:mod:`~diffattn_tutorial.kernels.triton.flags`: both maps per program while two float32 accumulators of width
+``2d`` fit in registers, one map per launch beyond (the map-2 launch stores ``o2``, the map-1 launch combines).
 
-Forward (``flash_kernels._diff_attn_fwd``), one program per (query tile, batch x differential head), in one of two
-forms (part of a :class:`Plan`, chosen per head dim by :func:`plan_for`):
-
-* **fused** (``MAP=0``, head dims up to 64 on Hopper): the query tiles of **both** maps stay on chip; each
-  ``k1``, ``k2``, ``v`` tile is loaded **once** and feeds two online-softmax streams, each with its running max
-  ``m``, running sum ``l`` and a float32 accumulator of width ``2d``; the lambda combine ``o1 - lam * o2``
-  happens in registers at the end;
-* **split maps** (``MAP=2`` then ``MAP=1``, head dim 128, and every head dim on Ampere): two launches of the
-  same kernel, one map per program. Two accumulators of ``BLOCK_M x 2d`` float32 do not fit one program's registers at ``d = 128``
-  (notebook 09 counts them), so the map-2 launch writes ``o2`` (float32) and the map-1 launch reads it back
-  in its epilogue for the combine. No matrix product is done twice.
-
-Both store the log-sum-exp of each map (base 2, ``m + log2 l``) and, when a gradient is needed, ``o2``.
-
-Backward, from those statistics (nothing of size ``N x N`` is kept between passes):
-
-* a preprocess kernel computes, per query row, ``delta1 = dO . o1`` and ``delta2 = dO . o2`` (with
-  ``o1 = out + lam * o2``). Map 1 sees the upstream gradient ``dO``, map 2 sees ``-lam * dO``, so map 2's
-  ``rowsum(dO2 * O2)`` is ``-lam * delta2`` and ``dlam = -delta2`` per row (summed over broadcast dims on the host);
-* a dK/dV kernel, one program per (key tile, batch x KV group), loops over the heads of its group and
-  over the query tiles, **recomputes** ``P1``, ``P2`` from ``q``, ``k`` and the saved log-sum-exps, and
-  accumulates ``dV += (P1 - lam P2)^T dO``, ``dK1 += dS1^T q1``, ``dK2 += dS2^T q2`` (no atomics); from
-  ``d = 64`` dV and dK are separate launches of it (``DV_OUT``, ``DK_MAPS``), at ``d = 128`` each map's dK
-  too, for the same register reason;
-* a dQ kernel, one program per (query tile, batch x head), recomputes the same tiles and accumulates
-  ``dQ1 += dS1 k1``, ``dQ2 += dS2 k2`` (one map per launch at ``d = 128``, ``DQ_MAPS``). With
-  ``dP = dO v^T``: ``dS1 = P1 (dP - delta1)`` and ``dS2 = -lam P2 (dP - delta2)``.
-
-The plans (:data:`PLANS`): ``fused`` (d <= 32), ``split_kv`` (d = 64), ``split`` (d = 128, and every head dim on
-Ampere). Every launch's configurations are listed per head dim in small tables (``_CONFIGS_16BIT`` for Hopper,
-``_CONFIGS_AMPERE`` for sm_80/86/89, ``_CONFIGS_TURING`` for sm_75, ``_CONFIGS_FP32``), each entry checked to
-compile cleanly for its targets (see below).
-
-Supported: scalar and per-token/per-head ``lam``; ``causal`` (bottom-right aligned, fully masked key
-tiles skipped); an ``attn_mask`` (bool or additive float, broadcastable to ``(B, H, Nq, Nk)``, read tile
-by tile; additive entries ``<= torch.finfo(dtype).min``, the Hugging Face convention, count as masked);
-GQA/MQA; any ``Nq``, ``Nk`` (edge tiles masked); head dims 1..128 (padded to a power of two >= 16);
-float32/float16/bfloat16 inputs with float32 accumulation. Any layout: the kernels read q, k, v, lam and the
-mask through their own strides (views with gaps such as slices of a fused qkv projection, strided slices,
-``expand()``ed tensors with stride 0, transposes, storage offsets), and write every gradient into a fresh dense
-buffer through **that buffer's** strides (:func:`_grad_buffer`); autograd's view backward then scatters or sums
-it into the caller's layout. One case is copied: a q, k or v whose **last** dim is not contiguous (such as
-``qkv.unflatten(-1, (heads, d, 3))[..., 0]``) is made contiguous once, costing one extra read and write of that
-tensor in the forward and of its gradient in the backward (the kernels load rows as 16-byte vectors). The mask
-gets no gradient (a mask that requires one is refused). Fully masked query rows give zeros and zero gradients;
-NaN inputs give NaN outputs. Not supported: attention dropout, float64 (use the ``naive`` or ``chunked``
-backends).
-
-Where it runs: on a CUDA GPU (block sizes autotuned over a few configurations per kernel, each checked by
-:mod:`diffattn_tutorial.kernels.triton.aot` to compile without register spills and within the shared memory of
-every target: H100 (sm_90a, on ``wgmma``), A100 (sm_80), RTX 30xx (sm_86), L4 and RTX 40xx (sm_89), T4
-(sm_75: float16 only, training up to d = 64, FMA dots: this Triton has no tensor-core path below sm_80), or
-on the CPU in Triton's interpreter when the environment variable ``TRITON_INTERPRET=1`` is set **before
-triton is first imported** (exact but slow: for learning and tests; the interpreter cannot multiply
-bfloat16 tiles, so there they are multiplied as the float32 values they hold, see ``_dot``).
-``DIFFATTN_TRITON_AUTOTUNE=0`` in the environment pins every kernel to the first configuration of its list
-(no autotuning: the GPU tests use it to finish in minutes).
+Contract of :func:`triton_diff_attention`: float32, float16 or bfloat16; head dims 1 to 128; lam scalar, per head or
+per token; ``causal`` bottom-right aligned; a bool or additive mask (entries ``<= finfo(dtype).min`` count as
+masked); GQA; any lengths and strides (a strided last dim is copied once). Gradients for q, k, v and lam, none for
+the mask; fully masked rows give zeros. It runs the operators :data:`FORWARD_OP` and :data:`BACKWARD_OP` (one node
+under ``torch.compile``), which refuse mismatched shapes, dtypes, devices and layouts themselves
+(:func:`check_op_inputs`). On a CUDA GPU the tile sizes are autotuned over the tables of
+:mod:`~diffattn_tutorial.kernels.triton.configs`; on a CPU the kernels run in Triton's interpreter when
+``TRITON_INTERPRET=1`` is set before triton is first imported (exact but slow: for learning and tests).
 """
 
 from __future__ import annotations
