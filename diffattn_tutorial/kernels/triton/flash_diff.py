@@ -413,6 +413,36 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     return sizes
 
 
+def _check_target(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, block_d: int, capability: int) -> None:
+    """What a GPU below sm_80 (a T4) cannot run: bfloat16 (no bf16 arithmetic there) and the backward at head dims
+    above :func:`train_head_dim_limit`."""
+    if capability >= 80:
+        return
+    gpu = f"compute capability {capability / 10:.1f}"
+    if q.dtype == torch.bfloat16:
+        raise TypeError(f"backend='triton': this GPU ({gpu}) has no bfloat16 arithmetic; pass float16 inputs "
+                        f"(gpu_bench.preferred_half_dtype(device) picks it) or use backend='auto'")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)) and \
+            block_d > train_head_dim_limit(capability):
+        raise ValueError(f"backend='triton' on this GPU ({gpu}) trains head dims up to "
+                         f"{train_head_dim_limit(capability)} (the backward at d = {q.shape[-1]} spills registers "
+                         f"in every configuration); use backend='auto' for training, or run under torch.no_grad()")
+
+
+def _check_mode(device: torch.device) -> bool:
+    """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
+    interpret = _interpret_mode()
+    if type(jit._diff_attn_fwd).__name__ != type(tl.sum).__name__:
+        raise RuntimeError("diffattn_tutorial.kernels.triton.flash_diff was imported under a different TRITON_INTERPRET "
+                           "setting than triton itself; set TRITON_INTERPRET once, before importing either")
+    if device.type != "cuda" and not interpret:
+        why = _LATE_INTERPRET if _interpret_requested() else (
+            f"backend='triton' needs CUDA tensors, or Triton's interpreter for {device.type} tensors (set "
+            f"os.environ['TRITON_INTERPRET'] = '1' before importing triton)")
+        raise RuntimeError(f"{why}; or use backend='naive', 'chunked' or 'sdpa'")
+    return interpret
+
+
 FORWARD_OP = "diffattn::triton_forward"
 BACKWARD_OP = "diffattn::triton_backward"
 """The kernels as torch operators (``torch.library.custom_op``, each with a fake implementation for shapes and
@@ -606,36 +636,6 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     out, _o2, _lse = triton_forward(q, k, v, lam, attn_mask, bool(causal), scale, list(blocks or ()), the_plan.name,
                                     store_o2)
     return out
-
-
-def _check_target(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, block_d: int, capability: int) -> None:
-    """What a GPU below sm_80 (a T4) cannot run: bfloat16 (no bf16 arithmetic there) and the backward at head dims
-    above :func:`train_head_dim_limit`."""
-    if capability >= 80:
-        return
-    gpu = f"compute capability {capability / 10:.1f}"
-    if q.dtype == torch.bfloat16:
-        raise TypeError(f"backend='triton': this GPU ({gpu}) has no bfloat16 arithmetic; pass float16 inputs "
-                        f"(gpu_bench.preferred_half_dtype(device) picks it) or use backend='auto'")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)) and \
-            block_d > train_head_dim_limit(capability):
-        raise ValueError(f"backend='triton' on this GPU ({gpu}) trains head dims up to "
-                         f"{train_head_dim_limit(capability)} (the backward at d = {q.shape[-1]} spills registers "
-                         f"in every configuration); use backend='auto' for training, or run under torch.no_grad()")
-
-
-def _check_mode(device: torch.device) -> bool:
-    """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
-    interpret = _interpret_mode()
-    if type(jit._diff_attn_fwd).__name__ != type(tl.sum).__name__:
-        raise RuntimeError("diffattn_tutorial.kernels.triton.flash_diff was imported under a different TRITON_INTERPRET "
-                           "setting than triton itself; set TRITON_INTERPRET once, before importing either")
-    if device.type != "cuda" and not interpret:
-        why = _LATE_INTERPRET if _interpret_requested() else (
-            f"backend='triton' needs CUDA tensors, or Triton's interpreter for {device.type} tensors (set "
-            f"os.environ['TRITON_INTERPRET'] = '1' before importing triton)")
-        raise RuntimeError(f"{why}; or use backend='naive', 'chunked' or 'sdpa'")
-    return interpret
 
 
 __all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "capture_launches", "chosen_configs",
