@@ -14,9 +14,10 @@ Four jobs, each a small function connected in :func:`setup`:
 * **Widgets.** Stored widget outputs have no state a static page can run: a live widget (its text fallback starts
   with ``[live widget``) becomes a note saying it needs a running kernel, next to the static figure the notebook
   shows above it; a progress bar (tqdm's widget) is dropped.
-* **Offline math.** On every page (the sidebar's chapter titles hold math), MathJax 3 is served from the site itself (``_static/mathjax``, copied from the
-  ``sphinx-mathjax-offline`` package), in its SVG output, which draws glyphs as paths and so needs no web fonts: a
-  page opened from ``file://`` without a network typesets its math. The Colab badge image is served locally too.
+* **Offline math.** On every page (the sidebar's chapter titles hold math), MathJax 3 is served from the site
+  itself (``_static/mathjax``, copied from the ``sphinx-mathjax-offline`` package), in its SVG output, which draws
+  glyphs as paths and so needs no web fonts: a page opened from ``file://`` without a network typesets its math.
+  The Colab badge image is served locally too.
 """
 
 from __future__ import annotations
@@ -154,22 +155,24 @@ def public_api() -> dict[str, ModuleAPI]:
     with mock(MOCK_IMPORTS):
         modules = {name: importlib.import_module(name) for name in public_modules()}
     apis = {name: ModuleAPI(name) for name in modules}
-    homes: dict[int, str] = {}  # id(object) -> full name of the page entry that documents it
+    # (id(object), name) -> the full name that documents it; the name too, because equal small ints and strings
+    # are one object in Python, and two constants are not one re-exported name because their values are equal
+    homes: dict[tuple[int, str], str] = {}
     pending = []
     for name, module in modules.items():
         for attr in _public_names(module):
             obj = getattr(module, attr)
-            if _defined_here(module, attr) and id(obj) not in homes:
+            if _defined_here(module, attr):
                 apis[name].documented.append((attr, _directive(obj)))
-                homes[id(obj)] = f"{name}.{attr}"
+                homes.setdefault((id(obj), attr), f"{name}.{attr}")
             else:
                 pending.append((name, attr, obj))
     for name, attr, obj in pending:  # re-exports: link to the home, or document here when nothing else does
-        if id(obj) in homes:
-            apis[name].reexported.append((attr, homes[id(obj)]))
+        if (id(obj), attr) in homes:
+            apis[name].reexported.append((attr, homes[(id(obj), attr)]))
         else:
             apis[name].documented.append((attr, _directive(obj)))
-            homes[id(obj)] = f"{name}.{attr}"
+            homes[(id(obj), attr)] = f"{name}.{attr}"
     return apis
 
 
