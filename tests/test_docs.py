@@ -136,6 +136,16 @@ def test_every_public_name_has_a_page(site):
     assert documented > 200, documented
 
 
+def test_a_reference_to_nothing_is_not_let_through():
+    """The site's resolver lets a short or private name through only when the package holds it."""
+    site_ext = course_site()
+    site_ext.public_api()  # imports every module, as the build does
+    assert site_ext._exists("diff_attention", "diffattn_tutorial.interop", None)
+    assert site_ext._exists("_diff_attn_fwd", "diffattn_tutorial.kernels.triton.flash_diff", None)  # a sibling's kernel
+    for name in ("diff_attention_v3", "functional.no_such_thing", "torch.Tensor", "NoSuchLayer.forward"):
+        assert not site_ext._exists(name, "diffattn_tutorial.interop", None), name
+
+
 def test_internal_links_resolve(site):
     pages = {p: Page(p) for p in site.rglob("*.html")}
     broken = []
