@@ -34,6 +34,7 @@ def fails(check, fn, match: str) -> None:
 
 @triton.jit
 def step_right(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
     alpha = tl.math.exp2(m - m_ref)
@@ -119,6 +120,7 @@ def test_missing_decorator():
 
 @triton.jit
 def step_natural_exp(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -127,6 +129,7 @@ def step_natural_exp(m, l, acc, s, v):
 
 @triton.jit
 def step_no_rescale(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.math.exp2(s - m_new[:, None])
     return m_new, l + tl.sum(p, 1), acc + tl.dot(p, v)
@@ -134,6 +137,7 @@ def step_no_rescale(m, l, acc, s, v):
 
 @triton.jit
 def step_no_rescale_acc(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -142,6 +146,7 @@ def step_no_rescale_acc(m, l, acc, s, v):
 
 @triton.jit
 def step_no_rescale_l(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -150,6 +155,7 @@ def step_no_rescale_l(m, l, acc, s, v):
 
 @triton.jit
 def step_tile_max(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - tl.max(s, 1)[:, None])
@@ -158,6 +164,7 @@ def step_tile_max(m, l, acc, s, v):
 
 @triton.jit
 def step_inverted_alpha(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m_new - m)
     p = tl.math.exp2(s - m_new[:, None])
@@ -166,6 +173,7 @@ def step_inverted_alpha(m, l, acc, s, v):
 
 @triton.jit
 def step_wrong_order(m, l, acc, s, v):
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -174,6 +182,7 @@ def step_wrong_order(m, l, acc, s, v):
 
 @triton.jit
 def step_no_guard(m, l, acc, s, v):  # right on every row that sees a key in its first tile
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -182,6 +191,7 @@ def step_no_guard(m, l, acc, s, v):  # right on every row that sees a key in its
 
 @triton.jit
 def step_zero_reference(m, l, acc, s, v):  # exact in real numbers, but exp2 of scores near -220 underflows
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     m_new = tl.maximum(tl.maximum(m, tl.max(s, 1)), 0.0)
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -190,6 +200,7 @@ def step_zero_reference(m, l, acc, s, v):  # exact in real numbers, but exp2 of 
 
 @triton.jit
 def step_min_reference(m, l, acc, s, v):  # the smallest visible score as the reference: exp2 overflows
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
     low = tl.min(tl.where(s == float("-inf"), float("inf"), s), 1)  # +inf where the tile shows no key
     low = tl.where(low == float("inf"), float("-inf"), low)
     m_new = tl.where(m == float("-inf"), low, tl.where(low == float("-inf"), m, tl.minimum(m, low)))
@@ -199,10 +210,45 @@ def step_min_reference(m, l, acc, s, v):  # the smallest visible score as the re
     return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
 
 
+@triton.jit
+def step_running_max_of_tile(m, l, acc, s, v):  # the tile's max replaces the running max
+    s = tl.trans(s)  # the harness gives the tile keys by queries: back to queries by keys
+    m_new = tl.max(s, 1)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
+@triton.jit
+def step_untransposed(m, l, acc, s_t, v):  # right everywhere but the dot: the weights meet v keys by queries
+    m_new = tl.maximum(m, tl.max(s_t, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_ref)
+    p_t = tl.math.exp2(s_t - m_ref[None, :])
+    return m_new, l * alpha + tl.sum(p_t, 0), acc * alpha[:, None] + tl.dot(p_t, v)
+
+
+@triton.jit
+def step_transposed_right(m, l, acc, s_t, v):  # the solution's form: no transpose back, reductions on axis 0
+    m_new = tl.maximum(m, tl.max(s_t, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_ref)
+    p_t = tl.math.exp2(s_t - m_ref[None, :])
+    return m_new, l * alpha + tl.sum(p_t, 0), acc * alpha[:, None] + tl.dot(tl.trans(p_t), v)
+
+
+def test_the_transposed_form_passes(capsys):
+    checks.check_online_softmax_step(step_transposed_right)
+    assert "PASSED" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("fn,match", [
+    (step_running_max_of_tile, "not the running max"),
+    (step_untransposed, "untransposed|raised"),
     (step_no_guard, "first key tiles are entirely masked.*finite reference"),
     (step_zero_reference, "far below 0.*underflowed"),
-    (step_min_reference, "overflowed|span about 300"),
+    (step_min_reference, "overflowed|span about 300|not the running max"),  # its m is the smallest score
     (step_natural_exp, "natural exponential"),
     (step_no_rescale, "never rescaled"),
     (step_no_rescale_acc, "accumulator is not rescaled"),

@@ -69,7 +69,7 @@ EQUIVALENT = {
     "09_triton_kernel task 1 | abs added: l_new -> tl.abs(l_new)",
     "09_triton_kernel task 1 | clamp added: l_new -> tl.maximum(l_new, 0.0)",
     # max(a, b) == max(b, a).
-    "09_triton_kernel task 1 | arguments swapped: tl.maximum(m, tl.max(s, 1)) -> tl.maximum(tl.max(s, 1), m)",
+    "09_triton_kernel task 1 | arguments swapped: tl.maximum(m, tl.max(s_t, 0)) -> tl.maximum(tl.max(s_t, 0), m)",
     # The finite reference for a row that has seen no key: any finite value gives weights exp2(-inf - c) = 0.
     "09_triton_kernel task 1 | constant: 0.0 -> 1.0",
     # The running sums l1, l2 are >= 0.
@@ -86,8 +86,8 @@ EQUIVALENT = {
     "09_triton_kernel task 3 | abs added: (start of the function) -> p2 = tl.abs(p2)",
     "09_triton_kernel task 3 | clamp added: (start of the function) -> p2 = tl.maximum(p2, 0.0)",
     # k_new and v_new hold one token, (B, H, 1, d): index 0 and index -1 of that dim are the same slice.
-    "13_serving task 1 | index: 0 -> (-1)",
     "13_serving task 1 | index: 0 (#2) -> (-1)",
+    "13_serving task 1 | index: 0 (#3) -> (-1)",
     # min is symmetric in its two arguments.
     "13_serving task 3 | arguments swapped: min(top_k, scaled.shape[-1]) -> min(scaled.shape[-1], top_k)",
 }
@@ -119,6 +119,27 @@ def test_checks_are_fast(reports):
     """Each check, on the right answer (the slowest case: every input runs), takes a few seconds at most."""
     slow = {f"{r.path.stem} task {t}": round(sec, 2) for r in reports for t, sec in r.check_seconds.items() if sec > 5}
     assert not slow, f"checks slower than 5 s: {slow}"
+
+
+def test_every_named_mistake_gets_a_named_hint(reports):
+    """The mistakes learners were seen to make (``NAMED_MISTAKES``) are each caught with a hint that names them."""
+    named = [o for r in reports for o in r.outcomes if o.mutant.op == "named"]
+    ran = {r.path.stem for r in reports}
+    assert len(named) == sum(len(v) for (nb, _), v in mutation.NAMED_MISTAKES.items() if nb in ran)
+    generic = [f"{o.mutant.key}: {o.status}: {o.message[:160]}" for o in named if o.status != mutation.CAUGHT_HINT]
+    assert not generic, "named mistakes without a named hint:\n" + "\n".join(generic)
+
+
+def test_a_named_mistake_follows_the_solution():
+    src = "def f(x):\n    return x.sum(0)\n"
+    mutation.NAMED_MISTAKES[("t", 1)] = [((("x.sum(0)", "x.sum(1)"),), "the wrong axis")]
+    try:
+        [m] = mutation.named_mutants(src, notebook="t", task=1)
+        assert m.source == "def f(x):\n    return x.sum(1)\n" and m.op == "named"
+        with pytest.raises(ValueError, match="expects 'x.sum\\(0\\)'"):
+            mutation.named_mutants("def f(x):\n    return x.mean(0)\n", notebook="t", task=1)
+    finally:
+        del mutation.NAMED_MISTAKES[("t", 1)]
 
 
 def test_at_least_90_percent_are_caught(reports):

@@ -218,7 +218,8 @@ def mutation_block() -> str:
     return (f"**Mutation score.** The checks fail on {t['caught']} of {t['mutants']} ({t['caught'] / t['mutants']:.1%}; {t['hint']} of "
             f"them with a named hint, {t['generic']} with the generic \"differs from the reference\", {t['crash']} "
             f"by a crash). The {t['survived']} survivors are listed in the test, each argued equivalent. Recorded in "
-            f"`{_rel(path)}` ({_provenance(data)}); the test fails when a run's counts differ from it.\n")
+            f"`{_rel(path)}` ({_provenance(data)}{'; ' + data['note'] if data.get('note') else ''}); the test fails "
+            f"when a run's counts differ from it.\n")
 
 
 # --- compile facts ----------------------------------------------------------------------------------------------

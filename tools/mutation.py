@@ -12,6 +12,10 @@ renormalisation added, a term dropped, arguments swapped, an off-by-one, a guard
 **caught** when the CHECK cell raises. Everything runs in this process, no Jupyter kernel: the notebook's
 set-up cells run once, then each mutant's TASK cell and the CHECK cell run in a fresh copy of the namespace.
 
+Besides the one-edit operators, ``NAMED_MISTAKES`` lists mistakes learners were seen to make (some of them two
+edits), by the text they change in a solution's answer; each is a mutant like the others (operator ``named``),
+and ``tests/test_mutation.py`` requires each to be caught with a named hint.
+
 A mutant that ``check`` catches with a named hint (``Likely mistake: ...`` or another specific message) is
 counted apart from one caught only by a generic "differs from the reference" message or a crash.
 
@@ -460,6 +464,51 @@ def mutants_of(source: str, *, notebook: str, task: int) -> list[Mutant]:
     return out
 
 
+# Mistakes learners made (issue 34's list), as (edits of the answer's text, what they are): each becomes one mutant.
+NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], str]]] = {
+    ("04_lambda_reparameterisation", 1): [
+        ((("return 0.8 - 0.6 * math.exp(-0.3 * depth)", "return 1 - (0.8 - 0.6 * math.exp(-0.3 * depth))"),),
+         "returned 1 - lambda_init"),
+    ],
+    ("06_full_module", 3): [
+        ((("attn[:, 0::2] - lam * attn[:, 1::2]", "attn[:, :H] - lam * attn[:, H:]"),), "maps paired in blocks"),
+    ],
+    ("09_triton_kernel", 1): [
+        ((("m_new = tl.maximum(m, tl.max(s_t, 0))", "m_new = tl.max(s_t, 0)"),), "the tile's max as the running max"),
+        ((("tl.max(s_t, 0))", "tl.max(s_t, 1))"),), "the max over the wrong axis of the transposed tile"),
+        ((("tl.dot(tl.trans(p_t), v)", "tl.dot(p_t, v)"),), "the weights not transposed before the dot"),
+    ],
+    ("09_triton_kernel", 3): [
+        ((("p1 * (dp - delta1[:, None])", "p1 * (dp - delta2[:, None])"),
+          ("p2 * (dp - delta2[:, None])", "p2 * (dp - delta1[:, None])")), "delta1 and delta2 swapped"),
+        ((("delta1[:, None]", "delta1[None, :]"), ("delta2[:, None]", "delta2[None, :]")),
+         "the row statistics broadcast along the wrong axis"),
+    ],
+    ("13_serving", 1): [
+        ((("[None, :] <= pos[:, None]", "[None, :] < pos[:, None]"),), "keys < pos instead of <= pos"),
+    ],
+    ("13_serving", 2): [
+        ((("w = torch.exp(lses - m)", "w = torch.exp(lses)"), ("m + torch.log(w.sum(dim=0))", "torch.log(w.sum(dim=0))")),
+         "no max subtracted"),
+        ((("m = lses.amax(dim=0)", "m = lses.amax()"),), "a global max instead of the max over the splits"),
+    ],
+}
+
+
+def named_mutants(source: str, *, notebook: str, task: int) -> list[Mutant]:
+    """The mutants of ``NAMED_MISTAKES`` for this task; an entry whose text the answer no longer holds is an error
+    (the list must follow the solutions)."""
+    out = []
+    for edits, label in NAMED_MISTAKES.get((notebook, task), []):
+        text = source
+        for before, after in edits:
+            if before not in text:
+                raise ValueError(f"NAMED_MISTAKES: {notebook} task {task} ({label}) expects {before!r} in the answer")
+            text = text.replace(before, after, 1)
+        out.append(Mutant(notebook, task, "named", label, "; ".join(a for _, a in edits), text))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # running them
 # ---------------------------------------------------------------------------------------------------------------
@@ -563,7 +612,8 @@ def run_notebook(path: Path, *, only_task: Optional[int] = None, timeout: int = 
                         raise RuntimeError(f"{path.name}: the solution of TASK {task.number} fails its own check: "
                                            f"{original.message if original else ''}")
                     report.check_seconds[task.number] = original.seconds
-                    for m in mutants_of(cell.source, notebook=path.stem, task=task.number):
+                    for m in mutants_of(cell.source, notebook=path.stem, task=task.number) + \
+                            named_mutants(cell.source, notebook=path.stem, task=task.number):
                         outcome = _run_mutant(m, ns, check_src, timeout)
                         if outcome is not None:
                             report.outcomes.append(outcome)

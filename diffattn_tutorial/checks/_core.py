@@ -139,6 +139,10 @@ def expect(got: object, expected: Tensor, *, what: str, wrong: Optional[Mapping[
     if got.dtype != expected.dtype and not got.is_floating_point():
         fail(f"{what} returned dtype {got.dtype}, expected a floating-point tensor like {expected.dtype}")
     if torch.isnan(got).any() and not torch.isnan(expected).any():
+        for hint, candidate in (wrong or {}).items():  # a mistake that gives NaN: the same NaN, the same numbers
+            if isinstance(candidate, Tensor) and candidate.shape == got.shape and bool(torch.allclose(
+                    got.detach().to(candidate.dtype), candidate, rtol=rtol, atol=atol, equal_nan=True)):
+                fail(f"{what} is not right. Likely mistake: {hint}")
         fail(f"{what} returned NaN values (a softmax over a row of -inf? a division by zero?)")
     if close(got, expected, rtol=rtol, atol=atol):
         return

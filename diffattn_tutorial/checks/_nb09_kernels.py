@@ -17,9 +17,10 @@ import triton.language as tl
 def online_softmax_harness(Q, K, V, LO, HI, M, L, ACC, Nq, Nk, qk_scale, STEP: tl.constexpr,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Flash-attention forward of one head (q ``(Nq, D)``, k and v ``(Nk, D)``) around the learner's
-    ``STEP(m, l, acc, s, v) -> (m, l, acc)``. Row ``r`` sees keys ``LO[r] <= j < HI[r]`` (a padding mask: its
-    first tiles, or all of them, may be entirely masked). Stores the final state ``m``, ``l`` and ``acc`` as they
-    are; the check normalises them."""
+    ``STEP(m, l, acc, s_t, v) -> (m, l, acc)``, which gets each tile's scores **transposed**, ``s_t`` of shape
+    ``(BLOCK_N, BLOCK_M)`` (keys by queries, the layout the backward's dK/dV program holds its tiles in). Row ``r``
+    sees keys ``LO[r] <= j < HI[r]`` (a padding mask: its first tiles, or all of them, may be entirely masked).
+    Stores the final state ``m``, ``l`` and ``acc`` as they are; the check normalises them."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + dims[None, :], mask=rows[:, None] < Nq, other=0.0)
@@ -35,7 +36,7 @@ def online_softmax_harness(Q, K, V, LO, HI, M, L, ACC, Nq, Nk, qk_scale, STEP: t
         s = tl.dot(q, kt) * qk_scale
         visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m, l, acc = STEP(m, l, acc, s, v)
+        m, l, acc = STEP(m, l, acc, tl.trans(s), v)  # (BLOCK_N, BLOCK_M): keys by queries
     tl.store(M + rows, m, mask=rows < Nq)
     tl.store(L + rows, l, mask=rows < Nq)
     tl.store(ACC + rows[:, None] * D + dims[None, :], acc, mask=rows[:, None] < Nq)

@@ -37,6 +37,8 @@ def check_lambda_init(fn: Callable) -> None:
         "added instead of subtracted: 0.8 - 0.6 * exp(-0.3 * depth)": 0.8 + 0.6 * torch.exp(-0.3 * dep),
         "used a base-2 exponential: the formula uses the natural exponential, e to the power -0.3 depth":
             0.8 - 0.6 * torch.exp2(-0.3 * dep),
+        "returned 1 - lambda_init, the factor the sub-norm's output is scaled by (notebook 05): return lambda_init "
+        "itself": 1 - (0.8 - 0.6 * torch.exp(-0.3 * dep)),
     }, atol=1e-9)
     passed(f"lambda_init(0) = {lambda_init_fn(0):.1f}, rising towards 0.8 with depth (0-based).")
 

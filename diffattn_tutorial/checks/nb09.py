@@ -1,6 +1,7 @@
 """Checks for exercises/09_triton_kernel.ipynb: three ``@triton.jit`` device functions of the fused kernel.
 
-* ``online_softmax_step(m, l, acc, s, v) -> (m, l, acc)``: one key tile of the online softmax (base 2);
+* ``online_softmax_step(m, l, acc, s_t, v) -> (m, l, acc)``: one key tile of the online softmax (base 2), its
+  scores given transposed, keys by queries;
 * ``diff_combine(acc1, l1, acc2, l2, lam) -> out``: the lambda combine of the two streams (epilogue);
 * ``diff_softmax_grads(p1, p2, dp, delta1, delta2, lam) -> (ds1, ds2)``: the score gradients of both maps.
 
@@ -98,6 +99,8 @@ _STEP_HINTS = {
                     "running max, so both take the factor 2^(m - m_new).",
     "tile_max": "the weights p are computed against this tile's own max: they must use the running max m_new, "
                 "the one the running sum and the accumulator are kept relative to.",
+    "untransposed": "the weights meet v untransposed: s_t, and so the weights, are (BLOCK_N, BLOCK_M), keys by "
+                    "queries, while acc is (BLOCK_M, D): transpose the weights (tl.trans) before tl.dot with v.",
 }
 
 
@@ -115,7 +118,8 @@ def _simulate_step(q: Tensor, k: Tensor, v: Tensor, scale: float, block_n: int, 
         alpha = exp(m - m_new)
         p = exp(s - (s.max(-1).values if mistake == "tile_max" else m_new)[:, None])
         l = (l if mistake in ("no_rescale_l", "no_rescale") else l * alpha) + p.sum(-1)
-        acc = (acc if mistake in ("no_rescale_acc", "no_rescale") else acc * alpha[:, None]) + p @ vt
+        acc = (acc if mistake in ("no_rescale_acc", "no_rescale") else acc * alpha[:, None]) + (
+            p.T @ vt if mistake == "untransposed" else p @ vt)  # untransposed: square tiles only
         m = m_new
     return torch.cat([acc / l[:, None], (m + torch.log2(l))[:, None]], dim=-1)
 
@@ -152,9 +156,18 @@ def _step_reference(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, sca
     return torch.cat([o, lse[:, None]], dim=-1), empty
 
 
+def expected_max(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float) -> Tensor:
+    """Each row's largest visible score in base-2 units (``-inf`` for a row that sees no key): the running max the
+    state must hold after the last tile."""
+    s = (q.double() @ k.double().T) * scale * _log2e()
+    j = torch.arange(k.shape[0])[None, :]
+    return s.masked_fill(~((j >= lo[:, None]) & (j < hi[:, None])), float("-inf")).amax(-1)
+
+
 @exercise_check(task=1, name="online_softmax_step")
 def check_online_softmax_step(online_softmax_step) -> None:
-    """``online_softmax_step(m, l, acc, s, v)``: one tile of the online softmax in base 2 (see the exercise)."""
+    """``online_softmax_step(m, l, acc, s_t, v)``: one tile of the online softmax in base 2, the scores ``s_t``
+    transposed, ``(BLOCK_N, BLOCK_M)`` (see the exercise)."""
     _check_jit(online_softmax_step, "online_softmax_step")
     kernels = _harness()
     for i, (nq, nk, d, bm, bn, kind) in enumerate(_STEP_CASES):
@@ -198,10 +211,20 @@ def check_online_softmax_step(online_softmax_step) -> None:
             if not close(got, expected, rtol=1e-4, atol=2e-5):
                 fail(f"{what}) is wrong on rows whose scores span about 300 units: the exponentials must be taken "
                      f"relative to the running maximum, the largest score seen so far.")
+        running_max = expected_max(q, k, lo, hi, scale)
+        seen = ~empty if kind == "padded" else torch.ones(nq, dtype=torch.bool)
+        off = seen & ~torch.isclose(m64, running_max, rtol=1e-4, atol=1e-3)
+        if off.any():
+            fail(f"{what}{', a padding mask' if kind == 'padded' else ''}): the state's m is not the running max on "
+                 f"{int(off.sum())} of {nq} rows: m_new must be each query row's largest score seen so far, "
+                 f"max(m, this tile's max over its keys), not this tile's max alone (a later tile with smaller "
+                 f"scores, or one the mask hides entirely, would pull it down), nor a max over the queries (in s_t "
+                 f"the keys run down the rows, axis 0)")
         wrong = {}
         if kind == "plain":
             qd, kd, vd = q.double(), k.double(), v.double()
-            wrong = {hint: _simulate_step(qd, kd, vd, scale, bn, mistake) for mistake, hint in _STEP_HINTS.items()}
+            wrong = {hint: _simulate_step(qd, kd, vd, scale, bn, mistake) for mistake, hint in _STEP_HINTS.items()
+                     if mistake != "untransposed" or nq == bm == bn == nk}
         expect(got, expected, what=what + (", a padding mask)" if kind == "padded" else ")"), wrong=wrong,
                rtol=1e-4, atol=2e-5, default_hint="Return the state after this tile, (m_new, l_new, acc_new) in "
                                                   "that order, each in float32.")
@@ -300,6 +323,14 @@ _GRAD_CASES = [  # Nq, Nk, d, causal
 ]
 
 
+def _by_column(delta: Tensor, nq: int, nk: int, block: int = 16) -> Tensor:
+    """What ``delta[None, :]`` gives in the harness's ``block`` x ``block`` tiles: entry ``(r, c)`` reads the row
+    statistic of row ``tile start + c mod block`` (0 past the last row), not of row ``r``."""
+    idx = (torch.arange(nq) // block * block)[:, None] + (torch.arange(nk) % block)[None, :]
+    return torch.cat([delta, torch.zeros(block, dtype=delta.dtype)])[idx.clamp(max=nq + block - 1)].where(
+        idx < nq, torch.zeros((), dtype=delta.dtype))
+
+
 @exercise_check(task=3, name="diff_softmax_grads")
 def check_diff_softmax_grads(diff_softmax_grads) -> None:
     """``diff_softmax_grads(p1, p2, dp, delta1, delta2, lam) -> (ds1, ds2)``, checked through autograd of
@@ -348,6 +379,18 @@ def check_diff_softmax_grads(diff_softmax_grads) -> None:
              "gradient times -lambda, while map 1 receives it as it is."): through(right1, p2 * (dp - d2)),
             ("ds2 uses delta1: each map subtracts its own row statistic, rowsum(dO * O2) = delta2 for map 2."):
                 through(right1, -L * p2 * (dp - d1)),
+            ("ds1 uses delta2: each map subtracts its own row statistic, rowsum(dO * O1) = delta1 for map 1."):
+                through(p1 * (dp - d2), -L * p2 * (dp - d2)),
+            ("delta1 and delta2 are swapped: map 1 subtracts delta1 = rowsum(dO * O1), map 2 delta2 = "
+             "rowsum(dO * O2)."): through(p1 * (dp - d2), -L * p2 * (dp - d1)),
+        }
+        axis = ("broadcast along the wrong axis: the row statistics hold one number per query row, so they "
+                "broadcast as columns, delta[:, None], against the (BLOCK_M, BLOCK_N) tile.")
+        c1, c2 = _by_column(delta1, nq, nk), _by_column(delta2, nq, nk)
+        wrong |= {
+            f"delta1 and delta2 are {axis}": through(p1 * (dp - c1), -L * p2 * (dp - c2)),
+            f"delta1 is {axis}": through(p1 * (dp - c1), -L * p2 * (dp - d2)),
+            f"delta2 is {axis}": through(right1, -L * p2 * (dp - c2)),
             ("the row statistics are not subtracted: softmax's backward is P * (dP - rowsum(dP * P)), and the "
              "row sums are the delta1 and delta2 you are given."): through(p1 * dp, -L * p2 * dp),
             ("map 2's row statistic also carries -lambda: with dP2 = -lambda dP, rowsum(dP2 * P2) = -lambda delta2, so "
