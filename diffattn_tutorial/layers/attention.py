@@ -18,8 +18,9 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
+from diffattn_tutorial.backend_table import PLAIN_BACKENDS
+from diffattn_tutorial.backends import BACKENDS
 from diffattn_tutorial.functional import (
-    BACKENDS,
     diff_attention,
     diff_attention_v2,
     dual_lambda,
@@ -218,7 +219,7 @@ class MultiheadAttention(_Attention):
         self.head_dim = embed_dim // num_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
-        self.backend = _check_backend(backend, ("auto", "naive", "sdpa"))
+        self.backend = _check_backend(backend, PLAIN_BACKENDS)
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
         self.k_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
         self.v_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
@@ -364,7 +365,7 @@ class DiffAttnV2(_Attention):
         self.embed_dim = self.kdim = d_model
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_interleaved = rope_interleaved
-        self.backend = _check_backend(backend, ("auto", "naive", "sdpa"))
+        self.backend = _check_backend(backend, PLAIN_BACKENDS)
         self.q_proj = nn.Linear(d_model, 2 * num_heads * head_dim, bias=False, **dd)
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
