@@ -242,8 +242,6 @@ def test_generate_refusals_name_the_fix():
     assert m.generate(p, 36).shape == (2, 40)  # exactly max_len is fine
     with pytest.raises(ValueError, match="cache must be one of"):
         m.generate(p, 3, cache="paged")
-    with pytest.raises(ValueError, match="either cache= or the older use_cache="):
-        m.generate(p, 3, cache="static", use_cache=True)
     with pytest.raises(TypeError, match="compile must be True, False or a torch.compile backend"):
         m.generate(p, 3, compile=3)
     with pytest.raises(TypeError, match="torch.Generator"):

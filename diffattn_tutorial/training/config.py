@@ -18,11 +18,11 @@ from diffattn_tutorial.layers.attention import (
     MultiheadAttention,
     MultiheadDiffAttn,
 )
-from diffattn_tutorial.training import distributed as D
-from diffattn_tutorial.training.corpus import TextTask
+from diffattn_tutorial.training import distributed
+from diffattn_tutorial.training.corpus import TextTask, next_character_loss
 from diffattn_tutorial.training.model import ATTENTIONS, TinyLM, build_model
 from diffattn_tutorial.training.needle import NeedleTask
-from diffattn_tutorial.training.study import SETTINGS
+from diffattn_tutorial.training.study import SETTINGS, retrieval_loss
 
 Tensor = torch.Tensor
 
@@ -82,7 +82,7 @@ class RunConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        choices = {"task": TASKS, "attention": ATTENTIONS, "strategy": D.STRATEGIES, "precision": PRECISIONS,
+        choices = {"task": TASKS, "attention": ATTENTIONS, "strategy": distributed.STRATEGIES, "precision": PRECISIONS,
                    "attn_backend": ("auto",) + BACKENDS, "device": ("auto", "cpu", "cuda")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -257,6 +257,12 @@ class DataSource:
                 toks.append(t)
                 tgts.append(y)
         return LMBatch(torch.stack(toks), torch.stack(tgts))
+
+    def loss(self, model: TinyLM, batch: LMBatch) -> Tensor:
+        """The task's loss on ``batch``: the needle task's at the queried keys, the text task's at every position."""
+        if self.needle is not None:
+            return retrieval_loss(model, batch)
+        return next_character_loss(model, batch.tokens, batch.targets)
 
 
 __all__ = ["TASKS", "PRECISIONS", "RUN_DEFINING", "MAX_LR", "RunConfig", "check_backend_here", "build_run_model", "set_attention_backend", "graph_breaks", "LMBatch", "row_generator", "DataSource"]
