@@ -21,16 +21,16 @@ The modules are layers, each importing only from the lines above its own (import
 """
 
 from diffattn_tutorial.functional import (
-    BACKENDS,
-    SDPA_FORMULATIONS,
-    causal_mask,
-    diff_attention,
-    diff_attention_v2,
-    dual_lambda,
-    lambda_init_fn,
-    reparam_lambda,
-    rms_norm,
-    softmax_attention,
+                                          BACKENDS,
+                                          SDPA_FORMULATIONS,
+                                          causal_mask,
+                                          diff_attention,
+                                          diff_attention_v2,
+                                          dual_lambda,
+                                          lambda_init_fn,
+                                          reparam_lambda,
+                                          rms_norm,
+                                          softmax_attention,
 )
 from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn, RMSNorm
 from diffattn_tutorial.layers.rope import apply_rope, rope_cos_sin

@@ -272,7 +272,9 @@ AUTO: dict[str, tuple[Choice, ...]] = {
 """``"auto"``'s order per device type, first tried first (measured by ``benchmarks/bench_cpu_auto.py``,
 ``benchmarks/bench_cpu_queries.py`` and notebook 08): on a CPU ``naive`` for one query row, the fused kernel for
 float32 inference, then the padded SDPA formulation, then ``sdpa_wide`` (dropout); elsewhere the equal-dim
-formulation, which reaches the GPU's flash kernels at any head dim they take, then ``sdpa_wide`` (dropout)."""
+formulation, which reaches the GPU's flash kernels at any head dim they take, then ``sdpa_wide`` (dropout).
+``chunked`` is in neither: its many small parallel ops slow down most when a core is busy
+(``benchmarks/bench_busy_cpu.py``)."""
 
 SDPA_ORDER: tuple[str, ...] = ("sdpa_split", "sdpa_wide")
 """The alias ``"sdpa"``'s order: the first of these that takes the call."""

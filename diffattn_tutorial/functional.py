@@ -111,18 +111,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-5) -> T
 # --------------------------------------------------------------------------------------------
 
 
-def diff_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: LambdaLike,
-    *,
-    causal: bool = False,
-    attn_mask: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-) -> Tensor:
+def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: bool = False,
+                   attn_mask: Optional[Tensor] = None, scale: Optional[float] = None, dropout_p: float = 0.0,
+                   backend: str = "auto") -> Tensor:
     """Differential attention: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``.
 
     Args:
@@ -191,15 +182,8 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def diff_attention_maps(
-    q: Tensor,
-    k: Tensor,
-    lam: LambdaLike,
-    *,
-    causal: bool = False,
-    attn_mask: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def diff_attention_maps(q: Tensor, k: Tensor, lam: LambdaLike, *, causal: bool = False,
+                        attn_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The maps behind :func:`diff_attention`, for plots and metrics: ``(A1, A2, A1 - lam * A2)``.
 
     q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``; each map is ``(B, H, Nq, Nk)``. Fully masked rows are 0.
@@ -247,17 +231,8 @@ def _plain_backend(backend: str) -> str:
     return "sdpa" if backend == "auto" else backend
 
 
-def softmax_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    attn_mask: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-) -> Tensor:
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, attn_mask: Optional[Tensor] = None,
+                      scale: Optional[float] = None, dropout_p: float = 0.0, backend: str = "auto") -> Tensor:
     """Plain scaled dot-product attention ``softmax(q k^T s) v`` with GQA.
 
     q ``(B, Hq, Nq, d)``, k ``(B, Hkv, Nk, d)``, v ``(B, Hkv, Nk, dv)``; query head ``j`` uses KV head
@@ -274,17 +249,8 @@ def softmax_attention(
     return out if valid is None else out.masked_fill(~valid, 0.0)
 
 
-def diff_attention_v2(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: LambdaLike,
-    *,
-    causal: bool = False,
-    attn_mask: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-    backend: str = "auto",
-) -> Tensor:
+def diff_attention_v2(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: bool = False,
+                      attn_mask: Optional[Tensor] = None, scale: Optional[float] = None, backend: str = "auto") -> Tensor:
     """DIFF V2: one ordinary attention call over 2H query heads, then ``heads 0::2 - lam * heads 1::2``.
 
     q ``(B, 2H, Nq, d)``, k and v ``(B, Hkv, Nk, d)``; lam (already ``sigmoid``-ed) broadcastable to
