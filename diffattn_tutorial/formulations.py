@@ -90,7 +90,7 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]
              dropout_p: float, *, causal: bool = False, chunk: Optional[int] = None) -> Tensor:
     """The naive arithmetic over query chunks small enough to stay in cache: exact, bounded memory.
 
-    At most ``B * 2H * chunk * Nk`` scores live at once (about 4 MiB in float32 by default). With
+    At most ``B * 2H * chunk * Nk`` scores live at once (by default about ``2**21``: 8 MiB in float32). With
     ``causal`` (the mask already holds the bottom-right causal mask) a chunk of rows ``[s, e)`` only
     computes scores for the keys it can see, ``j < e + Nk - Nq``, skipping the masked upper triangle.
     """
