@@ -201,7 +201,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, q_layout: str, k_layout: str, v_
 def check_diff_inputs(
     q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, attn_mask: Optional[Tensor] = None
 ) -> tuple[Tensor, Optional[Tensor], tuple[int, int, int, int, int, int]]:
-    """Validate the inputs of :func:`diff_attention`.
+    """Validate the inputs of :func:`~diffattn_tutorial.functional.diff_attention`.
 
     Returns ``(lam, attn_mask, (B, H, Hkv, Nq, Nk, d))`` with ``lam`` a tensor and ``attn_mask`` a 4-D view.
     Raises ``ValueError``/``TypeError`` naming the argument and the fix.

@@ -1,7 +1,7 @@
 """Every module, file and function the package's docstrings and comments name in backticks exists: a dotted name
 (``diffattn_tutorial.x.y``, or ``x.y`` from a top-level module of the package, as in ``:func:`~...```) resolves to a
-module and a name defined in it, and a path (``benchmarks/bench_cpu_auto.py``, ``diff_attention_cpu.cpp``) is a
-file or folder of the repository. Read from the source (nothing imported), so a rename that leaves a stale
+module and a name defined in it, a bare name in ``:func:``, ``:class:`` or ``:data:`` is defined in the package, and
+a path (``benchmarks/bench_cpu_auto.py``, ``diff_attention_cpu.cpp``) is a file or folder of the repository. Read from the source (nothing imported), so a rename that leaves a stale
 reference behind fails here."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "diffattn_tutorial"
 TOKEN = re.compile(r"`+~?([^`\s]+?)`+")
+ROLE = re.compile(r":(?:func|class|data):`~?([A-Za-z_]\w*)`")
 PATH = re.compile(r"^[\w.-]+(/[\w.-]+)*/?$")
 SUFFIXES = (".py", ".cpp", ".md", ".ipynb", ".toml", ".cfg", ".sh")
 """The files of the repository itself (a ``.json`` or ``.pt`` named in a docstring is often one a run writes)."""
@@ -120,7 +121,15 @@ def broken(path: Path) -> list[str]:
             ok = dotted_exists(token if token.startswith("diffattn_tutorial.") else f"diffattn_tutorial.{token}")
         if not ok:
             out.append(token)
+    if path.suffix == ".py":  # a bare name in a Sphinx role: defined in this module or another of the package
+        out += [name for name in ROLE.findall(path.read_text())
+                if name not in defined_names(path) and name not in package_names()]
     return out
+
+
+@cache
+def package_names() -> frozenset[str]:
+    return frozenset().union(*(defined_names(p) for p in PKG.rglob("*.py")))
 
 
 @pytest.mark.parametrize("path", sorted([*PKG.rglob("*.py"), *PKG.rglob("*.cpp")]), ids=lambda p: str(p.relative_to(ROOT)))
@@ -131,6 +140,6 @@ def test_every_name_in_backticks_exists(path):
 def test_a_stale_reference_is_found(tmp_path):
     stale = tmp_path / "stale.py"
     stale.write_text('"""See ``diffattn_tutorial/cpu_kernel.py``, :func:`~diffattn_tutorial.functional.nothing`,\n'
-                     "``functional.diff_attention`` and ``backends.describe_auto``.\"\"\"\n"
+                     "``functional.diff_attention``, ``backends.describe_auto`` and :func:`gone`.\"\"\"\n"
                      "# the kernel: `kernels/cpu/diff_attention_cpu.cpp`\n")
-    assert broken(stale) == ["diffattn_tutorial/cpu_kernel.py", "diffattn_tutorial.functional.nothing"]
+    assert broken(stale) == ["diffattn_tutorial/cpu_kernel.py", "diffattn_tutorial.functional.nothing", "gone"]
