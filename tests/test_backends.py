@@ -332,3 +332,16 @@ def test_importing_the_library_does_not_import_the_compiler():
                           check=True).stdout.strip() == "False"
     marked = backends.constant_under_compile(lambda: 0)
     assert vars(torch.compiler.assume_constant_result(lambda: 0)) == vars(marked) == {"_dynamo_marked_constant": True}
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_choice_says_whether_auto_trains_with_its_backend(training):
+    """A backend with a backward can still be ``"auto"``'s choice for inference only (``Choice.training=False``):
+    the rule and the prose say which."""
+    fake = fake_backend(backward=True, dtypes=FLOAT_DTYPES)
+    order = {"cpu": (Choice("fake", dtypes=(torch.float64,), training=training), *auto_order("cpu"))}
+    with registered(fake, auto=order):
+        assert resolve("auto", "cpu", Needs(torch.float64)) == "fake"
+        assert resolve("auto", "cpu", Needs(torch.float64, grad=True)) == ("fake" if training else "sdpa_padded")
+        assert backends.describe_auto("cpu").startswith(
+            f'On a CPU, `backend="auto"` runs `fake` for float64 {"calls" if training else "inference"}, else')
