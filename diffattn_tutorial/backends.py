@@ -60,7 +60,7 @@ def _check_choices(registry: Mapping[str, Backend], auto: Mapping[str, tuple[Cho
 _check_choices(_REGISTRY, _AUTO)
 
 
-def register_backend(backend: Backend, *, auto: Mapping[str, tuple[Choice, ...]] = {}) -> Backend:
+def register_backend(backend: Backend, *, auto: Optional[Mapping[str, tuple[Choice, ...]]] = None) -> Backend:
     """Add ``backend`` to the registry (listed last); ``auto`` replaces the order of ``"auto"`` for the device types
     it names (``{"cpu": (Choice(backend.name), *auto_order("cpu"))}`` tries it first on a CPU). Raises ValueError
     for a name already taken or a choice that does not fit."""
@@ -68,6 +68,7 @@ def register_backend(backend: Backend, *, auto: Mapping[str, tuple[Choice, ...]]
         raise TypeError(f"register_backend takes a Backend, got {type(backend).__name__}")
     if backend.name in _REGISTRY:
         raise ValueError(f"a backend named {backend.name!r} is already registered; choose another name")
+    auto = auto or {}
     _check_choices({**_REGISTRY, backend.name: backend}, auto)
     _REGISTRY[backend.name] = backend
     _AUTO.update({device: tuple(choices) for device, choices in auto.items()})
@@ -75,7 +76,7 @@ def register_backend(backend: Backend, *, auto: Mapping[str, tuple[Choice, ...]]
 
 
 @contextlib.contextmanager
-def registered(backend: Backend, *, auto: Mapping[str, tuple[Choice, ...]] = {}) -> Iterator[Backend]:
+def registered(backend: Backend, *, auto: Optional[Mapping[str, tuple[Choice, ...]]] = None) -> Iterator[Backend]:
     """``backend`` registered (as :func:`register_backend` does) for the ``with`` block, removed after (also on an
     error), with ``"auto"``'s order as it was."""
     before = dict(_AUTO)
