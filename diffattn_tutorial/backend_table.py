@@ -231,7 +231,7 @@ def _run_cpu_fused(c: Call) -> Tensor:
 # the table
 # --------------------------------------------------------------------------------------------
 
-_HALF = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT32_OR_16BIT = (torch.float32, torch.float16, torch.bfloat16)
 _SDPA = dict(family="sdpa", causal="sdpa", status=_sdpa_status)
 
 TABLE: tuple[Backend, ...] = (
@@ -249,11 +249,11 @@ TABLE: tuple[Backend, ...] = (
             _run_chunked),
     Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and "
             "backward; on a CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status,
-            devices=("cuda", "cpu"), dtypes=_HALF, dropout=False, mask_grad=False, family="kernel",
+            devices=("cuda", "cpu"), dtypes=_FLOAT32_OR_16BIT, dropout=False, mask_grad=False, family="kernel",
             requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
     Backend("cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
             "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
-            "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_HALF,
+            "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_FLOAT32_OR_16BIT,
             compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
             requires="a C++ compiler", causal="own"),
 )
