@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn_tutorial.training import loop as T
+from diffattn_tutorial.training import loop
 from diffattn_tutorial.training.checkpoints import (
     MANIFEST,
     CheckpointError,
@@ -200,7 +200,7 @@ def test_stop_at_before_the_checkpoint_is_refused(tmp_path, capsys):
 
 
 def test_a_diverging_loss_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(T, "retrieval_loss", lambda model, batch: model(batch.tokens).sum() * float("nan"))
+    monkeypatch.setattr(loop, "retrieval_loss", lambda model, batch: model(batch.tokens).sum() * float("nan"))
     assert run(tmp_path) == 1
     assert "step 1: the loss is nan; lower --lr or raise --warmup; then start again with --overwrite" in \
         one_line_error(capsys)
