@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -40,17 +39,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffattn_tutorial.functional import diff_attention, diff_attention_v2, softmax_attention  # noqa: E402
-from diffattn_tutorial.measure import flops  # noqa: E402
-from diffattn_tutorial.measure.gpu import (  # noqa: E402
-    SDPA_SCHEMA,
-    benchmark_dtype,
-    median_seconds,
-    recorded_path,
-    refusal,
-    results_header,
-    sdpa_backend,
-    write_json,
-)
+from diffattn_tutorial.measure import flops, gpu  # noqa: E402
 from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 
 V1_FORMULATIONS = ("naive", "sdpa_wide", "sdpa_split", "sdpa_stacked")
@@ -134,11 +123,11 @@ def kernel_support(formulation: str, d: int, *, dtype: torch.dtype, device: torc
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                with sdpa_backend(backend), torch.no_grad():
+                with gpu.sdpa_backend(backend), torch.no_grad():
                     fn(*inputs)
                 result[name] = "ok"
             except RuntimeError as e:
-                result[name] = refusal(e, caught)
+                result[name] = gpu.refusal(e, caught)
     return result
 
 
@@ -164,7 +153,7 @@ def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int
                 call = lambda: fn(*inputs)  # noqa: E731
                 if device.type == "cuda":
                     row["peak_extra_mib"] = cuda_peak_extra(call) / 2**20
-                sec = median_seconds(call, device, warmup=warmup, reps=reps)
+                sec = gpu.median_seconds(call, device, warmup=warmup, reps=reps)
         else:
             leaves = [t.detach().requires_grad_(True) for t in inputs]
             out = fn(*leaves)
@@ -180,7 +169,7 @@ def measure(formulation: str, mode: str, causal: bool, *, b: int, h: int, n: int
             call()
             if device.type == "cuda":
                 row["peak_extra_mib"] = cuda_peak_extra(call) / 2**20
-            sec = median_seconds(call, device, warmup=warmup, reps=reps)
+            sec = gpu.median_seconds(call, device, warmup=warmup, reps=reps)
             out = out.detach()
         row["ms"] = sec * 1e3
         row["tflops"] = row["flops"] / sec / 1e12
@@ -220,8 +209,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                         progress(f"d={d} causal={causal} {mode} N={n} {f}: {ms} {row['status']}")
                     del reference
     return {
-        "schema": SDPA_SCHEMA,
-        "recorded": results_header(device, "benchmarks/bench_sdpa.py", sys.argv[1:] if args.record_argv else None),
+        "schema": gpu.SDPA_SCHEMA,
+        "recorded": gpu.results_header(device, "benchmarks/bench_sdpa.py", sys.argv[1:] if args.record_argv else None),
         "config": {
             "batch": args.batch, "heads": args.heads, "dtype": args.dtype, "lengths": list(args.lengths),
             "head_dims": list(args.head_dims), "causal": causal_values, "modes": list(args.modes),
@@ -256,36 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, from {','.join(ALL_FORMULATIONS)}")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results file (default on CUDA: diffattn_tutorial/recorded/bench_sdpa_<device>.json; "
-                         "needed on a CPU, whose runs are not recorded)")
-    ap.add_argument("--no-record-argv", dest="record_argv", action="store_false", help=argparse.SUPPRESS)
-    ap.add_argument("-q", "--quiet", action="store_true")
+    gpu.add_output_args(ap, "bench_sdpa")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # the GPU's own 16-bit dtype: bf16, fp16 on a T4
-        args.dtype = benchmark_dtype(args.device, args.dtype)
+        args.dtype = gpu.benchmark_dtype(args.device, args.dtype)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     bad = [f for f in args.formulations if f not in ALL_FORMULATIONS]
     if bad:
         raise SystemExit(f"unknown formulations {bad}; choose from {ALL_FORMULATIONS}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU (use --device cpu for a smoke run)")
-    if args.out is None and not args.device.startswith("cuda"):
-        raise SystemExit("a CPU run needs --out PATH (diffattn_tutorial/recorded/ holds GPU results only)")
-    progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    try:
-        results = run(args, progress)
-    except Exception:
-        traceback.print_exc()
-        return 1
-    out = write_json(args.out or recorded_path("bench_sdpa", results["recorded"]["device"]), results)
-    print(f"wrote {len(results['rows'])} rows to {out}")
-    return 0
+    return gpu.run_and_record(args, run, "bench_sdpa", cpu_run="--device cpu")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -53,16 +52,16 @@ from diffattn_tutorial.measure import flops  # noqa: E402
 from diffattn_tutorial.measure.gpu import (  # noqa: E402
     SDPA_BACKENDS,
     TRITON_SCHEMA,
+    add_output_args,
     benchmark_dtype,
     is_refusal,
     median_seconds,
-    recorded_path,
     refusal,
     results_header,
+    run_and_record,
     sdpa_backend,
     shape_for,
     triton_summary,
-    write_json,
 )
 from diffattn_tutorial.measure.timing import cuda_peak_extra, make_inputs  # noqa: E402
 
@@ -213,11 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default on a CPU)")
     ap.add_argument("--naive-max-n", type=int, default=4096, help="skip naive above this length (O(N^2) memory)")
     ap.add_argument("--reps", type=int, default=10, help="CPU: timed calls; CUDA: sets do_bench's rep >= 10x ms")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results file (default on CUDA: diffattn_tutorial/recorded/bench_triton_<device>.json; "
-                         "needed on a CPU, whose runs are not recorded)")
-    ap.add_argument("--no-record-argv", dest="record_argv", action="store_false", help=argparse.SUPPRESS)
-    ap.add_argument("-q", "--quiet", action="store_true")
+    add_output_args(ap, "bench_triton")
     return ap
 
 
@@ -233,22 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [i for i in args.impls if i not in known]
     if bad:
         raise SystemExit(f"unknown implementations {bad}; choose from {known}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU (use --device cpu with "
-                         "TRITON_INTERPRET=1 for a smoke run)")
-    if args.out is None and not args.device.startswith("cuda"):
-        raise SystemExit("a CPU run needs --out PATH (diffattn_tutorial/recorded/ holds GPU results only)")
-    progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    try:
-        results = run(args, progress)
-    except Exception:
-        traceback.print_exc()
-        return 1
-    out = write_json(args.out or recorded_path("bench_triton", results["recorded"]["device"]), results)
-    if not args.quiet:
-        print(triton_summary(results))
-    print(f"wrote {len(results['rows'])} rows to {out}")
-    return 0
+    return run_and_record(args, run, "bench_triton", cpu_run="--device cpu with TRITON_INTERPRET=1",
+                          summary=triton_summary)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""The backends of ``diff_attention``, each declared once: what it is, where and on what it runs, what it can do,
-how ``backend="auto"`` ranks it, how to ask whether it works here, and how to run it.
+"""The rules that read the backend table (:mod:`diffattn_tutorial.backend_table`): which backend a call runs,
+which calls a backend refuses, what works here, and the prose about it.
 
-A backend is a :class:`Backend`; :func:`register_backend` adds one (``functional`` declares the library's own:
-``naive``, ``sdpa_*``, ``chunked``, ``triton``, ``cpu_fused``). Everything else reads this registry:
-:func:`resolve_backend`, :func:`backend_status` (and ``diffattn-tutorial doctor``), ``diff_attention``'s dispatch,
-the name lists :data:`BACKENDS`, :data:`FORWARD_ONLY` and :data:`SDPA_FORMULATIONS`, and the prose about them
-(:func:`describe_auto`, :func:`backend_table`). Two names are aliases, resolved from the registry per call:
-
-* ``"sdpa"``: the best SDPA formulation for the call (the lowest ``sdpa_rank`` that takes it);
-* ``"auto"``: the first backend, by its ``auto_rank`` for the device, that takes the call (its dtype, a gradient
-  to q, k, v, lam or a learned mask, dropout, being compiled) and works here (its ``status``).
+* ``"auto"`` walks the device's list in :data:`~diffattn_tutorial.backend_table.AUTO` and runs the first backend
+  that takes the call (its dtype, a gradient to q, k, v, lam or a learned mask, dropout, being compiled, the
+  number of query rows) and works here (its ``status``); ``"sdpa"`` walks
+  :data:`~diffattn_tutorial.backend_table.SDPA_ORDER` the same way.
+* A backend asked for by name refuses, naming the fix, a call it cannot take (:func:`resolve`, every refusal in
+  one place).
+* The name lists :data:`BACKENDS`, :data:`FORWARD_ONLY` and :data:`SDPA_FORMULATIONS` are views of the registry,
+  which starts as the table; :func:`registered` adds a backend for a ``with`` block (a test's).
+* :func:`backend_status` (and ``diffattn-tutorial doctor``), :func:`describe_auto` and :func:`backend_table`
+  (the README's) say it in words, from the table alone.
 
 >>> resolve_backend("auto", "cpu", dropout=True)
 'sdpa_wide'
@@ -18,177 +19,74 @@ the name lists :data:`BACKENDS`, :data:`FORWARD_ONLY` and :data:`SDPA_FORMULATIO
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import types
 from collections.abc import Sequence
-from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Union
+from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
-Tensor = torch.Tensor
-
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-"""The dtypes ``diff_attention`` takes (a backend takes all of them unless it says otherwise)."""
-
-ALIASES: dict[str, str] = {
-    "sdpa": "the best SDPA formulation for the call",
-    "auto": "the first backend, by rank for the device, that takes the call and works here",
-}
-"""Names that stand for a backend chosen per call (:func:`resolve_backend`)."""
-
-REFERENCE = "naive"
-"""The backend every other one is tested against (explicit maps); it takes every call."""
-
-OTHER_DEVICES = "*"
-"""The key of ``Backend.auto_rank`` that ranks the device types no backend names (a GPU, unless one does)."""
-
-CAUSAL_MODES = ("mask", "sdpa", "own")
-"""How a backend applies ``causal=True``: as part of the mask (``"mask"``); with SDPA's ``is_causal``, which is
-top-left aligned, so only where ``Nq == Nk`` and no other mask is given (``"sdpa"``); with its own bottom-right
-causal masking where no other mask is given (``"own"``)."""
+from diffattn_tutorial.backend_table import (
+    ALIASES,
+    ANY_CALL,
+    AUTO,
+    FLOAT_DTYPES,
+    OTHER_DEVICES,
+    REFERENCE,
+    SDPA_ORDER,
+    TABLE,
+    Backend,
+    Call,
+    Choice,
+    Needs,
+    constant_under_compile,
+)
 
 _DEVICE_WORDS = {"cpu": "a CPU", "cuda": "a GPU", OTHER_DEVICES: "other devices"}
 
-
-class Call(NamedTuple):
-    """A validated ``diff_attention`` call, as a backend's ``run`` gets it.
-
-    q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam a 0-dim or 4-D tensor broadcastable
-    to ``(B, H, Nq, 1)``. ``mask``: for a ``raw_mask`` backend the caller's 4-D mask (or None); for the others the
-    caller's mask combined with the causal one (unless ``is_causal``), fully masked rows made harmless (the caller
-    zeroes them after), or None. ``causal``: the caller's flag; ``is_causal``: the backend applies it itself.
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    lam: Tensor
-    mask: Optional[Tensor]
-    causal: bool
-    is_causal: bool
-    scale: float
-    dropout_p: float
+_REGISTRY: dict[str, Backend] = {b.name: b for b in TABLE}
+_AUTO: dict[str, tuple[Choice, ...]] = dict(AUTO)
 
 
-class Needs(NamedTuple):
-    """What a call asks of a backend. ``dtype=None``: any dtype (the backend must take every one)."""
-
-    dtype: Optional[torch.dtype] = None
-    grad: bool = False  # a gradient to q, k, v or lam
-    mask_grad: bool = False  # a gradient to an additive mask (a learned bias)
-    dropout: bool = False
-    compiling: bool = False  # traced by torch.compile
-    queries: Optional[int] = None  # Nq, the query rows of the call (None: any number)
-
-
-ANY_CALL = Needs(dtype=None, grad=True, mask_grad=True)
-"""The needs of a call :func:`resolve_backend` knows nothing about: any dtype, gradients wanted."""
+def _check_choices(registry: Mapping[str, Backend], auto: Mapping[str, tuple[Choice, ...]]) -> None:
+    """Every choice of ``"auto"`` names a registered backend and some of its dtypes."""
+    for device, choices in auto.items():
+        for c in choices:
+            if c.backend not in registry:
+                raise ValueError(f"auto's list for {device!r} names {c.backend!r}, which is not registered")
+            if not set(c.dtypes or ()) <= set(registry[c.backend].dtypes):
+                raise ValueError(f"auto's choice of {c.backend!r} on {device!r}: dtypes must be some of its dtypes "
+                                 f"{registry[c.backend].dtypes}")
 
 
-def constant_under_compile(fn: Callable) -> Callable:
-    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does: while ``torch.compile`` traces a call of it,
-    it runs once, eagerly, and its answer is kept as a constant (a backend's ``status`` is asked while ``"auto"``
-    is traced, and a status that builds or loads something cannot be traced). Unlike the public decorator this does
-    not import ``torch._dynamo`` (a second, and the allocator state of every process that imports the library);
-    ``tests/test_backends.py`` checks the mark is the one the decorator sets."""
-    fn._dynamo_marked_constant = True
-    return fn
+_check_choices(_REGISTRY, _AUTO)
 
 
-def _pure_pytorch(device: torch.device) -> tuple[bool, str]:
-    return True, "pure PyTorch"
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """One backend of ``diff_attention``, declared once (see the module docstring)."""
-
-    name: str
-    summary: str
-    """What it is, in one line (the README's backend table)."""
-    run: Callable[[Call], Tensor]
-    """Computes ``(B, H, Nq, 2d)`` in q's dtype from a :class:`Call` (fully masked rows: anything finite)."""
-    status: Callable[[torch.device], tuple[bool, str]] = _pure_pytorch
-    """``(works here, why / note)`` on a device it runs on; never raises. It is asked while ``torch.compile`` traces
-    ``"auto"``: one that does more than return constants calls a function marked :func:`constant_under_compile`."""
-    devices: Optional[tuple[str, ...]] = None
-    """Device types it runs on; None: every device PyTorch runs on."""
-    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
-    compute_dtype: Optional[torch.dtype] = None
-    """The dtype it computes in whatever the input's (None: the input's, softmax in float32 for 16-bit inputs)."""
-    backward: bool = True
-    dropout: bool = True
-    mask_grad: bool = True
-    """Whether a learned additive mask gets its gradient."""
-    compiles: bool = True
-    """Whether it runs inside ``torch.compile(fullgraph=True)`` (as PyTorch ops or a registered operator)."""
-    auto_rank: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """Device type -> rank for ``"auto"``, lower preferred; absent: never chosen there. A device type that no
-    backend names is ranked by the key :data:`OTHER_DEVICES`."""
-    auto_dtypes: Optional[tuple[torch.dtype, ...]] = None
-    """The dtypes ``"auto"`` chooses it for (None: all of ``dtypes``)."""
-    auto_max_queries: Optional[int] = None
-    """``"auto"`` chooses it only for calls with at most this many query rows (None: any number)."""
-    sdpa_rank: Optional[int] = None
-    """Its rank for the alias ``"sdpa"`` (None: the alias never chooses it)."""
-    family: str = "maps"
-    """``"maps"`` (explicit maps), ``"sdpa"`` (scaled_dot_product_attention calls) or ``"kernel"`` (a fused one)."""
-    origin: str = ""
-    """The reference implementation whose formulation it is ("" for the project's own)."""
-    requires: str = ""
-    """What it needs beyond PyTorch ("" for nothing)."""
-    causal: str = "mask"
-    """One of :data:`CAUSAL_MODES`."""
-    raw_mask: bool = False
-    """It takes the caller's mask and ``causal`` as they are, and zeroes fully masked rows itself."""
-
-    def __post_init__(self) -> None:
-        if not self.name.isidentifier() or self.name in ALIASES:
-            raise ValueError(f"a backend's name must be an identifier other than {tuple(ALIASES)}, got {self.name!r}")
-        if self.causal not in CAUSAL_MODES:
-            raise ValueError(f"backend {self.name!r}: causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
-        if self.raw_mask and self.causal != "own":
-            raise ValueError(f"backend {self.name!r}: a raw_mask backend applies causal itself (causal='own')")
-        if not set(self.auto_dtypes or ()) <= set(self.dtypes):
-            raise ValueError(f"backend {self.name!r}: auto_dtypes must be some of its dtypes {self.dtypes}")
-        object.__setattr__(self, "auto_rank", types.MappingProxyType(dict(self.auto_rank)))
-
-    def runs_on(self, device: torch.device) -> bool:
-        return self.devices is None or device.type in self.devices
-
-    def applies_causal(self, nq: int, nk: int, masked: bool) -> bool:
-        """Whether it applies ``causal=True`` itself on this call (else the causal mask joins the mask)."""
-        if self.raw_mask:
-            return True
-        if masked or self.causal == "mask":
-            return False
-        if self.causal == "own" or nq == nk:  # a branch, not the comparison itself: under torch.compile with
-            return True  # dynamic shapes nq == nk is a SymBool, which SDPA's is_causal refuses
-        return False
-
-
-_REGISTRY: dict[str, Backend] = {}
-
-
-def register_backend(backend: Backend) -> Backend:
-    """Add ``backend`` to the registry (after those there: it is listed last). Raises ValueError for a name
-    already taken (:func:`registered` adds one for a ``with`` block, e.g. in a test)."""
+def register_backend(backend: Backend, *, auto: Optional[Mapping[str, tuple[Choice, ...]]] = None) -> Backend:
+    """Add ``backend`` to the registry (listed last); ``auto`` replaces the order of ``"auto"`` for the device types
+    it names (``{"cpu": (Choice(backend.name), *auto_order("cpu"))}`` tries it first on a CPU). Raises ValueError
+    for a name already taken or a choice that does not fit."""
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend takes a Backend, got {type(backend).__name__}")
     if backend.name in _REGISTRY:
         raise ValueError(f"a backend named {backend.name!r} is already registered; choose another name")
+    auto = auto or {}
+    _check_choices({**_REGISTRY, backend.name: backend}, auto)
     _REGISTRY[backend.name] = backend
+    _AUTO.update({device: tuple(choices) for device, choices in auto.items()})
     return backend
 
 
 @contextlib.contextmanager
-def registered(backend: Backend) -> Iterator[Backend]:
-    """``backend`` registered for the ``with`` block, removed after (also on an error)."""
-    register_backend(backend)
+def registered(backend: Backend, *, auto: Optional[Mapping[str, tuple[Choice, ...]]] = None) -> Iterator[Backend]:
+    """``backend`` registered (as :func:`register_backend` does) for the ``with`` block, removed after (also on an
+    error), with ``"auto"``'s order as it was."""
+    before = dict(_AUTO)
+    register_backend(backend, auto=auto)
     try:
         yield backend
     finally:
         _REGISTRY.pop(backend.name, None)
+        _AUTO.clear()
+        _AUTO.update(before)
 
 
 def get_backend(name: str) -> Backend:
@@ -203,12 +101,17 @@ def registry() -> tuple[Backend, ...]:
     return tuple(_REGISTRY.values())
 
 
+def auto_order(device: Union[str, torch.device]) -> tuple[Choice, ...]:
+    """``"auto"``'s order on ``device``'s type (:data:`~diffattn_tutorial.backend_table.AUTO`)."""
+    return _AUTO.get(torch.device(device).type, _AUTO[OTHER_DEVICES])
+
+
 def names(select: Callable[[Backend], bool] = lambda b: True, *, aliases: bool = True) -> tuple[str, ...]:
     """The names of the backends ``select`` keeps, in registry order; with ``aliases``, ``"sdpa"`` listed before
     the first SDPA formulation it chooses among (``"auto"`` is never listed)."""
     out = []
     for b in _REGISTRY.values():
-        if aliases and b.sdpa_rank is not None and "sdpa" not in out:
+        if aliases and b.name in SDPA_ORDER and "sdpa" not in out:
             out.append("sdpa")
         if select(b):
             out.append(b.name)
@@ -281,42 +184,39 @@ def _where(b: Backend) -> str:
     return "any device" if b.devices is None else _words([_DEVICE_WORDS.get(d, d) for d in b.devices], "or")
 
 
-def _takes(b: Backend, device: torch.device, needs: Needs, *, by_auto: bool) -> bool:
-    """Whether ``b`` can take a call with ``needs`` on ``device`` (``by_auto``: as ``"auto"`` would choose it:
-    its ``auto_dtypes``, and only what runs under ``torch.compile`` while compiling). Status not consulted."""
-    dtypes = (b.auto_dtypes or b.dtypes) if by_auto else b.dtypes
-    dtype_ok = set(FLOAT_DTYPES) <= set(dtypes) if needs.dtype is None else needs.dtype in dtypes
-    queries_ok = (not by_auto or b.auto_max_queries is None
-                  or (needs.queries is not None and needs.queries <= b.auto_max_queries))
-    return (b.runs_on(device) and dtype_ok and queries_ok and (b.backward or not needs.grad)
-            and (b.dropout or not needs.dropout) and (b.mask_grad or not needs.mask_grad)
-            and (b.compiles or not needs.compiling or not by_auto))
+def _takes(b: Backend, device: torch.device, needs: Needs) -> bool:
+    """Whether ``b`` can take a call with ``needs`` on ``device`` (its status not consulted)."""
+    dtype_ok = set(FLOAT_DTYPES) <= set(b.dtypes) if needs.dtype is None else needs.dtype in b.dtypes
+    return (b.runs_on(device) and dtype_ok and (b.backward or not needs.grad) and (b.dropout or not needs.dropout)
+            and (b.mask_grad or not needs.mask_grad))
 
 
-def _auto_key(device: torch.device) -> Callable[[Backend], Optional[int]]:
-    """A backend's rank for ``"auto"`` on ``device``: by the device's type where some backend ranks it, else by
-    :data:`OTHER_DEVICES` (None: never chosen there)."""
-    named = any(device.type in b.auto_rank for b in _REGISTRY.values())
-    key = device.type if named else OTHER_DEVICES
-    return lambda b: b.auto_rank.get(key)
+def _chosen_for(c: Choice, needs: Needs) -> bool:
+    """Whether ``"auto"`` gives a call with ``needs`` to choice ``c`` (beyond what its backend takes)."""
+    b = _REGISTRY[c.backend]
+    dtype_ok = c.dtypes is None or (needs.dtype is not None and needs.dtype in c.dtypes)
+    queries_ok = c.max_queries is None or (needs.queries is not None and needs.queries <= c.max_queries)
+    return dtype_ok and queries_ok and (c.training or not needs.grad) and (b.compiles or not needs.compiling)
 
 
-def _ranked(key: Callable[[Backend], Optional[int]]) -> list[Backend]:
-    return sorted((b for b in _REGISTRY.values() if key(b) is not None), key=key)
+def _order(alias: str, device: torch.device) -> tuple[Choice, ...]:
+    return auto_order(device) if alias == "auto" else tuple(Choice(n) for n in SDPA_ORDER if n in _REGISTRY)
 
 
 def _choose(alias: str, device: torch.device, needs: Needs, usable: Callable[[Backend], bool]) -> Optional[Backend]:
-    key = _auto_key(device) if alias == "auto" else (lambda b: b.sdpa_rank)
-    return next((b for b in _ranked(key) if _takes(b, device, needs, by_auto=True) and usable(b)), None)
+    """The first backend of ``alias``'s order on ``device`` that takes the call and is ``usable``."""
+    return next((_REGISTRY[c.backend] for c in _order(alias, device) if _chosen_for(c, needs)
+                 and _takes(_REGISTRY[c.backend], device, needs) and usable(_REGISTRY[c.backend])), None)
 
 
 def _works_here(device: torch.device) -> Callable[[Backend], bool]:
     return lambda b: b.status(device)[0]
 
 
-def resolve(backend: str, device: Union[str, torch.device], needs: Needs = ANY_CALL) -> str:
+def resolve(backend: str, device: Union[str, torch.device], needs: Needs = ANY_CALL, *, check: bool = True) -> str:
     """The backend ``backend`` means for a call with ``needs`` on ``device``: an alias resolved (the backend
-    chosen works here), a name checked to exist and, with dropout, to take it. Raises ValueError naming the fix."""
+    chosen works here); a name checked to exist and, with ``check``, to take the call and work here. Every
+    refusal names the fix (what ``"auto"`` would run instead)."""
     device = torch.device(device)
     if backend in ALIASES:
         chosen = _choose(backend, device, needs, _works_here(device))
@@ -329,39 +229,27 @@ def resolve(backend: str, device: Union[str, torch.device], needs: Needs = ANY_C
         takers = names(lambda c: c.dropout, aliases=False)
         raise ValueError(f"backend {backend!r} does not support attention dropout; use backend='auto' or one of "
                          f"{takers}, or dropout_p=0")
+    if check:
+        _refuse(b, device, needs)
     return backend
 
 
 def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: bool = False) -> str:
     """The concrete backend ``backend`` means on ``device`` for any call (any dtype, gradients wanted):
-    ``"auto"`` and ``"sdpa"`` resolved, a name checked.
-
-    ``"auto"`` follows measurements (``benchmarks/bench_cpu_auto.py``, notebook 08): on a CPU the two-call
-    padded formulation (``sdpa_padded``: half the fused calls of ``sdpa_split``, the same FLOPs, less than a
-    tenth of ``naive``'s memory); elsewhere the four-call equal-dim formulation (``sdpa_split``), which reaches
-    the GPU's flash kernels at any head dim they take. (``chunked`` can be fast on an idle CPU, but its many
-    small parallel ops slow down about 10x when a core is busy, so it is never ranked.) With dropout,
-    ``"auto"`` and ``"sdpa"`` mean ``sdpa_wide``.
-
-    A particular call can do better: ``diff_attention`` resolves ``"auto"`` for the call itself, so on a CPU a
-    float32 call that needs no gradient (to q, k, v, lam or a learned mask) runs the fused CPU kernel
-    (``cpu_fused``, about 3x ``naive`` where ``sdpa_padded`` is under 2x, ``benchmarks/bench_cpu_auto.py``)
-    wherever it builds, also under ``torch.compile`` (:func:`describe_auto` says it in a sentence).
-    """
-    return resolve(backend, device, ANY_CALL._replace(dropout=dropout))
+    ``"auto"`` and ``"sdpa"`` resolved, a name checked to exist and, with ``dropout``, to take it.
+    ``diff_attention`` resolves ``"auto"`` for the call itself, which can do better (:func:`describe_auto`)."""
+    return resolve(backend, device, ANY_CALL._replace(dropout=dropout), check=False)
 
 
-def check_call(name: str, device: torch.device, needs: Needs) -> None:
-    """A backend asked for by name: refuse, naming the fix, a call it cannot take or a backend that does not work
-    here (dropout is :func:`resolve`'s to refuse). The fix names what ``"auto"`` would run instead."""
-    b = get_backend(name)
-
+def _refuse(b: Backend, device: torch.device, needs: Needs) -> None:
+    """Raise, naming the fix, where ``b`` cannot take a call with ``needs`` on ``device`` or does not work here."""
     def auto_for(**need) -> str:
         return resolve("auto", device, needs._replace(**need))
 
+    name = b.name
     if not b.runs_on(device):
         raise ValueError(f"backend {name!r} runs on {_where(b)}, the inputs are on {device}; use backend='auto'")
-    if needs.dtype not in b.dtypes:
+    if needs.dtype is not None and needs.dtype not in b.dtypes:
         computes = f" (it computes in {_dtype_name(b.compute_dtype)})" if b.compute_dtype else ""
         short = _dtype_name(needs.dtype)
         raise TypeError(f"backend {name!r} takes {_words([_dtype_name(d) for d in b.dtypes])}{computes}, got "
@@ -384,13 +272,15 @@ def check_call(name: str, device: torch.device, needs: Needs) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _condition(b: Backend) -> str:
-    """The calls ``"auto"`` gives ``b``, beyond what every backend takes: "float32 inference", ..."""
-    dtypes = b.auto_dtypes or b.dtypes
+def _condition(c: Choice) -> str:
+    """The calls ``"auto"`` gives choice ``c``, beyond what every backend takes: "float32 inference", ..."""
+    b = _REGISTRY[c.backend]
+    dtypes = c.dtypes or b.dtypes
     words = [] if set(FLOAT_DTYPES) <= set(dtypes) else ["/".join(_dtype_name(d) for d in dtypes)]
-    words.append("inference" if not b.backward else "calls without a learned mask" if not b.mask_grad else "calls")
-    if b.auto_max_queries is not None:
-        rows = "one query row" if b.auto_max_queries == 1 else f"at most {b.auto_max_queries} query rows"
+    training = b.backward and c.training
+    words.append("inference" if not training else "calls without a learned mask" if not b.mask_grad else "calls")
+    if c.max_queries is not None:
+        rows = "one query row" if c.max_queries == 1 else f"at most {c.max_queries} query rows"
         words.append(f"with {rows} (decoding)")
     if not b.compiles:
         words.append("outside torch.compile")
@@ -404,10 +294,12 @@ def _auto_rule(device: torch.device, usable: Callable[[Backend], bool], notes: b
     drop = _choose("auto", device, ANY_CALL._replace(dropout=True), usable)
     if main is None or drop is None:
         return "no registered backend takes every call here"
-    rank = _auto_key(device)
-    before = [b for b in _ranked(rank) if rank(b) < rank(main) and b.runs_on(device) and usable(b)]
-    clauses = [f"{tick}{b.name}{tick} for {_condition(b)}" + (f" (needs {b.requires})" if notes and b.requires else "")
-               for b in before]
+    order = auto_order(device)
+    first_main = next(i for i, c in enumerate(order) if c.backend == main.name and _chosen_for(c, ANY_CALL))
+    before = [c for c in order[:first_main] if _REGISTRY[c.backend].runs_on(device) and usable(_REGISTRY[c.backend])]
+    clauses = [f"{tick}{c.backend}{tick} for {_condition(c)}"
+               + (f" (needs {_REGISTRY[c.backend].requires})" if notes and _REGISTRY[c.backend].requires else "")
+               for c in before]
     rule = ", else ".join([*clauses, f"{tick}{main.name}{tick}"])
     return rule + ("" if drop is main else f" ({tick}{drop.name}{tick} with dropout)")
 
@@ -469,7 +361,7 @@ def backend_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["Backend", "Call", "Needs", "ANY_CALL", "ALIASES", "REFERENCE", "FLOAT_DTYPES", "BACKENDS",
-           "FORWARD_ONLY", "SDPA_FORMULATIONS", "constant_under_compile", "register_backend",
-           "registered", "get_backend", "registry", "names", "resolve", "resolve_backend", "check_call",
-           "backend_status", "describe_auto", "backend_table"]
+__all__ = ["Backend", "Call", "Needs", "Choice", "ANY_CALL", "ALIASES", "REFERENCE", "FLOAT_DTYPES", "BACKENDS",
+           "FORWARD_ONLY", "SDPA_FORMULATIONS", "constant_under_compile", "register_backend", "registered",
+           "get_backend", "registry", "auto_order", "names", "resolve", "resolve_backend", "backend_status",
+           "describe_auto", "backend_table"]

@@ -137,10 +137,10 @@ def _bench_device_here(device: Optional[torch.device]) -> torch.device:
 def bench(args: argparse.Namespace) -> int:
     """Time every backend side by side and print a Markdown table (ratios against naive)."""
     from diffattn_tutorial.functional import backend_status
-    from diffattn_tutorial.measure import timing as B
+    from diffattn_tutorial.measure import timing
 
     device = _bench_device_here(args.device)
-    backends = list(args.backends or B.DEFAULT_BACKENDS)
+    backends = list(args.backends or timing.DEFAULT_BACKENDS)
     if device.type == "cuda" and "triton" not in backends and not args.backends:
         backends.append("triton")
     if args.backends:
@@ -153,7 +153,7 @@ def bench(args: argparse.Namespace) -> int:
     print(f"diff_attention, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
           f"{' causal' if args.causal else ''}, inference; device: {where}; torch {torch.__version__}")
     try:
-        rows = B.run(device, lengths=args.lengths, backends=backends, b=args.batch, h=args.heads, d=args.head_dim,
+        rows = timing.run(device, lengths=args.lengths, backends=backends, b=args.batch, h=args.heads, d=args.head_dim,
                      causal=args.causal, dtype=dtype, reps=args.reps, memory=not args.no_memory,
                      progress=(lambda s: print("  " + s, file=sys.stderr, flush=True)) if args.verbose else None)
     except (ValueError, TypeError) as e:  # a backend that refuses these options (e.g. a dtype it does not take)
@@ -165,7 +165,7 @@ def bench(args: argparse.Namespace) -> int:
         raise CommandError(f"not enough memory for B={args.batch} H={args.heads} N={max(args.lengths)} "
                            f"d={args.head_dim} {args.dtype} on {device.type} ({first}); use smaller --lengths, "
                            f"--heads, --batch or --head-dim") from None
-    print(B.format_table(rows))
+    print(timing.format_table(rows))
     return 0
 
 

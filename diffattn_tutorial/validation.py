@@ -131,6 +131,16 @@ def _check_same(q: Tensor, **others: Tensor) -> None:
                              f"{t.device}; move with {name}.to(q.device)")
 
 
+def _broadcasts_to(t: Tensor, target: tuple[int, ...]) -> bool:
+    """Whether ``t`` (of at most ``len(target)`` dims) broadcasts to exactly ``target``."""
+    if t.ndim > len(target):
+        return False
+    try:
+        return torch.broadcast_shapes(t.shape, target) == torch.Size(target)
+    except RuntimeError:
+        return False
+
+
 def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:
     """Validate ``attn_mask`` against ``target = (B, H, Nq, Nk)``; return it as a 4-D view."""
     if attn_mask is None:
@@ -143,13 +153,7 @@ def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], 
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}; move it with "
                          f"attn_mask.to(q.device)")
-    ok = 1 <= attn_mask.ndim <= 4
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
-        except RuntimeError:
-            ok = False
-    if not ok:
+    if not (attn_mask.ndim >= 1 and _broadcasts_to(attn_mask, target)):
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(B, H, Nq, Nk) = {target}; give it shape (Nq, Nk), (B, 1, Nq, Nk) or "
                          f"(B, H, Nq, Nk) (padding masks: (B, 1, 1, Nk))")
@@ -169,13 +173,7 @@ def _check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor)
         raise TypeError(f"lam must be a floating-point tensor, got {lam.dtype}; use lam.float()")
     if lam.ndim > 0 and lam.device != q.device:
         raise ValueError(f"lam is on {lam.device} but q is on {q.device}; move it with lam.to(q.device)")
-    ok = lam.ndim <= 4
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(lam.shape, target) == torch.Size(target)
-        except RuntimeError:
-            ok = False
-    if not ok:
+    if not _broadcasts_to(lam, target):
         raise ValueError(f"lam of shape {tuple(lam.shape)} does not broadcast to (B, H, Nq, 1) = {target}: "
                          f"use a scalar, one value per head (H, 1, 1), or one per token and head (B, H, Nq, 1)")
     if lam.ndim > 0:
@@ -203,7 +201,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, q_layout: str, k_layout: str, v_
 def check_diff_inputs(
     q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, attn_mask: Optional[Tensor] = None
 ) -> tuple[Tensor, Optional[Tensor], tuple[int, int, int, int, int, int]]:
-    """Validate the inputs of :func:`diff_attention`.
+    """Validate the inputs of :func:`~diffattn_tutorial.functional.diff_attention`.
 
     Returns ``(lam, attn_mask, (B, H, Hkv, Nq, Nk, d))`` with ``lam`` a tensor and ``attn_mask`` a 4-D view.
     Raises ``ValueError``/``TypeError`` naming the argument and the fix.

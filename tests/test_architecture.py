@@ -1,6 +1,7 @@
-"""The package's shape is its architecture: layered subpackages, no import cycle (imports inside functions
-included), no module too long to read, ruff clean. (The README's layout table is generated from the package by
-``tools/make_readme_tables.py``; ``tests/test_readme_tables.py`` checks it.)"""
+"""The package's shape is its architecture: the layer order ``diffattn_tutorial/__init__.py``'s docstring states,
+every import going only to a layer above (imports inside functions included), no import cycle, no module too long
+to read, ruff clean. (The README's layout table is generated from the package by ``tools/make_readme_tables.py``;
+``tests/test_readme_tables.py`` checks it.)"""
 
 from __future__ import annotations
 
@@ -82,6 +83,61 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def stated_layers(doc: str, known: set[str]) -> list[set[str]]:
+    """The layers ``doc`` states, top first: one per line indented by four spaces, its names before the first run of
+    two spaces (``kernels/`` is a subpackage, ``__init__`` the package itself)."""
+    layers = []
+    for line in doc.splitlines():
+        if not line.startswith("    ") or line.startswith("     "):
+            continue
+        names = {n.strip().rstrip("/") for n in line.strip().split("  ")[0].split(",")}
+        layers.append({"diffattn_tutorial" if n == "__init__" else f"diffattn_tutorial.{n}" for n in names})
+    unknown = set().union(*layers) - known
+    assert not unknown, f"the stated layers name modules that do not exist: {sorted(unknown)}"
+    return layers
+
+
+def layer_index(module: str, layers: list[set[str]]) -> int:
+    """The index of the layer holding ``module`` (a module of a subpackage is in the subpackage's layer)."""
+    for i, layer in enumerate(layers):
+        if module in layer or any(module.startswith(f"{name}.") for name in layer if name != "diffattn_tutorial"):
+            return i
+    raise AssertionError(f"{module} is in no layer of diffattn_tutorial/__init__.py's docstring: add it there")
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> set[tuple[str, str]]:
+    """The imports ``a -> b`` where ``b``'s layer is below ``a``'s in the stated order."""
+    return {(a, b) for a, bs in graph.items() for b in bs if layer_index(b, layers) > layer_index(a, layers)}
+
+
+def test_every_import_goes_to_a_layer_above():
+    layers = stated_layers(ast.get_docstring(ast.parse((PKG / "__init__.py").read_text())), set(modules()))
+    graph = import_graph()
+    for name in graph:
+        layer_index(name, layers)  # every module is in a stated layer
+    found = upward_imports(graph, layers)
+    assert not found, f"imports against the layer order of __init__.py's docstring: {sorted(found)}"
+
+
+def test_the_layer_checker_finds_an_import_against_the_order():
+    known = {"diffattn_tutorial", "diffattn_tutorial.a", "diffattn_tutorial.b", "diffattn_tutorial.b.x"}
+    layers = stated_layers("Layers:\n\n    a  leaf\n    b/, __init__   over it\n        (continued)\n", known)
+    assert layers == [{"diffattn_tutorial.a"}, {"diffattn_tutorial.b", "diffattn_tutorial"}]
+    graph = {"diffattn_tutorial.a": {"diffattn_tutorial.b.x"}, "diffattn_tutorial.b.x": {"diffattn_tutorial.a"}}
+    assert upward_imports(graph, layers) == {("diffattn_tutorial.a", "diffattn_tutorial.b.x")}
+    with pytest.raises(AssertionError, match="no layer"):
+        layer_index("diffattn_tutorial.c", layers)
+
+
+def test_importing_the_package_loads_no_kernel():
+    """Nothing is imported for its side effect: the backend table loads a kernel module when its backend first runs
+    or is asked for its status."""
+    code = ("import sys, diffattn_tutorial, diffattn_tutorial.backends; "
+            "print(sorted(m for m in sys.modules if m.startswith('diffattn_tutorial.kernels.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_no_import_cycles_even_inside_functions():

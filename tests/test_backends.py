@@ -1,6 +1,6 @@
 """The backend registry (``diffattn_tutorial.backends``): every entry says what its backend really does (a backend
 declared forward-only refuses a gradient, one declared without dropout refuses it, the dtypes it lists are the
-ones it takes, ...); ``"auto"`` and ``"sdpa"`` choose as the ranks say; and a backend registered in a test shows
+ones it takes, ...); ``"auto"`` and ``"sdpa"`` choose in the table's order; and a backend registered in a test shows
 up in every list, status and ranking with nothing else edited."""
 
 import dataclasses
@@ -14,7 +14,9 @@ from diffattn_tutorial import backends
 from diffattn_tutorial.backends import (
     FLOAT_DTYPES,
     Backend,
+    Choice,
     Needs,
+    auto_order,
     registered,
     registry,
     resolve,
@@ -185,7 +187,7 @@ CPU_FUSED_OR_PADDED = "cpu_fused" if FUSED_OK else "sdpa_padded"
     ("cuda", Needs(torch.bfloat16, dropout=True), "sdpa_wide"),
     ("mps", Needs(torch.float32), "sdpa_split"),
 ])
-def test_auto_chooses_by_rank_what_takes_the_call(device, needs, expected):
+def test_auto_chooses_in_order_what_takes_the_call(device, needs, expected):
     assert resolve("auto", device, needs) == expected
 
 
@@ -257,15 +259,20 @@ def fake_backend(**fields):
         return 2 * ENTRIES["naive"].run(call)
 
     declared = {"name": "fake", "summary": "a test's backend", "run": run, "backward": False,
-                "dtypes": (torch.float64,), "auto_rank": {"cpu": -1}}
+                "dtypes": (torch.float64,)}
     return Backend(**{**declared, **fields})
+
+
+def second_on_a_cpu(name="fake"):
+    """``"auto"``'s order on a CPU with ``name`` tried right after naive's decoding rule."""
+    return {"cpu": (auto_order("cpu")[0], Choice(name), *auto_order("cpu")[1:])}
 
 
 def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
     def status(device):
         return True, "fake status"
 
-    with registered(fake_backend(status=status)):
+    with registered(fake_backend(status=status), auto=second_on_a_cpu()):
         assert BACKENDS[-1] == "fake" and "fake" in FORWARD_ONLY and "fake" not in SDPA_FORMULATIONS
         assert backend_status("cpu")["fake"] == (True, "fake status")
         assert backend_status("cpu")["auto"][1].startswith("-> naive for calls with one query row (decoding), else "
@@ -274,8 +281,8 @@ def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
         assert "| `fake` | a test's backend | any device | float64 | no |" in backends.backend_table()
         q, k, v, lam = inputs(torch.float64)
         with torch.no_grad():
-            out = diff_attention(q, k, v, lam)  # ranked first on a CPU, and it takes float64 inference
-            diff_attention(q.float(), k.float(), v.float(), lam)  # not float32: the next in rank
+            out = diff_attention(q, k, v, lam)  # tried first on a CPU, and it takes float64 inference
+            diff_attention(q.float(), k.float(), v.float(), lam)  # not float64: the next in order
         torch.testing.assert_close(out, 2 * diff_attention(q, k, v, lam, backend="naive"))  # fake's numbers
         assert ran[0] == CPU_FUSED_OR_PADDED  # (``ran`` records the backends registered before it)
         assert resolve_backend("auto", "cpu") == "sdpa_padded"  # any call: it has no backward
@@ -288,7 +295,7 @@ def test_a_registered_backend_appears_in_every_list_status_and_ranking(ran):
 
 
 def test_a_registered_backend_that_does_not_work_here_is_skipped_by_auto(ran):
-    with registered(fake_backend(status=lambda device: (False, "broken (test)"))):
+    with registered(fake_backend(status=lambda device: (False, "broken (test)")), auto=second_on_a_cpu()):
         assert backend_status("cpu")["fake"] == (False, "broken (test)")
         q, k, v, lam = inputs(torch.float64)
         with torch.no_grad():
@@ -306,8 +313,11 @@ def test_registering_refuses_what_would_be_ambiguous():
             fake_backend(name=name)
     with pytest.raises(ValueError, match="causal must be one of"):
         fake_backend(causal="top_left")
-    with pytest.raises(ValueError, match="auto_dtypes must be some of its dtypes"):
-        fake_backend(auto_dtypes=(torch.float32,))
+    with pytest.raises(ValueError, match="dtypes must be some of its dtypes"):
+        backends.register_backend(fake_backend(), auto={"cpu": (Choice("fake", dtypes=(torch.float32,)),)})
+    with pytest.raises(ValueError, match="names 'missing', which is not registered"):
+        backends.register_backend(fake_backend(), auto={"cpu": (Choice("missing"),)})
+    assert "fake" not in BACKENDS and auto_order("cpu") == backends.AUTO["cpu"]  # nothing half-registered
     with pytest.raises(TypeError, match="takes a Backend"):
         backends.register_backend("naive")
 
@@ -322,3 +332,16 @@ def test_importing_the_library_does_not_import_the_compiler():
                           check=True).stdout.strip() == "False"
     marked = backends.constant_under_compile(lambda: 0)
     assert vars(torch.compiler.assume_constant_result(lambda: 0)) == vars(marked) == {"_dynamo_marked_constant": True}
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_choice_says_whether_auto_trains_with_its_backend(training):
+    """A backend with a backward can still be ``"auto"``'s choice for inference only (``Choice.training=False``):
+    the rule and the prose say which."""
+    fake = fake_backend(backward=True, dtypes=FLOAT_DTYPES)
+    order = {"cpu": (Choice("fake", dtypes=(torch.float64,), training=training), *auto_order("cpu"))}
+    with registered(fake, auto=order):
+        assert resolve("auto", "cpu", Needs(torch.float64)) == "fake"
+        assert resolve("auto", "cpu", Needs(torch.float64, grad=True)) == ("fake" if training else "sdpa_padded")
+        assert backends.describe_auto("cpu").startswith(
+            f'On a CPU, `backend="auto"` runs `fake` for float64 {"calls" if training else "inference"}, else')

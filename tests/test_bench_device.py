@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffattn_tutorial.measure import gpu
-from diffattn_tutorial.training import loop as T
+from diffattn_tutorial.training import loop
 
 GPUS = {(7, 5): "Tesla T4", (8, 0): "NVIDIA A100-SXM4-40GB", (8, 6): "NVIDIA GeForce RTX 3090", (8, 9): "NVIDIA L4",
         (9, 0): "NVIDIA H100 80GB HBM3", (7, 0): "Tesla V100-SXM2-16GB"}
@@ -58,20 +58,20 @@ def test_sdpa_kernels_here_on_a_cpu():
                                              ((9, 0), torch.bfloat16)])
 def test_train_precision_per_device(fake_gpu, capability, auto):
     device = fake_gpu(capability)
-    assert T.half_dtype("auto", device) == auto
-    assert T.half_dtype("fp32", device) is None
-    assert T.half_dtype("fp16", device) == torch.float16
+    assert loop.half_dtype("auto", device) == auto
+    assert loop.half_dtype("fp32", device) is None
+    assert loop.half_dtype("fp16", device) == torch.float16
     if capability < (8, 0):
         with pytest.raises(ValueError, match="use float16"):
-            T.half_dtype("bf16", device)
+            loop.half_dtype("bf16", device)
         with pytest.raises(ValueError, match="--strategy ddp"):  # a GradScaler's inf check over shards
-            T.half_dtype("auto", device, "fsdp2")
+            loop.half_dtype("auto", device, "fsdp2")
     else:
-        assert T.half_dtype("bf16", device) == torch.bfloat16
-        assert T.half_dtype("auto", device, "fsdp2") == torch.bfloat16
-    assert T.half_dtype("auto", torch.device("cpu")) is None
+        assert loop.half_dtype("bf16", device) == torch.bfloat16
+        assert loop.half_dtype("auto", device, "fsdp2") == torch.bfloat16
+    assert loop.half_dtype("auto", torch.device("cpu")) is None
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        T.half_dtype("fp16", torch.device("cpu"))
+        loop.half_dtype("fp16", torch.device("cpu"))
 
 
 def test_fp16_trains_with_a_grad_scaler(tmp_path, monkeypatch):
@@ -87,10 +87,10 @@ def test_fp16_trains_with_a_grad_scaler(tmp_path, monkeypatch):
 
     common = ["--attention", "diff", "--d-model", "32", "--steps", "3", "--warmup", "1", "--lr", "0.01",
               "--global-batch", "4", "--batch-size", "4", "--no-progress"]
-    assert T.main([*common, "--out", str(tmp_path / "fp32")]) == 0
-    monkeypatch.setattr(T, "half_dtype", lambda precision, device, strategy="ddp": torch.float16)
+    assert loop.main([*common, "--out", str(tmp_path / "fp32")]) == 0
+    monkeypatch.setattr(loop, "half_dtype", lambda precision, device, strategy="ddp": torch.float16)
     monkeypatch.setattr(torch.amp, "GradScaler", recording)
-    assert T.main([*common, "--out", str(tmp_path / "fp16")]) == 0
+    assert loop.main([*common, "--out", str(tmp_path / "fp16")]) == 0
     assert len(scalers) == 1 and scalers[0].is_enabled() and scalers[0].get_scale() > 1
     from diffattn_tutorial.training.runlog import read_steps
 

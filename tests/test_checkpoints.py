@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn_tutorial.training import loop as T
+from diffattn_tutorial.training import loop
 from diffattn_tutorial.training.checkpoints import (
     MANIFEST,
     CheckpointError,
@@ -220,7 +220,7 @@ def test_stop_at_before_the_checkpoint_is_refused(tmp_path, capsys):
 
 
 def test_a_diverging_loss_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(T, "retrieval_loss", lambda model, batch: model(batch.tokens).sum() * float("nan"))
+    monkeypatch.setattr(loop, "retrieval_loss", lambda model, batch: model(batch.tokens).sum() * float("nan"))
     assert run(tmp_path) == 1
     assert "step 1: the loss is nan; lower --lr or raise --warmup; then start again with --overwrite" in \
         one_line_error(capsys)
@@ -253,7 +253,7 @@ def interrupted_run(out: Path, *args: str, when) -> tuple[int, str]:
 def ctrl_c_after_step_1(monkeypatch):
     """A real SIGINT to this process when step 1 is first logged, Python's default handler in place (as in a
     shell)."""
-    write, sent = T.MetricsLog.write, []
+    write, sent = loop.MetricsLog.write, []
 
     def write_then_signal(self, record):
         write(self, record)
@@ -261,7 +261,7 @@ def ctrl_c_after_step_1(monkeypatch):
             sent.append(True)
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(T.MetricsLog, "write", write_then_signal)
+    monkeypatch.setattr(loop.MetricsLog, "write", write_then_signal)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)

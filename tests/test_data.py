@@ -94,3 +94,16 @@ def test_describe_and_vocab():
     assert "=" in text
     assert task.vocab_size == 2 + task.n_keys + task.n_values + task.n_keys * task.n_values + task.n_filler
     assert int(b.tokens.max()) < task.vocab_size
+
+
+def test_the_text_task_has_its_own_loss():
+    """The corpus's loss is next-character cross-entropy at every position: a model that puts all its mass on the
+    target scores 0, and a uniform one scores log(V)."""
+    from diffattn_tutorial.training.corpus import ALPHABET, TextTask, next_character_loss
+
+    tokens, targets = TextTask(seq_len=16).sample_row(torch.Generator().manual_seed(0))
+    tokens, targets = tokens[None], targets[None]
+    V = len(ALPHABET)
+    sure = next_character_loss(lambda t: torch.nn.functional.one_hot(targets, V).float() * 1e4, tokens, targets)
+    uniform = next_character_loss(lambda t: torch.zeros(*t.shape, V), tokens, targets)
+    assert sure.item() == pytest.approx(0.0, abs=1e-6) and uniform.item() == pytest.approx(torch.log(torch.tensor(V)).item())

@@ -166,15 +166,15 @@ def test_float32_decode_steps_run_naive_and_the_prompt_the_fused_kernel(monkeypa
     """In float32 inference ``backend="auto"`` sends DIFF's one-query decode steps to ``naive`` (the fastest for one
     row: benchmarks/bench_cpu_queries.py) and the prompt's many rows to the fused CPU kernel (where it builds), with
     either cache, and the tokens agree with recomputation."""
-    from diffattn_tutorial import functional
+    from diffattn_tutorial import formulations
     from diffattn_tutorial.kernels.cpu import cpu_fused
 
     if not cpu_fused.kernel_status()[0]:
         pytest.skip(f"the fused CPU kernel is unavailable here: {cpu_fused.kernel_status()[1]}")
     fused, naive = [], []
-    real_fused, real_naive = cpu_fused.fused_diff_attention, functional._naive
+    real_fused, real_naive = cpu_fused.fused_diff_attention, formulations.naive
     monkeypatch.setattr(cpu_fused, "fused_diff_attention", lambda q, *a, **kw: fused.append(q.shape) or real_fused(q, *a, **kw))
-    monkeypatch.setattr(functional, "_naive", lambda q, *a, **kw: naive.append(q.shape) or real_naive(q, *a, **kw))
+    monkeypatch.setattr(formulations, "naive", lambda q, *a, **kw: naive.append(q.shape) or real_naive(q, *a, **kw))
     m, p = lm("diff", torch.float32, n_kv_heads=2), prompt()
     for cache in ("static", "dynamic"):
         fused.clear()
@@ -242,8 +242,6 @@ def test_generate_refusals_name_the_fix():
     assert m.generate(p, 36).shape == (2, 40)  # exactly max_len is fine
     with pytest.raises(ValueError, match="cache must be one of"):
         m.generate(p, 3, cache="paged")
-    with pytest.raises(ValueError, match="either cache= or the older use_cache="):
-        m.generate(p, 3, cache="static", use_cache=True)
     with pytest.raises(TypeError, match="compile must be True, False or a torch.compile backend"):
         m.generate(p, 3, compile=3)
     with pytest.raises(TypeError, match="torch.Generator"):

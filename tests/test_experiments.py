@@ -160,7 +160,7 @@ def test_trained_model_generates_with_its_cache():
     r = retrieval_study("baseline", seed=0, **TINY)
     m, b = r.model, r.eval_batch
     prompt = b.tokens[:, :b.query_pos[0, 0] + 1]
-    assert torch.equal(m.generate(prompt, 3), m.generate(prompt, 3, use_cache=False))
+    assert torch.equal(m.generate(prompt, 3), m.generate(prompt, 3, cache=None))
 
 
 def test_build_model_vocab_matches_task():

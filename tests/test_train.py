@@ -21,7 +21,7 @@ import torch
 from torch.testing import assert_close
 
 from diffattn_tutorial.paths import package_root
-from diffattn_tutorial.training import distributed as D
+from diffattn_tutorial.training import distributed
 from diffattn_tutorial.training.checkpoints import (
     checkpoint_dir,
     latest_checkpoint,
@@ -50,7 +50,7 @@ def run_here(out: Path, *args: str) -> Path:
 
 def run_two(out: Path, *args: str) -> Path:
     """Two processes under torchrun (gloo)."""
-    D.launch("diffattn_tutorial.training.loop", [*COMMON, "--out", str(out), *args], nproc=2, timeout=TIMEOUT)
+    distributed.launch("diffattn_tutorial.training.loop", [*COMMON, "--out", str(out), *args], nproc=2, timeout=TIMEOUT)
     return out
 
 
@@ -73,7 +73,7 @@ def params(out: Path) -> dict[str, torch.Tensor]:
 def test_data_rows_do_not_depend_on_how_the_batch_is_split():
     source = DataSource(RunConfig(global_batch=8))
     whole = source.rows(3, range(8))
-    parts = [source.rows(3, D.micro_batch_rows(m, r, 2, 2)) for m in range(2) for r in range(2)]
+    parts = [source.rows(3, distributed.micro_batch_rows(m, r, 2, 2)) for m in range(2) for r in range(2)]
     assert torch.equal(whole.tokens, torch.cat([p.tokens for p in parts]))
     assert torch.equal(whole.targets, torch.cat([p.targets for p in parts]))
     assert not torch.equal(source.rows(4, range(8)).tokens[:, :50], whole.tokens[:, :50])  # each step new data
@@ -81,7 +81,7 @@ def test_data_rows_do_not_depend_on_how_the_batch_is_split():
 
 @pytest.mark.parametrize("per_rank, world, accum", [(2, 2, 2), (3, 4, 1), (1, 1, 5), (5, 3, 3)])
 def test_micro_batch_rows_read_every_row_once(per_rank, world, accum):
-    seen = [i for m in range(accum) for r in range(world) for i in D.micro_batch_rows(m, r, per_rank, world)]
+    seen = [i for m in range(accum) for r in range(world) for i in distributed.micro_batch_rows(m, r, per_rank, world)]
     assert sorted(seen) == list(range(per_rank * world * accum))
 
 
@@ -115,7 +115,7 @@ def test_fsdp2_resumed_run_reaches_the_one_process_parameters_and_loss_curve(run
 def test_fsdp2_keeps_a_torch_chunk_shard_of_each_parameter_per_rank(runs):
     start = read_records(runs["fsdp2"] / "metrics.jsonl")[0]
     full = params(runs["one"]).values()
-    expected = [sum(D.fsdp_local_shard(p, rank, 2).numel() for p in full) for rank in range(2)]
+    expected = [sum(distributed.fsdp_local_shard(p, rank, 2).numel() for p in full) for rank in range(2)]
     assert start["params_per_rank"] == expected
     assert sum(expected) == start["params"] == sum(p.numel() for p in full)
     ddp = read_records(runs["ddp"] / "metrics.jsonl")[0]
@@ -157,7 +157,7 @@ def test_ctrl_c_under_torchrun_stops_both_ranks_after_the_same_step(tmp_path):
     args = [*COMMON, "--steps", "10000", "--checkpoint-every", "2", "--batch-size", "4", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_root()), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(D.torchrun_command("diffattn_tutorial.training.loop", args), env=env, text=True,
+    proc = subprocess.Popen(distributed.torchrun_command("diffattn_tutorial.training.loop", args), env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -168,7 +168,7 @@ def test_ctrl_c_under_torchrun_stops_both_ranks_after_the_same_step(tmp_path):
         output, _ = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
-            D._kill_tree(proc.pid)
+            distributed._kill_tree(proc.pid)
             proc.communicate()
     last = read_records(out / "metrics.jsonl")[-1]
     assert last["event"] == "interrupted", output
@@ -245,7 +245,7 @@ def test_a_hung_launch_times_out_and_leaves_no_process(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("MARKERS", str(tmp_path))
     with pytest.raises(subprocess.TimeoutExpired):
-        D.launch("hang", [], nproc=2, timeout=15)
+        distributed.launch("hang", [], nproc=2, timeout=15)
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]  # both workers had started
     deadline = time.monotonic() + 5
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:

@@ -18,16 +18,9 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from diffattn_tutorial.functional import (
-    BACKENDS,
-    diff_attention,
-    diff_attention_v2,
-    dual_lambda,
-    lambda_init_fn,
-    reparam_lambda,
-    rms_norm,
-    softmax_attention,
-)
+from diffattn_tutorial import functional
+from diffattn_tutorial.backend_table import PLAIN_BACKENDS
+from diffattn_tutorial.backends import BACKENDS
 from diffattn_tutorial.layers.rope import apply_rope, check_rope
 
 Tensor = torch.Tensor
@@ -43,7 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if affine else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return functional.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
@@ -218,7 +211,7 @@ class MultiheadAttention(_Attention):
         self.head_dim = embed_dim // num_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
-        self.backend = _check_backend(backend, ("auto", "naive", "sdpa"))
+        self.backend = _check_backend(backend, PLAIN_BACKENDS)
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
         self.k_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
         self.v_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
@@ -229,8 +222,8 @@ class MultiheadAttention(_Attention):
         """``x (B, N, C) -> (B, N, C)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
         self._check_x(x, context, rope, cache)
         q, k, v = self._qkv(x, context, rope, cache, self.num_heads, self.num_kv_heads, self.num_kv_heads)
-        out = softmax_attention(q, k, v, causal=causal, attn_mask=attn_mask,
-                                dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        out = functional.softmax_attention(q, k, v, causal=causal, attn_mask=attn_mask,
+                                           dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         return self.out_proj(rearrange(out, "b h n d -> b n (h d)"))
 
 
@@ -283,7 +276,7 @@ class MultiheadDiffAttn(_Attention):
         self.head_dim = embed_dim // num_heads // 2 if head_dim is None else head_dim
         self.kdim = embed_dim if kdim is None else kdim
         self.depth, self.lambda_mode = depth, lambda_mode
-        self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
+        self.lambda_init = functional.lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
         self.backend = _check_backend(backend, ("auto",) + BACKENDS)
         q_width, kv_width = 2 * num_heads * self.head_dim, 2 * num_kv_heads * self.head_dim
@@ -305,8 +298,9 @@ class MultiheadDiffAttn(_Attention):
     def lambda_full(self) -> Tensor:
         """The layer's scalar lambda (float32, 0-dim), with gradients to its parameters."""
         if self.lambda_mode == "paper":
-            return reparam_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
-        return dual_lambda(self.lambda_a, self.lambda_b, self.lambda_init)
+            return functional.reparam_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
+                                             self.lambda_init)
+        return functional.dual_lambda(self.lambda_a, self.lambda_b, self.lambda_init)
 
     def _qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         if self.q_norm is None:
@@ -320,8 +314,8 @@ class MultiheadDiffAttn(_Attention):
         self._check_x(x, context, rope, cache)
         H, Hkv = self.num_heads, self.num_kv_heads
         q, k, v = self._qkv(x, context, rope, cache, 2 * H, 2 * Hkv, Hkv)
-        return diff_attention(q, k, v, self.lambda_full(), causal=causal, attn_mask=attn_mask,
-                              dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        return functional.diff_attention(q, k, v, self.lambda_full(), causal=causal, attn_mask=attn_mask,
+                                         dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
 
     def forward(self, x: Tensor, *, rope: Rope = None, causal: bool = False, attn_mask: Optional[Tensor] = None,
                 context: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
@@ -364,7 +358,7 @@ class DiffAttnV2(_Attention):
         self.embed_dim = self.kdim = d_model
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_interleaved = rope_interleaved
-        self.backend = _check_backend(backend, ("auto", "naive", "sdpa"))
+        self.backend = _check_backend(backend, PLAIN_BACKENDS)
         self.q_proj = nn.Linear(d_model, 2 * num_heads * head_dim, bias=False, **dd)
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
@@ -380,5 +374,6 @@ class DiffAttnV2(_Attention):
         """``x (B, N, d_model) -> (B, N, d_model)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
         self._check_x(x, None, rope, cache)
         q, k, v = self._qkv(x, None, rope, cache, 2 * self.num_heads, self.num_kv_heads, self.num_kv_heads)
-        out = diff_attention_v2(q, k, v, self.lambda_full(x), causal=causal, attn_mask=attn_mask, backend=self.backend)
+        out = functional.diff_attention_v2(q, k, v, self.lambda_full(x), causal=causal, attn_mask=attn_mask,
+                                           backend=self.backend)
         return self.o_proj(rearrange(out, "b h n d -> b n (h d)"))

@@ -1,33 +1,16 @@
-"""FLOP and byte accounting for attention layers: one home for the formulas notebooks 08 and 10 use.
+"""FLOP and byte accounting for attention layers: the one home of the formulas notebooks 08, 09 and 13 and the
+tiny LM's ``attention_costs`` use.
 
-Conventions (those of the FlashAttention papers and benchmarks):
+Conventions (those of the FlashAttention papers): a product ``(m, k) @ (k, n)`` costs ``2 m k n`` FLOPs; softmax,
+scaling, masking and the ``o1 - lam * o2`` combination are not counted (``O(N^2)`` or ``O(N d)``). One attention
+call with ``Hq`` query heads, q/k dim ``dk`` and value width ``dv`` costs ``2 B Hq Nq Nk (dk + dv)`` forward; causal
+keeps the visible fraction of (query, key) pairs (half for ``Nq == Nk``); the backward is
+:data:`BACKWARD_FACTOR` times the forward. With ``H`` differential heads of q/k dim ``d`` (forward, ``Nq = Nk = N``):
 
-* A matrix product ``(m, k) @ (k, n)`` costs ``2 m k n`` FLOPs; softmax, scaling, masking and the
-  ``o1 - lam * o2`` combination are ignored (they are ``O(N^2)`` or ``O(N d)``, not ``O(N^2 d)``).
-* One softmax-attention call with ``Hq`` query heads, q/k head dim ``dk`` and value width ``dv`` costs
-  ``2 * B * Hq * Nq * Nk * (dk + dv)`` FLOPs forward (``q k^T`` plus ``P v``).
-* Causal (``Nq == Nk``): half of that, the usual convention. For ``Nq != Nk`` (a query block against
-  a longer key cache, bottom-right aligned as ``functional.causal_mask``) the exact fraction of
-  visible (query, key) pairs is used instead.
-* Backward: ``BACKWARD_FACTOR = 2.5`` times the forward (five matrix products instead of two), so
-  forward + backward is 3.5 times the forward.
-
-Layer shapes, with ``H`` differential heads and q/k head dim ``d``:
-
-==============  ==========================  ==============================  =========================
-layer           q heads x dim               k / v heads x dim               forward FLOPs (Nq=Nk=N)
-==============  ==========================  ==============================  =========================
-DIFF V1         2H x d                      k: 2Hkv x d, v: Hkv x 2d        ``12 B H N^2 d``
-baseline (V1)   2H x d  (same width 2Hd)    2Hkv x d                        ``8 B H N^2 d``
-DIFF V2         2H x d                      Hkv x d                         ``8 B H N^2 d``
-baseline (V2)   H x d   (same width Hd)     Hkv x d                         ``4 B H N^2 d``
-==============  ==========================  ==============================  =========================
-
-V1 does 1.5x the attention FLOPs of a baseline of the same model width (two ``q.k`` maps of dim ``d``
-and two ``P v`` products of width ``2d`` per head, as any kernel that never stores a map must). V2 does
-2x the attention FLOPs of its baseline in prefill, but its KV cache is the baseline's, read once per
-decoded token by one ordinary attention call, and decoding is bound by those bytes: it decodes at
-baseline speed.
+* DIFF V1 (k ``2Hkv x d``, v ``Hkv x 2d``): ``12 B H N^2 d``, 1.5x its same-width baseline (``2H`` heads of dim
+  ``d``: ``8 B H N^2 d``), as any kernel that never stores a map must do (:func:`formulation_flops` per backend);
+* DIFF V2 (``2H`` query heads, k and v ``Hkv x d``): ``8 B H N^2 d``, 2x its baseline (``H`` heads), but its KV
+  cache is the baseline's, read once per decoded token, and decoding is bound by those bytes.
 
 >>> diff_v1_attention_flops(1, 8, 1024, 64) / baseline_attention_flops(1, 16, 1024, 64)
 1.5

@@ -1,40 +1,30 @@
-"""GPU benchmark helpers shared by the scripts in ``benchmarks/`` and notebooks 08 and 09.
+"""GPU benchmark helpers shared by the scripts in ``benchmarks/`` and notebooks 08, 09 and 12.
 
-Measuring (the scripts and notebook 09's live cell):
-
-* :func:`median_seconds`: the one GPU timer. On CUDA ``triton.testing.do_bench`` (median; CUDA events, no host
-  sync between calls, the L2 cache flushed before each call), which :func:`diffattn_tutorial.measure.timing.median_time`
-  is not: that one syncs after every call, fine for the CPU backends it compares, but for a kernel of about a
-  millisecond the sync and a warm L2 both flatter or blur it. Elsewhere (CPU runs of the plumbing) it is
-  ``measure.timing.median_time``. Inputs come from :func:`diffattn_tutorial.measure.timing.make_inputs`, peak memory from
-  :func:`diffattn_tutorial.measure.timing.cuda_peak_extra`.
-* :func:`sdpa_backend`: run under one SDPA kernel selected explicitly (``flash``, ``cudnn``, ``efficient``,
-  ``math``) or PyTorch's own dispatch (``default``); :func:`refusal` words why a kernel declined a call.
-* :func:`shape_for`: the FlashAttention benchmarks' shapes (fixed tokens per batch and model width).
-* :func:`results_header`: the device, versions, date and command every results file carries.
-
-Which dtype and which kernels a device has (notebooks 08, 09, 12, ``train --precision auto``, the benchmarks):
-
-* :func:`preferred_half_dtype`: bfloat16 where the GPU has bf16 tensor cores (compute capability 8.0 and up:
-  A100, RTX 30xx/40xx, L4, H100), float16 below (Colab's T4, V100, RTX 20xx), which needs a
-  ``torch.amp.GradScaler`` to train; :func:`check_half_dtype` refuses bfloat16 on such a GPU, naming float16.
-* :func:`sdpa_kernels_here`: which SDPA kernels exist on the device at all (a plain equal-dim call), so a table
-  can say "unavailable here" (flash on a T4) apart from "refused this call" (flash with V twice as wide).
-
-Recorded results (notebooks 08 and 09, ``benchmarks/gpu_session.py --collect``): a GPU run's files live in
-:mod:`diffattn_tutorial.recorded` as ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json`` and
-``gpu_session_<device>.json`` (:func:`recorded_path`), so a notebook finds them from any folder with
-:func:`find_recorded`. :func:`merge_triton` joins runs of ``bench_triton``, :func:`triton_summary` and
-:func:`sdpa_summary` tabulate them, :func:`goals` checks issue 13's goals.
+* :func:`median_seconds`: the one GPU timer, ``triton.testing.do_bench`` on CUDA (median of CUDA events, no host
+  sync between calls, L2 flushed before each), unlike :func:`diffattn_tutorial.measure.timing.median_time`, which
+  syncs after every call (fine for the CPU backends it compares, not for a kernel of about a millisecond), and
+  which it falls back to elsewhere.
+* :func:`sdpa_backend` runs under one SDPA kernel chosen explicitly, or PyTorch's own dispatch; :func:`refusal`
+  words why a kernel declined a call; :func:`sdpa_kernels_here` says which kernels the device has at all.
+* :func:`preferred_half_dtype`: bfloat16 where the GPU has bf16 tensor cores (compute capability 8.0 and up),
+  float16 below (it needs a ``torch.amp.GradScaler`` to train); :func:`check_half_dtype` refuses bfloat16 there.
+* :func:`shape_for`: the FlashAttention benchmarks' shapes; :func:`results_header`: the device, versions, date and
+  command every results file carries.
+* A GPU run's results live in :mod:`diffattn_tutorial.recorded` (:func:`recorded_path`, :func:`find_recorded`):
+  :func:`merge_triton` joins runs of ``bench_triton``, :func:`triton_summary` and :func:`sdpa_summary` tabulate
+  them, :func:`goals` checks the Triton kernel's goals.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
 import platform
 import re
+import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Callable, ContextManager, Optional, Sequence
@@ -231,6 +221,37 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
+def add_output_args(parser: argparse.ArgumentParser, kind: str) -> None:
+    """A benchmark script's ``--out``, ``--no-record-argv`` (tests) and ``-q``, for results of ``kind``."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results file (default on CUDA: diffattn_tutorial/recorded/{kind}_<device>.json; "
+                             "needed on a CPU, whose runs are not recorded)")
+    parser.add_argument("--no-record-argv", dest="record_argv", action="store_false", help=argparse.SUPPRESS)
+    parser.add_argument("-q", "--quiet", action="store_true")
+
+
+def run_and_record(args: argparse.Namespace, run: Callable, kind: str, *, cpu_run: str,
+                   summary: Optional[Callable[[dict], str]] = None) -> int:
+    """A benchmark script's end: refuse a CUDA run without a GPU (``cpu_run`` says how to smoke-run on a CPU) and
+    a CPU run without ``--out``, run ``run(args, progress)``, write its results (where ``--out`` says, else in
+    :mod:`diffattn_tutorial.recorded`) and say where; 1, with the traceback, where the run fails."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda asked for, but torch sees no CUDA GPU (use {cpu_run} for a smoke run)")
+    if args.out is None and not args.device.startswith("cuda"):
+        raise SystemExit("a CPU run needs --out PATH (diffattn_tutorial/recorded/ holds GPU results only)")
+    progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        results = run(args, progress)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    out = write_json(args.out or recorded_path(kind, results["recorded"]["device"]), results)
+    if summary is not None and not args.quiet:
+        print(summary(results))
+    print(f"wrote {len(results['rows'])} rows to {out}")
+    return 0
+
+
 def find_recorded(kind: str, device_type: Optional[str] = "cuda",
                   folder: Optional[Path] = None) -> list[tuple[str, dict]]:
     """Every recorded file of ``kind`` (``bench_triton``, ``bench_sdpa``, ``gpu_session``) as ``(name, data)``,
@@ -342,7 +363,7 @@ def sdpa_summary(results: dict, *, d: Optional[int] = None, causal: Optional[boo
 
 __all__ = ["cuda_capability", "preferred_half_dtype", "check_half_dtype", "benchmark_dtype", "sdpa_kernels_here", "BF16_CAPABILITY",
            "median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
-           "recorded_path", "write_json", "find_recorded", "merge_triton", "triton_summary", "goals",
+           "recorded_path", "write_json", "add_output_args", "run_and_record", "find_recorded", "merge_triton", "triton_summary", "goals",
            "sdpa_summary", "SDPA_BACKENDS", "GOALS", "GOALS_DEVICE", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA",
            "SESSION_SCHEMA",
            "RECORDED_DIR"]

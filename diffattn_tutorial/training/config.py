@@ -11,17 +11,18 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from diffattn_tutorial.functional import BACKENDS, FORWARD_ONLY
+from diffattn_tutorial.backend_table import PLAIN_BACKENDS, triton_available
+from diffattn_tutorial.backends import BACKENDS, FORWARD_ONLY
 from diffattn_tutorial.layers.attention import (
     DiffAttnV2,
     MultiheadAttention,
     MultiheadDiffAttn,
 )
-from diffattn_tutorial.training import distributed as D
-from diffattn_tutorial.training.corpus import TextTask
+from diffattn_tutorial.training import distributed
+from diffattn_tutorial.training.corpus import TextTask, next_character_loss
 from diffattn_tutorial.training.model import ATTENTIONS, TinyLM, build_model
 from diffattn_tutorial.training.needle import NeedleTask
-from diffattn_tutorial.training.study import SETTINGS
+from diffattn_tutorial.training.study import SETTINGS, retrieval_loss
 
 Tensor = torch.Tensor
 
@@ -81,7 +82,7 @@ class RunConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        choices = {"task": TASKS, "attention": ATTENTIONS, "strategy": D.STRATEGIES, "precision": PRECISIONS,
+        choices = {"task": TASKS, "attention": ATTENTIONS, "strategy": distributed.STRATEGIES, "precision": PRECISIONS,
                    "attn_backend": ("auto",) + BACKENDS, "device": ("auto", "cpu", "cuda")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -104,7 +105,7 @@ class RunConfig:
         if self.global_batch % (self.batch_size * self.grad_accum):
             raise ValueError(f"global_batch={self.global_batch} is not batch_size={self.batch_size} x world x "
                              f"grad_accum={self.grad_accum}")
-        if self.attn_backend != "auto" and self.attention != "diff" and self.attn_backend not in ("naive", "sdpa"):
+        if self.attn_backend != "auto" and self.attention != "diff" and self.attn_backend not in PLAIN_BACKENDS:
             raise ValueError(f"attn_backend {self.attn_backend!r} is a differential-attention backend; "
                              f"attention={self.attention!r} takes 'auto', 'naive' or 'sdpa'")
         if self.attn_backend in FORWARD_ONLY:
@@ -156,9 +157,7 @@ def check_backend_here(backend: str, device: torch.device) -> None:
     CUDA GPU, or ``TRITON_INTERPRET=1`` on a CPU), naming the fix."""
     if backend != "triton":
         return
-    from diffattn_tutorial.functional import _triton_available
-
-    ok, why = _triton_available()
+    ok, why = triton_available()
     if not ok:
         raise ValueError(f"--attn-backend triton cannot run here ({why}); use --attn-backend auto")
 
@@ -181,7 +180,7 @@ def set_attention_backend(model: TinyLM, backend: str) -> None:
     for block in model.blocks:
         attn = block.attn
         plain = isinstance(attn, (MultiheadAttention, DiffAttnV2))
-        if plain and backend not in ("auto", "naive", "sdpa"):
+        if plain and backend not in PLAIN_BACKENDS:
             raise ValueError(f"{type(attn).__name__} takes backend 'auto', 'naive' or 'sdpa', got {backend!r}")
         if not isinstance(attn, (MultiheadAttention, DiffAttnV2, MultiheadDiffAttn)):
             raise TypeError(f"unknown attention layer {type(attn).__name__}")
@@ -258,6 +257,12 @@ class DataSource:
                 toks.append(t)
                 tgts.append(y)
         return LMBatch(torch.stack(toks), torch.stack(tgts))
+
+    def loss(self, model: TinyLM, batch: LMBatch) -> Tensor:
+        """The task's loss on ``batch``: the needle task's at the queried keys, the text task's at every position."""
+        if self.needle is not None:
+            return retrieval_loss(model, batch)
+        return next_character_loss(model, batch.tokens, batch.targets)
 
 
 __all__ = ["TASKS", "PRECISIONS", "RUN_DEFINING", "MAX_LR", "RunConfig", "check_backend_here", "build_run_model", "set_attention_backend", "graph_breaks", "LMBatch", "row_generator", "DataSource"]

@@ -22,8 +22,10 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
@@ -106,4 +108,11 @@ class TextTask:
         return window[:-1], window[1:]
 
 
-__all__ = ["ALPHABET", "generate_corpus", "encode", "decode", "TextTask"]
+def next_character_loss(model: Callable[[Tensor], Tensor], tokens: Tensor, targets: Tensor) -> Tensor:
+    """The text task's loss: cross-entropy of the next character at every position, ``tokens (B, L)`` through
+    ``model`` to logits ``(B, L, V)`` against ``targets (B, L)``."""
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+__all__ = ["ALPHABET", "generate_corpus", "encode", "decode", "TextTask", "next_character_loss"]

@@ -97,8 +97,7 @@ def shutdown(ctx: DistContext) -> None:
 
     The barrier matters: a rank that tears down its gloo connections while another rank still holds them open
     (rank 0 writing the last log line, say) can abort at exit with ``terminate called without an active
-    exception`` (SIGABRT): measured here in 2 of 16 two-process runs on a loaded 2-core machine without it, 0 of
-    22 with it."""
+    exception`` (SIGABRT; how often, with and without the barrier: ``benchmarks/NOTES.md``)."""
     if ctx.distributed and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -74,7 +74,7 @@ from tqdm.auto import tqdm
 from diffattn_tutorial.argtypes import int_at_least
 from diffattn_tutorial.functional import BACKENDS
 from diffattn_tutorial.measure.cpu_threads import threads
-from diffattn_tutorial.training import distributed as D
+from diffattn_tutorial.training import distributed
 from diffattn_tutorial.training.checkpoints import (
     RUN_FILES,
     CheckpointError,
@@ -103,7 +103,7 @@ from diffattn_tutorial.training.study import lr_factor, retrieval_loss
 
 Tensor = torch.Tensor
 
-def _autocast(cfg: RunConfig, ctx: D.DistContext) -> contextlib.AbstractContextManager:
+def _autocast(cfg: RunConfig, ctx: distributed.DistContext) -> contextlib.AbstractContextManager:
     """16-bit autocast for DDP (and single-process) runs on a GPU; FSDP2 casts through its own policy."""
     dtype = half_dtype(cfg.precision, ctx.device, cfg.strategy)
     if dtype is not None and cfg.strategy == "ddp":
@@ -132,11 +132,11 @@ def half_dtype(precision: str, device: torch.device, strategy: str = "ddp") -> O
     return dtype
 
 
-def _mixed_precision(cfg: RunConfig, ctx: D.DistContext) -> bool:
+def _mixed_precision(cfg: RunConfig, ctx: distributed.DistContext) -> bool:
     return half_dtype(cfg.precision, ctx.device, cfg.strategy) is not None
 
 
-def _grad_scaler(cfg: RunConfig, ctx: D.DistContext) -> torch.amp.GradScaler:
+def _grad_scaler(cfg: RunConfig, ctx: distributed.DistContext) -> torch.amp.GradScaler:
     """Loss scaling for fp16 (its small exponent range underflows gradients); a no-op for fp32 and bf16."""
     fp16 = half_dtype(cfg.precision, ctx.device, cfg.strategy) == torch.float16
     return torch.amp.GradScaler(ctx.device.type, enabled=fp16)
@@ -253,7 +253,7 @@ class Interrupted(Exception):
         return f"stopped at step {self.step} of {self.stop}; resume with --resume from step {self.saved}{redo}"
 
 
-def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
+def train(cfg: RunConfig, ctx: distributed.DistContext) -> list[float]:
     """Run (or resume) the training ``cfg`` describes in this process, one of torchrun's (the toy study's trainer
     is :func:`diffattn_tutorial.training.study.train_toy_model`); returns this session's step losses (the global
     batch's mean loss after each optimizer step). Ctrl-C raises :class:`Interrupted`. (``cfg.threads`` is applied
@@ -264,7 +264,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     _mixed_precision(cfg, ctx)
     source = DataSource(cfg)
     model = build_run_model(cfg, source.vocab_size, source.max_len)
-    run = D.on_main(lambda: _resume_from(cfg) if cfg.resume else _start_fresh(cfg), ctx)
+    run = distributed.on_main(lambda: _resume_from(cfg) if cfg.resume else _start_fresh(cfg), ctx)
     for reason in run.skipped if ctx.is_main else ():
         print(f"warning: {reason}; skipped", file=sys.stderr, flush=True)
     if ctx.is_main and run.skipped:
@@ -274,7 +274,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
             block.compile(backend=cfg.compile_backend)
     mixed = _mixed_precision(cfg, ctx)
     scaler = _grad_scaler(cfg, ctx)
-    model = D.wrap(model.to(ctx.device), ctx, cfg.strategy,
+    model = distributed.wrap(model.to(ctx.device), ctx, cfg.strategy,
                    param_dtype=half_dtype(cfg.precision, ctx.device, cfg.strategy) if cfg.strategy == "fsdp2"
                    else None)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
@@ -292,7 +292,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
                "device": str(ctx.device), "backend": ctx.backend, "mixed_precision": mixed,
                "torch": torch.__version__, "python": platform.python_version(),
                "params": sum(p.numel() for p in model.parameters()),
-               "params_per_rank": D.gather_ints(D.local_numel(model), ctx), "config": cfg.to_json(),
+               "params_per_rank": distributed.gather_ints(distributed.local_numel(model), ctx), "config": cfg.to_json(),
                **({"resumed_from": Path(run.checkpoint).name} if run.checkpoint else {}),
                **({"skipped_checkpoints": list(run.skipped)} if run.skipped else {})})
     losses, t0 = [], time.perf_counter()
@@ -302,7 +302,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
     model.train()
     done, saved = start, (start if run.checkpoint is not None else None)
     try:
-        with D.deferred_sigint() as ctrl_c:  # Ctrl-C lets the step and its checkpoint finish (see deferred_sigint)
+        with distributed.deferred_sigint() as ctrl_c:  # Ctrl-C lets the step and its checkpoint finish (see deferred_sigint)
             for step in bar:
                 loss = _train_step(model, opt, source, cfg, ctx, step, scaler)
                 scaler.unscale_(opt)  # fp16: true gradients before clipping (a no-op otherwise)
@@ -310,7 +310,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
                 scaler.step(opt)  # fp16: skipped when a gradient is inf/NaN; otherwise opt.step()
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
-                losses.append(D.mean_over_ranks(loss, ctx))
+                losses.append(distributed.mean_over_ranks(loss, ctx))
                 done = step + 1
                 tokens += cfg.global_batch * source.row_len(step)
                 log.write({"event": "step", "step": step + 1, "loss": losses[-1], "lr": opt.param_groups[0]["lr"],
@@ -321,7 +321,7 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
                 if step + 1 == stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
                     save_checkpoint(model, opt, step + 1, cfg.out, run_id=run.run_id, config=cfg.to_json())
                     saved = step + 1
-                if step + 1 < stop and D.any_rank(ctrl_c(), ctx):
+                if step + 1 < stop and distributed.any_rank(ctrl_c(), ctx):
                     raise KeyboardInterrupt  # on every rank after the same step
     except KeyboardInterrupt:
         bar.close()
@@ -333,15 +333,15 @@ def train(cfg: RunConfig, ctx: D.DistContext) -> list[float]:
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, source: DataSource, cfg: RunConfig,
-                ctx: D.DistContext, step: int, scaler: torch.amp.GradScaler) -> Tensor:
+                ctx: distributed.DistContext, step: int, scaler: torch.amp.GradScaler) -> Tensor:
     """Forward and backward over this rank's rows of step ``step``; returns its mean loss (detached)."""
     for group in opt.param_groups:
         group["lr"] = cfg.lr * lr_factor(step, cfg.steps, cfg.warmup)
     total = torch.zeros((), device=ctx.device)
     for micro in range(cfg.grad_accum):
-        batch = source.rows(step, D.micro_batch_rows(micro, ctx.rank, cfg.batch_size, ctx.world_size))
+        batch = source.rows(step, distributed.micro_batch_rows(micro, ctx.rank, cfg.batch_size, ctx.world_size))
         batch = LMBatch(*(t.to(ctx.device, non_blocking=True) for t in batch))
-        with D.gradient_sync(model, enabled=micro == cfg.grad_accum - 1):
+        with distributed.gradient_sync(model, enabled=micro == cfg.grad_accum - 1):
             with _autocast(cfg, ctx):
                 loss = retrieval_loss(model, batch).float() / cfg.grad_accum
             scaler.scale(loss).backward()
@@ -394,7 +394,7 @@ def build_parser(prog: str = "python -m diffattn_tutorial.training.loop") -> arg
                    "or derived from --global-batch)")
     p.add_argument("--global-batch", type=_positive, default=None,
                    help="rows per optimizer step; must be batch-size x world x grad-accum")
-    p.add_argument("--strategy", choices=D.STRATEGIES, default=d.strategy)
+    p.add_argument("--strategy", choices=distributed.STRATEGIES, default=d.strategy)
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="auto: fp32 on CPU; on a GPU bf16, or fp16 (loss-scaled) below compute capability 8.0")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
@@ -467,7 +467,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutor
     parser = build_parser(prog)
     try:
         cfg = config_from_args(argv, int(os.environ.get("WORLD_SIZE", "1")), prog)
-        ctx = D.init(cfg.device)
+        ctx = distributed.init(cfg.device)
     except UsageError as e:
         return _error(parser, f"{e} (see {prog} --help)", 2)
     except ValueError as e:
@@ -495,7 +495,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutor
     except (OSError, CheckpointSaveError) as e:
         code = _error(parser, e, 1)
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
     return code
 
 

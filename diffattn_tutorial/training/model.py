@@ -51,6 +51,7 @@ from diffattn_tutorial.layers.attention import (
     StaticKVCache,
 )
 from diffattn_tutorial.layers.rope import rope_cos_sin
+from diffattn_tutorial.measure import flops
 
 Tensor = torch.Tensor
 
@@ -253,7 +254,7 @@ class TinyLM(nn.Module):
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, cache: Optional[str] = "dynamic",
                  compile: Union[bool, str, Callable] = False, temperature: float = 0.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None, use_cache: Optional[bool] = None) -> Tensor:
+                 generator: Optional[torch.Generator] = None) -> Tensor:
         """Decode ``max_new_tokens`` tokens after ``idx (B, N)``: returns ``(B, N + max_new_tokens)``.
 
         Args:
@@ -275,10 +276,9 @@ class TinyLM(nn.Module):
                 ``softmax(logits / temperature)`` (see :func:`next_token`).
             top_k: sample among the ``top_k`` most likely tokens only (None: all).
             generator: the ``torch.Generator`` to sample with (None: torch's global one).
-            use_cache: the older switch, kept for existing calls: True means ``cache="dynamic"``, False ``cache=None``.
         """
         self._check_idx(idx)
-        cache = _resolve_cache(cache, use_cache)
+        _check_cache(cache)
         _check_sampling(temperature, top_k, generator)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
@@ -338,16 +338,9 @@ class TinyLM(nn.Module):
         return sum(p.numel() for m in mods for p in m.parameters())
 
 
-def _resolve_cache(cache: Optional[str], use_cache: Optional[bool]) -> Optional[str]:
-    """``cache`` checked, or the older ``use_cache`` switch translated (True: ``"dynamic"``, False: None)."""
-    if use_cache is not None:
-        if cache != "dynamic":
-            raise ValueError(f"pass either cache= or the older use_cache=, not both (got cache={cache!r}, "
-                             f"use_cache={use_cache!r}); use_cache=False is cache=None")
-        return "dynamic" if use_cache else None
+def _check_cache(cache: Optional[str]) -> None:
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-    return cache
 
 
 def _check_sampling(temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]) -> None:
@@ -436,9 +429,7 @@ def attention_costs(attention: str, *, d_model: int, n_heads: int, n_kv_heads: O
     * ``params``: parameters of the attention layer;
     * ``proj_flops``: multiply-adds x 2 of the q/k/v/out (and lambda) projections, per token;
     * ``attn_flops``: FLOPs of the attention itself for one query token over ``context`` keys, as standard
-      flash kernels compute it: baseline ``q.k`` and ``p.v`` (``4 N H d``); V1 two kernel calls with V of
-      width ``2d`` (``6 N H d``, the paper's customised FlashAttention); V2 one call over ``2H`` query heads
-      (``8 N H d``);
+      flash kernels compute it (:mod:`diffattn_tutorial.measure.flops` counts them);
     * ``kv_bytes``: bytes of KV cache per token (keys + values), at ``bytes_per_value`` per number.
     """
     cfg = LMConfig(vocab_size=2, attention=attention, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads)
@@ -446,11 +437,9 @@ def attention_costs(attention: str, *, d_model: int, n_heads: int, n_kv_heads: O
         layer = make_attention(cfg, depth=0)
     params = sum(p.numel() for p in layer.parameters())
     proj = 2 * sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, nn.Linear))
-    q_width = layer.q_proj.out_features  # all query heads (DIFF: both maps of every head) x d
-    if isinstance(layer, MultiheadDiffAttn):  # two calls, each: H/2 heads of q.k (d) and p.v (2d)
-        attn = 2 * context * q_width + 2 * 2 * context * (layer.num_heads * 2 * layer.head_dim)
-    else:  # one call: every query head does q.k (d) and p.v (d)
-        attn = 2 * context * q_width * 2
+    count = (flops.diff_v1_attention_flops if isinstance(layer, MultiheadDiffAttn) else
+             flops.diff_v2_attention_flops if isinstance(layer, DiffAttnV2) else flops.baseline_attention_flops)
+    attn = int(count(1, layer.num_heads, 1, layer.head_dim, nk=context))  # one query token over the context
     kv = (layer.k_proj.out_features + layer.v_proj.out_features) * bytes_per_value
     return {"params": params, "proj_flops": proj, "attn_flops": attn, "kv_bytes": kv}
 

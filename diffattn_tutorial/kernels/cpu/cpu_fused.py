@@ -54,7 +54,6 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from diffattn_tutorial import backends
 from diffattn_tutorial.constants import LOG2E
 from diffattn_tutorial.paths import cache_dir
 
@@ -371,12 +370,12 @@ def _self_check(lib: ctypes.CDLL) -> None:
     q, k = torch.randn(2, 4, 29, 24, generator=g), torch.randn(2, 2, 37, 24, generator=g)
     v, lam = torch.randn(2, 1, 37, 48, generator=g), torch.rand(2, 2, 29, 1, generator=g)
     mask = torch.randn(29, 37, generator=g).expand(2, 2, 29, 37)
-    from diffattn_tutorial.functional import diff_attention  # the reference (functional never imports this module)
+    from diffattn_tutorial.formulations import naive_reference  # the reference (a layer above the kernels)
 
     for causal, m in ((False, None), (True, None), (False, mask)):
         out = _forward(lib, q, k, v, lam, m, causal, 24 ** -0.5)
-        ref = diff_attention(q.double(), k.double(), v.double(), lam.double(), causal=causal,
-                             attn_mask=None if m is None else m.double(), backend="naive")
+        ref = naive_reference(q.double(), k.double(), v.double(), lam.double(), causal=causal,
+                              attn_mask=None if m is None else m.double())
         err = (out.double() - ref).abs().max().item()
         if not err < 1e-4:
             raise KernelUnavailable(f"the compiled kernel disagrees with the naive formula (max error {err:.3g}, "
@@ -467,25 +466,6 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
         raise ValueError("the fused CPU kernel is forward-only (no autograd); call it under torch.no_grad(), or "
                          "use diff_attention(..., backend='auto') to train")
     return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
-
-
-@backends.constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
-def _backend_status(device: torch.device) -> tuple[bool, str]:
-    return kernel_status()
-
-
-def _backend_run(c: backends.Call) -> Tensor:
-    return fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
-
-
-# The kernel declares itself to the backend registry (the package imports this module): functional never imports
-# it, so the kernel may use functional's naive formula for its self-check without an import cycle.
-backends.register_backend(backends.Backend(
-    "cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
-    "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept in cache",
-    _backend_run, status=_backend_status, devices=("cpu",), dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
-    requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)))
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "KernelUnavailable", "compiler", "library_path", "kernel_status",
