@@ -30,6 +30,7 @@ from diffattn_tutorial.training.checkpoints import (
     load_model,
     verify_checkpoint,
 )
+from diffattn_tutorial.training.config import DataSource
 from diffattn_tutorial.training.loop import main
 from diffattn_tutorial.training.runlog import read_records, read_steps
 
@@ -220,7 +221,7 @@ def test_stop_at_before_the_checkpoint_is_refused(tmp_path, capsys):
 
 
 def test_a_diverging_loss_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loop, "retrieval_loss", lambda model, batch: model(batch.tokens).sum() * float("nan"))
+    monkeypatch.setattr(DataSource, "loss", lambda self, model, batch: model(batch.tokens).sum() * float("nan"))
     assert run(tmp_path) == 1
     assert "step 1: the loss is nan; lower --lr or raise --warmup; then start again with --overwrite" in \
         one_line_error(capsys)

@@ -5,51 +5,21 @@ many GPUs: ``python -m diffattn_tutorial.training.loop`` (also ``diffattn-tutori
     torchrun --nproc_per_node=2 -m diffattn_tutorial.training.loop --attention diff --strategy fsdp2 \\
         --global-batch 32 --batch-size 8 --out runs/diff                                          # two processes
 
-What the script does, and where each piece lives:
+The contract, and where each piece lives:
 
-* **Data** (:class:`RunConfig` ``task``): the multi-needle retrieval task (:class:`~diffattn_tutorial.training.needle.
-  NeedleTask`, step ``t`` on setting ``SETTINGS[t % 4]`` as in notebook 07) or the generated text corpus
-  (:class:`~diffattn_tutorial.training.corpus.TextTask`). Row ``i`` of step ``t``'s global batch is drawn from its own
-  generator seeded by ``(seed, t, i)``, so the global batch is the same whatever the number of processes; each
-  rank builds only its rows (:func:`~diffattn_tutorial.training.distributed.micro_batch_rows`).
-* **Global batch** = ``batch_size`` (per rank and micro-step) x world size x ``grad_accum``. Give
-  ``--global-batch`` and the accumulation is derived for the world size at hand, so the same command trains the
-  same model on 1 CPU process or 8 GPUs. Each micro-step's loss is its rows' mean divided by ``grad_accum``;
-  all rows hold the same number of targets, so the averaged gradients are those of the global batch's mean loss.
-* **Parallelism** (``--strategy``): ``ddp`` or ``fsdp2`` (``fully_shard``, one unit per block), gloo on CPUs,
-  NCCL on GPUs (:mod:`diffattn_tutorial.training.distributed`).
-* **Mixed precision** on GPU only (``--precision auto`` = the GPU's 16-bit dtype, fp32 on CPU): bf16 from compute
-  capability 8.0 (A100, RTX 30xx/40xx, L4, H100), fp16 below (Colab's T4), as ``measure.gpu.preferred_half_dtype``
-  decides; ``bf16`` asked for on a T4 is refused, naming fp16. DDP runs the forward under ``torch.autocast`` in
-  that dtype, FSDP2 gathers 16-bit weights (``MixedPrecisionPolicy``) and reduces gradients in float32; the
-  optimizer always holds float32 weights. fp16 trains with a ``torch.amp.GradScaler`` (the loss scaled before the
-  backward, the gradients unscaled before clipping, a step with inf/NaN gradients skipped; the scale is not
-  checkpointed and re-calibrates after a resume), with DDP only: with FSDP2 each rank would check only its own
-  gradient shards for inf (use ``--strategy ddp`` or ``--precision fp32`` there).
-* **torch.compile** (``--compile``): each block is compiled in place before wrapping, so checkpoint keys do not
-  change. Which attention backends compile as one graph is measured by :func:`graph_breaks`
-  (``torch._dynamo.explain`` of one block's forward). On torch 2.13 the SDPA path (``auto``, ``sdpa`` and
-  every SDPA formulation) traces with no graph break for all three attention kinds, and so do ``naive`` and
-  ``chunked`` for DIFF attention (asserted in ``tests/test_train.py``). ``triton`` calls a custom kernel and is
-  not measured here.
-* **Checkpoints** (``--checkpoint-every``, ``--resume``): ``torch.distributed.checkpoint`` (DCP) saves model and
-  AdamW state sharded, one file per rank, and loads them into any world size or strategy; the learning rate is a
-  function of the step and the data of ``(seed, step)``, so a resumed run continues the same loss curve. When
-  a checkpoint is complete, rank 0 writes its ``manifest.json`` (atomically, last): the sha256 of every file, the
-  step, the run's config and its run id. ``--resume`` takes the newest checkpoint whose files match their
-  manifest (naming and skipping damaged or unfinished ones) and whose run id and config match the run's; a run
-  stopped before its first checkpoint starts again from step 0.
-* **Trust**: DCP reads a checkpoint's ``.metadata`` with ``pickle``, which runs whatever code the file names. Only
-  load checkpoint folders you trust (your own runs). The manifest is checked before torch reads a byte, so a
-  damaged or altered file is refused, but whoever can write the folder can also write a matching manifest: the
-  hashes catch accidents, not attacks. A checkpoint without a valid manifest is refused unless you pass
-  ``--allow-unverified-checkpoint`` (``allow_unverified=True``).
-* **Output** (``--out DIR``, a new or empty folder; ``--resume`` continues the run in it, ``--overwrite`` clears
-  it first): ``config.json``, ``metrics.jsonl`` (JSON lines, :mod:`diffattn_tutorial.training.runlog`, plotted by
-  :func:`~diffattn_tutorial.training.runlog.plot_loss_curves`), ``checkpoints/step_NNNNNN/``; a ``tqdm`` bar on rank 0.
-  Ctrl-C lets the step in progress and a checkpoint being written finish, then stops the run (every rank after
-  the same step) with "stopped at step N" and the checkpoint to resume from, exit code 130 (under ``torchrun``,
-  torchrun reports its workers' end); bad options exit with 2 and one line naming the fix.
+* **Same model whatever the world size**: row ``i`` of step ``t`` is drawn from a generator seeded by
+  ``(seed, t, i)`` (:class:`~diffattn_tutorial.training.config.DataSource`); ``--global-batch`` fixes the batch and the
+  gradient accumulation is derived for the number of processes.
+* **Parallelism** ``--strategy ddp|fsdp2`` (:mod:`diffattn_tutorial.training.distributed`); **precision** ``auto`` is the
+  GPU's 16-bit dtype (``measure.gpu.preferred_half_dtype``; fp16 with a GradScaler, DDP only), float32 on a CPU;
+  ``--compile`` compiles each block in place (:func:`~diffattn_tutorial.training.config.graph_breaks` measures breaks).
+* **Checkpoints** (:mod:`diffattn_tutorial.training.checkpoints`): DCP, sharded, with a sha256 manifest written last;
+  ``--resume`` continues from the newest verified one (from step 0 when the run stopped before its first). DCP reads
+  ``.metadata`` with pickle: load only folders you trust; the manifest catches accidents, not attacks.
+* **Output** ``--out DIR`` (new or empty; ``--overwrite`` clears it): ``config.json``, ``metrics.jsonl``
+  (:mod:`diffattn_tutorial.training.runlog`), ``checkpoints/step_NNNNNN/``. Every refusal comes before the folder is
+  touched. Ctrl-C lets the step and a checkpoint being written finish, then stops every rank after the same step
+  ("stopped at step N", exit 130); bad options exit 2 with one line naming the fix.
 """
 
 from __future__ import annotations
@@ -99,7 +69,7 @@ from diffattn_tutorial.training.config import (
 )
 from diffattn_tutorial.training.model import ATTENTIONS
 from diffattn_tutorial.training.runlog import MetricsLog, read_records
-from diffattn_tutorial.training.study import lr_factor, retrieval_loss
+from diffattn_tutorial.training.study import lr_factor
 
 Tensor = torch.Tensor
 
@@ -343,7 +313,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, source: DataSource
         batch = LMBatch(*(t.to(ctx.device, non_blocking=True) for t in batch))
         with distributed.gradient_sync(model, enabled=micro == cfg.grad_accum - 1):
             with _autocast(cfg, ctx):
-                loss = retrieval_loss(model, batch).float() / cfg.grad_accum
+                loss = source.loss(model, batch).float() / cfg.grad_accum
             scaler.scale(loss).backward()
         total += loss.detach()
     if not torch.isfinite(total):
