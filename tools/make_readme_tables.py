@@ -344,8 +344,10 @@ def layout_block() -> str:
         ("`exercises/`, `solutions/`", "the learner notebooks, generated from their solved sources in `solutions/` "
                                        "by `python tools/make_exercises.py` (`--check` in CI)"),
         ("`tests/`", "unit, property and conformance tests, the drift test of the prose, the architecture test "
-                     "(layers, import cycles, module size, ruff), and each notebook run from an empty folder against "
-                     "the built wheel"),
+                     "(layers, import cycles, module size, ruff), the site's build and the wheel set-up every "
+                     "notebook runs under (from an empty folder, against the built wheel)"),
+        ("`docs/`", "the course website: `python docs/build.py` renders the notebooks' stored outputs, the exercises "
+                    "and the API reference from the docstrings (Sphinx with MyST-NB)"),
         ("`diffattn_tutorial/golden/`", "outputs of the reference implementations, read with "
                                         "`diffattn_tutorial.golden.load(name)`"),
         ("`benchmarks/`", "benchmark scripts (" + ", ".join(f"`{s}`" for s in scripts) + "), their results files "
