@@ -434,6 +434,88 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     return out if d_pad == d else out[..., : 2 * d]
 
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes the operators take for q, k and v (computed in float32)."""
+
+_INT_MAX = 2 ** 31 - 1  # the kernel's sizes are C ints
+
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(int(n) for n in t.shape)
+
+
+def _check_tensor(name: str, t: object, device: torch.device, *, optional: bool = False) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} is a {t.layout} tensor; the kernel reads dense memory: pass {name}.to_dense()")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}: pass every argument on one device "
+                         f"({name}.to(q.device))")
+    if any(n > _INT_MAX for n in t.shape):
+        raise ValueError(f"{name} has shape {_shape(t)}: the kernel takes sizes below 2**31 per dimension")
+
+
+def _broadcasts(shape: tuple, target: tuple) -> bool:
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
+def check_operator_inputs(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                          grad_out: Optional[Tensor] = None) -> None:
+    """Refuse, naming the argument and the fix, inputs the operators cannot compute (shapes, dtypes, devices and
+    layouts only: nothing reads the data). Runs in the operators and in their fake implementations."""
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("lam", lam)):
+        _check_tensor(name, t, q.device)
+    _check_tensor("attn_mask", attn_mask, q.device, optional=True)
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q is {q.dtype}: the kernel takes float32, float16 or bfloat16 (it computes in float32); "
+                        f"pass q.float(), or use diff_attention(..., backend='naive') for other dtypes")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} is {t.dtype} but q is {q.dtype}: q, k and v share one dtype; pass "
+                            f"{name}.to(q.dtype)")
+    if not lam.is_floating_point():
+        raise TypeError(f"lam is {lam.dtype}: pass a floating-point tensor (lam.float())")
+    if attn_mask is not None and not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise TypeError(f"attn_mask is {attn_mask.dtype}: pass a bool mask (True = may attend) or an additive "
+                        f"floating-point one")
+    for name, t, layout in (("q", q, "(B, 2H, Nq, d)"), ("k", k, "(B, 2Hkv, Nk, d)"), ("v", v, "(B, Hkv, Nk, 2d)")):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {_shape(t)}")
+    B, H2, Nq, d = q.shape
+    if H2 % 2 or H2 == 0 or d == 0:
+        raise ValueError(f"q has shape {_shape(q)}: it must be (B, 2H, Nq, d) with an even, nonzero number of "
+                         f"heads (the two maps of each differential head) and d > 0")
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"k has shape {_shape(k)} and q {_shape(q)}: k must be (B, 2Hkv, Nk, d) with q's batch "
+                         f"size B and head dim d")
+    if k.shape[1] % 2 or k.shape[1] == 0 or (H2 // 2) % (k.shape[1] // 2):
+        raise ValueError(f"k has {k.shape[1]} heads and q {H2}: k must have 2Hkv heads, an even number with Hkv "
+                         f"dividing q's H = {H2 // 2} (grouped-query attention)")
+    Hkv, Nk = k.shape[1] // 2, k.shape[2]
+    expected_v = (B, Hkv, Nk, 2 * d)
+    if _shape(v) != expected_v:
+        raise ValueError(f"v has shape {_shape(v)}, but q {_shape(q)} and k {_shape(k)} need v of shape "
+                         f"(B, Hkv, Nk, 2d) = {expected_v} (v has {v.shape[2]} keys, k has {Nk})")
+    H = H2 // 2
+    if not _broadcasts(_shape(lam), (B, H, Nq, 1)):
+        raise ValueError(f"lam has shape {_shape(lam)}, which does not broadcast to (B, H, Nq, 1) = {(B, H, Nq, 1)} "
+                         f"(from q's shape {_shape(q)}); pass one lambda per head (1, H, 1, 1), per token "
+                         f"(B, H, Nq, 1) or a 0-dim tensor")
+    if attn_mask is not None and not _broadcasts(_shape(attn_mask), (B, H, Nq, Nk)):
+        raise ValueError(f"attn_mask has shape {_shape(attn_mask)}, which does not broadcast to (B, H, Nq, Nk) = "
+                         f"{(B, H, Nq, Nk)} (from q's and k's shapes)")
+    if grad_out is not None:
+        _check_tensor("grad_out", grad_out, q.device)
+        if _shape(grad_out) != (B, H, Nq, 2 * d) or not grad_out.is_floating_point():
+            raise ValueError(f"grad_out has shape {_shape(grad_out)} and dtype {grad_out.dtype}: it must be the "
+                             f"output's gradient, floating-point of shape (B, H, Nq, 2d) = {(B, H, Nq, 2 * d)}")
+
+
 OP_NAME = "diffattn::cpu_fused_forward"
 """The kernel as a torch operator: ``torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, attn_mask, causal, scale)``,
 one node in a ``torch.compile`` graph (its fake implementation gives the output's shape and dtype)."""
@@ -444,14 +526,27 @@ def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: O
                       scale: float) -> Tensor:
     """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new contiguous
     ``(B, H, Nq, 2d)`` tensor in q's dtype. No autograd (forward only: a backward through it raises)."""
+    check_operator_inputs(q, k, v, lam, attn_mask)
     return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype).contiguous()
 
 
 @cpu_fused_forward.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
       scale: float) -> Tensor:
+    check_operator_inputs(q, k, v, lam, attn_mask)
     B, H2, nq, d = q.shape
     return q.new_empty(B, H2 // 2, nq, 2 * d)
+
+
+def _refuse_layout(q, k, v, lam, attn_mask, *rest):
+    check_operator_inputs(q, k, v, lam, attn_mask)  # raises: some argument is not dense
+    raise ValueError("the fused CPU kernel reads dense (strided) tensors only; pass t.to_dense() for each")
+
+
+_SPARSE = torch.library.Library("diffattn", "FRAGMENT")  # a sparse argument reaches the check, not a dispatch error
+for _key in ("SparseCPU", "SparseCsrCPU"):
+    _SPARSE.impl("cpu_fused_forward", _refuse_layout, _key)
+del _key
 
 
 def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_mask: Optional[Tensor] = None,
