@@ -19,7 +19,7 @@
 // anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
 // about 2.4e38); only the difference to the row's maximum is multiplied by LOG2E, for exp2.
 //
-// The Python side (diffattn_tutorial/cpu_kernel.py) passes contiguous float32 q, k, v (a head width that is
+// The Python side (diffattn_tutorial/kernels/cpu/cpu_fused.py) passes contiguous float32 q, k, v (a head width that is
 // a multiple of 32, zero-padded there if need be), lam expanded to (B, H, Nq), the mask (if any) as float32
 // with element strides. The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles.
 // Build: c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread (no PyTorch headers; called through ctypes).
