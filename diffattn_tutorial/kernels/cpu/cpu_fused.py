@@ -6,8 +6,12 @@ separately; naive forms ``A1 - lam * A2`` first and applies V once, but writes b
 of query rows of one head, computes both score blocks, their softmax numerators, the differential map in place,
 and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_auto.py`` measures it.
 
-The call is the torch operator :data:`OP_NAME` (``torch.library.custom_op``, with a fake implementation that
-checks its inputs as the operator does), so ``torch.compile(fullgraph=True)`` keeps it as one node. The library
+The backward (``diff_attention_cpu_backward``) recomputes the maps block by block from per-row statistics, as
+flash attention does, in two passes: dq and dlambda per block of query rows, then dk and dv per block of keys, each
+summed by one thread in a fixed order (the gradients do not depend on the thread count; no N x N tensor is kept).
+The calls are the torch operators :data:`OP_NAME` and :data:`BACKWARD_OP_NAME` (``torch.library.custom_op``, with
+``register_autograd`` and fake implementations that check their inputs as the operators do), so
+``torch.compile(fullgraph=True)`` trains through them. The library
 is built, cached and loaded by :mod:`diffattn_tutorial.kernels.cpu.build` and checked here against the naive
 formula before it is used; where any step fails, :func:`kernel_status` says why and ``backend="auto"`` uses
 ``sdpa_padded`` instead.
@@ -20,6 +24,7 @@ True
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +37,9 @@ from diffattn_tutorial.kernels.cpu import build
 from diffattn_tutorial.kernels.cpu.build import SOURCE, KernelUnavailable, compiler, library_path
 
 Tensor = torch.Tensor
+
+BLOCK_KEYS = 48
+"""Keys per work item of the backward's second pass (dk, dv): a multiple of its 8-row score and 12-row tiles."""
 
 BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
@@ -47,6 +55,10 @@ def _load(path: Path) -> ctypes.CDLL:
     ptr, c_int = ctypes.c_void_p, ctypes.c_int
     f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
     f.restype = c_int
+    b = lib.diff_attention_cpu_backward
+    b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, c_int,
+                  c_int]
+    b.restype = c_int
     return lib
 
 
@@ -94,6 +106,18 @@ def _self_check(lib: ctypes.CDLL) -> None:
         if not err < 1e-4:
             raise KernelUnavailable(f"the compiled kernel disagrees with the naive formula (max error {err:.3g}, "
                                     f"causal={causal}, mask={m is not None}); it is not used")
+    for causal, m in ((True, None), (False, mask)):
+        grad_out = torch.randn(2, 2, 29, 48, generator=g)
+        with torch.enable_grad():  # the first use may come under torch.no_grad()
+            ins = [t.double().requires_grad_() for t in (q, k, v, lam)]
+            ref = diff_attention(*ins, causal=causal, attn_mask=None if m is None else m.double(), backend="naive")
+            expected = torch.autograd.grad(ref, ins, grad_out.double())
+        dq, dk, dv, dlam = _backward(lib, grad_out, q, k, v, lam, m, causal, 24 ** -0.5)
+        got = (dq, dk, dv, dlam.unsqueeze(-1))
+        err = max((a.double() - b).abs().max().item() for a, b in zip(got, expected))
+        if not err < 1e-4:
+            raise KernelUnavailable(f"the compiled kernel's gradients disagree with the naive formula's (max error "
+                                    f"{err:.3g}, causal={causal}, mask={m is not None}); it is not used")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -115,6 +139,18 @@ def _kernel_layout(t: Tensor, width: int) -> Tensor:
     return t.contiguous()
 
 
+def _mask_view(mask: Optional[Tensor], shape: tuple) -> tuple[Optional[Tensor], ctypes.Array]:
+    """The mask as the kernel reads it: float32, expanded to ``shape`` (B, H, Nq, Nk), contiguous along keys
+    (or broadcast there), and its element strides (0 where broadcast)."""
+    if mask is None:
+        return None, (ctypes.c_long * 4)(0, 0, 0, 0)
+    m = _float_mask(mask)
+    if m.shape[-1] != 1 and m.stride(-1) != 1:
+        m = m.contiguous()
+    m = m.expand(shape)
+    return m, (ctypes.c_long * 4)(*(s if n > 1 else 0 for s, n in zip(m.stride(), m.shape)))
+
+
 def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], causal: bool,
              scale: float) -> Tensor:
     """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count.
@@ -125,15 +161,8 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     q, k, v = (_kernel_layout(t, width) for t, width in ((q, d_pad), (k, d_pad), (v, 2 * d_pad)))
     lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
     block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
-    strides = (ctypes.c_long * 4)(0, 0, 0, 0)
-    mask_ptr = None
-    if mask is not None:
-        m = _float_mask(mask)
-        if m.shape[-1] != 1 and m.stride(-1) != 1:
-            m = m.contiguous()
-        m = m.expand(B, H, nq, nk)
-        strides = (ctypes.c_long * 4)(*(s if n > 1 else 0 for s, n in zip(m.stride(), m.shape)))
-        mask_ptr = m.data_ptr()
+    m, strides = _mask_view(mask, (B, H, nq, nk))
+    mask_ptr = None if m is None else m.data_ptr()
     out = torch.empty(B, H, nq, 2 * d_pad)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
@@ -145,6 +174,36 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     if rc != 0:
         raise RuntimeError(f"the fused CPU kernel refused sizes {tuple(sizes)} (code {rc}); please report this")
     return out if d_pad == d else out[..., : 2 * d]
+
+
+def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor,
+              mask: Optional[Tensor], causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`_forward`'s output: float32 ``dq, dk, dv`` shaped as q, k, v and ``dlam`` per row,
+    ``(B, H, Nq)`` (the caller sums it to lam's shape). Inputs laid out as the forward lays them out."""
+    B, H2, nq, d = q.shape
+    H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
+    d_pad = _round_up(d, VALUE_MULTIPLE // 2)
+    q, k, v, grad_out = (_kernel_layout(t, width) for t, width in
+                         ((q, d_pad), (k, d_pad), (v, 2 * d_pad), (grad_out, 2 * d_pad)))
+    lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
+    block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
+    m, strides = _mask_view(mask, (B, H, nq, nk))
+    dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
+    dlam = torch.empty(B, H, nq)
+    sizes = (ctypes.c_int * 9)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows, BLOCK_KEYS)
+    rc = lib.diff_attention_cpu_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(),
+                                         None if m is None else m.data_ptr(), strides, grad_out.data_ptr(), LOG2E,
+                                         scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dlam.data_ptr(), sizes,
+                                         int(causal), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("the fused CPU kernel's backward could not allocate its buffers (q, k, v and the output's "
+                          "gradient transposed, and a block of scores per thread); use backend='sdpa_padded'")
+    if rc != 0:
+        raise RuntimeError(f"the fused CPU kernel's backward refused sizes {tuple(sizes)} (code {rc}); please "
+                           f"report this")
+    if d_pad != d:
+        dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., : 2 * d]
+    return dq, dk, dv, dlam
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -173,6 +232,11 @@ def _check_tensor(name: str, t: object, device: torch.device, *, optional: bool 
 
 def _broadcasts(shape: tuple, target: tuple) -> bool:
     return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
+def _check_scale(scale: float) -> None:
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (the softmax scale, usually d ** -0.5), got {scale}")
 
 
 def check_operator_inputs(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
@@ -238,8 +302,10 @@ one node in a ``torch.compile`` graph (its fake implementation gives the output'
 def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
                       scale: float) -> Tensor:
     """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new contiguous
-    ``(B, H, Nq, 2d)`` tensor in q's dtype. No autograd (forward only: a backward through it raises)."""
+    ``(B, H, Nq, 2d)`` tensor in q's dtype. Gradients flow to q, k, v and lam (:data:`BACKWARD_OP_NAME`); an
+    ``attn_mask`` that requires grad is refused."""
     check_operator_inputs(q, k, v, lam, attn_mask)
+    _check_scale(scale)
     return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype).contiguous()
 
 
@@ -247,8 +313,59 @@ def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: O
 def _(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
       scale: float) -> Tensor:
     check_operator_inputs(q, k, v, lam, attn_mask)
+    _check_scale(scale)
     B, H2, nq, d = q.shape
     return q.new_empty(B, H2 // 2, nq, 2 * d)
+
+
+BACKWARD_OP_NAME = "diffattn::cpu_fused_backward"
+"""The kernel's backward as a torch operator: ``torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam,
+attn_mask, causal, scale)`` gives ``(dq, dk, dv, dlam)``, dlam per row ``(B, H, Nq)`` in float32."""
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=(), device_types="cpu")
+def cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`cpu_fused_forward`'s output ``grad_out``: dq, dk, dv in q's dtype and dlam per
+    row, ``(B, H, Nq)`` float32; fully masked rows get zero gradients."""
+    check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
+    _check_scale(scale)
+    dq, dk, dv, dlam = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale)
+    return dq.to(q.dtype).contiguous(), dk.to(q.dtype).contiguous(), dv.to(q.dtype).contiguous(), dlam
+
+
+@cpu_fused_backward.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+      scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
+    _check_scale(scale)
+    B, H2, nq, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape),
+            q.new_empty(B, H2 // 2, nq, dtype=torch.float32))
+
+
+def _refuse_mask_grad(attn_mask: Optional[Tensor]) -> None:
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attn_mask requires grad (a learned bias?), but the fused CPU kernel gives a mask no "
+                         "gradient; pass attn_mask.detach() if it is not to be learned, or use "
+                         "diff_attention(..., backend='naive') to learn it")
+
+
+def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+    q, k, v, lam, attn_mask, causal, scale = inputs
+    _refuse_mask_grad(attn_mask)
+    ctx.save_for_backward(q, k, v, lam, attn_mask)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _autograd_backward(ctx, grad_out: Tensor) -> tuple:
+    q, k, v, lam, attn_mask = ctx.saved_tensors
+    dq, dk, dv, dlam = cpu_fused_backward(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale)
+    dlam = dlam.unsqueeze(-1).sum_to_size(lam.shape).to(lam.dtype)  # per row -> lam's broadcast shape
+    return dq, dk, dv, dlam, None, None, None
+
+
+cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _refuse_layout(q, k, v, lam, attn_mask, *rest):
@@ -257,8 +374,14 @@ def _refuse_layout(q, k, v, lam, attn_mask, *rest):
 
 
 _SPARSE = torch.library.Library("diffattn", "FRAGMENT")  # a sparse argument reaches the check, not a dispatch error
+def _refuse_layout_backward(grad_out, q, k, v, lam, attn_mask, *rest):
+    check_operator_inputs(q, k, v, lam, attn_mask, grad_out)  # raises: some argument is not dense
+    raise ValueError("the fused CPU kernel reads dense (strided) tensors only; pass t.to_dense() for each")
+
+
 for _key in ("SparseCPU", "SparseCsrCPU"):
     _SPARSE.impl("cpu_fused_forward", _refuse_layout, _key)
+    _SPARSE.impl("cpu_fused_backward", _refuse_layout_backward, _key)
 del _key
 
 
@@ -267,13 +390,12 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     """Differential attention by the fused CPU kernel, on inputs :func:`~diffattn_tutorial.functional.diff_attention`
     has validated: q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam broadcastable to
     ``(B, H, Nq, 1)``, ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` with no fully masked
-    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype. Runs the
-    operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as one node.
-    Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError where a
-    gradient is wanted (forward only)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, attn_mask)):
-        raise ValueError("the fused CPU kernel is forward-only (no autograd); call it under torch.no_grad(), or "
-                         "use diff_attention(..., backend='auto') to train")
+    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype, with gradients
+    to q, k, v and lam. Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
+    one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
+    for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient)."""
+    if torch.is_grad_enabled():
+        _refuse_mask_grad(attn_mask)
     return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
 
 
@@ -292,9 +414,10 @@ backends.register_backend(backends.Backend(
     "cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
     "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept in cache",
     _backend_run, status=_backend_status, devices=("cpu",), dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
+    compute_dtype=torch.float32, backward=True, dropout=False, mask_grad=False, family="kernel",
     requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)))
 
 
-__all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "KernelUnavailable", "compiler", "library_path", "kernel_status",
-           "cpu_fused_forward", "fused_diff_attention"]
+__all__ = ["SOURCE", "BLOCK_ROWS", "BLOCK_KEYS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
+           "library_path", "kernel_status", "check_operator_inputs", "cpu_fused_forward", "cpu_fused_backward",
+           "fused_diff_attention"]
