@@ -79,6 +79,7 @@ class Needs(NamedTuple):
     dropout: bool = False
     compiling: bool = False  # traced by torch.compile
     queries: Optional[int] = None  # Nq, the query rows of the call (None: any number)
+    head_dim: Optional[int] = None  # d, the q/k head dim of the call (None: any)
 
 
 ANY_CALL = Needs(dtype=None, grad=True, mask_grad=True)
@@ -129,6 +130,8 @@ class Backend:
     """The dtypes ``"auto"`` chooses it for (None: all of ``dtypes``)."""
     auto_max_queries: Optional[int] = None
     """``"auto"`` chooses it only for calls with at most this many query rows (None: any number)."""
+    auto_grad_min_head_dim: Optional[int] = None
+    """``"auto"`` chooses it for a call that needs a gradient only where the head dim is at least this (None: any)."""
     sdpa_rank: Optional[int] = None
     """Its rank for the alias ``"sdpa"`` (None: the alias never chooses it)."""
     family: str = "maps"
@@ -288,7 +291,10 @@ def _takes(b: Backend, device: torch.device, needs: Needs, *, by_auto: bool) -> 
     dtype_ok = set(FLOAT_DTYPES) <= set(dtypes) if needs.dtype is None else needs.dtype in dtypes
     queries_ok = (not by_auto or b.auto_max_queries is None
                   or (needs.queries is not None and needs.queries <= b.auto_max_queries))
-    return (b.runs_on(device) and dtype_ok and queries_ok and (b.backward or not needs.grad)
+    grad_ok = b.backward or not needs.grad
+    if grad_ok and needs.grad and by_auto and b.auto_grad_min_head_dim is not None:
+        grad_ok = needs.head_dim is not None and needs.head_dim >= b.auto_grad_min_head_dim
+    return (b.runs_on(device) and dtype_ok and queries_ok and grad_ok
             and (b.dropout or not needs.dropout) and (b.mask_grad or not needs.mask_grad)
             and (b.compiles or not needs.compiling or not by_auto))
 
@@ -388,7 +394,11 @@ def _condition(b: Backend) -> str:
     """The calls ``"auto"`` gives ``b``, beyond what every backend takes: "float32 inference", ..."""
     dtypes = b.auto_dtypes or b.dtypes
     words = [] if set(FLOAT_DTYPES) <= set(dtypes) else ["/".join(_dtype_name(d) for d in dtypes)]
-    words.append("inference" if not b.backward else "calls without a learned mask" if not b.mask_grad else "calls")
+    if b.backward and b.auto_grad_min_head_dim is not None:
+        no_mask = "" if b.mask_grad else " and no learned mask"
+        words.append(f"inference and for training with a head dim of at least {b.auto_grad_min_head_dim}{no_mask}")
+    else:
+        words.append("inference" if not b.backward else "calls without a learned mask" if not b.mask_grad else "calls")
     if b.auto_max_queries is not None:
         rows = "one query row" if b.auto_max_queries == 1 else f"at most {b.auto_max_queries} query rows"
         words.append(f"with {rows} (decoding)")

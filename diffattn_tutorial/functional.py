@@ -379,7 +379,7 @@ def diff_attention(
     _check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
-                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(), queries=Nq)
+                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(), queries=Nq, head_dim=d)
     name = backends.resolve(backend, q.device, needs)
     if backend not in backends.ALIASES:  # asked for by name: refuse what it cannot do, naming the fix
         backends.check_call(name, q.device, needs)

@@ -155,9 +155,10 @@ def test_half_precision_inputs_are_computed_in_float32():
 
 
 @needs_compiler
-def test_auto_runs_it_for_float32_inference_and_training():
+def test_auto_runs_it_for_float32_inference_and_training_with_heads_of_32_or_more():
     q, k, v, lam = inputs(1, 2, 1, 40, 40, 32)
-    assert "else cpu_fused for float32 calls without a learned mask, else sdpa_padded" in backend_status()["auto"][1]
+    assert ("else cpu_fused for float32 inference and for training with a head dim of at least 32 and no learned "
+            "mask, else sdpa_padded") in backend_status()["auto"][1]
     with torch.no_grad():
         assert torch.equal(diff_attention(q, k, v, lam), diff_attention(q, k, v, lam, backend="cpu_fused"))
     qg = q.clone().requires_grad_()
@@ -166,6 +167,10 @@ def test_auto_runs_it_for_float32_inference_and_training():
     assert torch.equal(out.detach(), diff_attention(q, k, v, lam, backend="cpu_fused"))
     out.sum().backward()
     assert qg.grad is not None and qg.grad.isfinite().all()
+    q16, k16, v16, lam16 = inputs(1, 2, 1, 40, 40, cpu_fused.TRAIN_MIN_HEAD_DIM - 1)  # narrow heads: sdpa_padded
+    out = diff_attention(q16.requires_grad_(), k16, v16, lam16)
+    assert "cpu_fused" not in type(out.grad_fn).__name__
+    assert torch.equal(out, diff_attention(q16, k16, v16, lam16, backend="sdpa_padded"))
 
 
 @needs_compiler

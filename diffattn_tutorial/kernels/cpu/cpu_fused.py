@@ -45,6 +45,11 @@ BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
 queries (less padding), 48 otherwise (fewer passes over K and V)."""
 
+TRAIN_MIN_HEAD_DIM = 32
+"""``backend="auto"`` trains with the kernel only where the head dim is at least this: narrower heads are padded to
+32 columns, and a training step of the toy models' heads (d = 8 or 16) ran slower than ``sdpa_padded``'s
+(``benchmarks/NOTES.md``, the CPU training section)."""
+
 KEY_MULTIPLE = 32  # the kernel pads keys to the score tile's 32 columns
 VALUE_MULTIPLE = 64  # the value width to the output tile's 64 columns
 
@@ -415,7 +420,8 @@ backends.register_backend(backends.Backend(
     "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept in cache",
     _backend_run, status=_backend_status, devices=("cpu",), dtypes=(torch.float32, torch.float16, torch.bfloat16),
     compute_dtype=torch.float32, backward=True, dropout=False, mask_grad=False, family="kernel",
-    requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,)))
+    requires="a C++ compiler", causal="own", auto_rank={"cpu": 0}, auto_dtypes=(torch.float32,),
+    auto_grad_min_head_dim=TRAIN_MIN_HEAD_DIM))
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "BLOCK_KEYS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
