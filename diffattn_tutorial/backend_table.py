@@ -80,6 +80,7 @@ class Needs(NamedTuple):
     dropout: bool = False
     compiling: bool = False  # traced by torch.compile
     queries: Optional[int] = None  # Nq, the query rows of the call (None: any number)
+    head_dim: Optional[int] = None  # d, the q/k head dim of the call (None: any)
 
 
 ANY_CALL = Needs(dtype=None, grad=True, mask_grad=True)
@@ -156,13 +157,14 @@ class Backend:
 
 class Choice(NamedTuple):
     """One step of ``"auto"``'s order for a device: ``backend``, for the calls it takes, narrowed to ``dtypes``
-    (None: all it takes), to calls of at most ``max_queries`` query rows (None: any number) and, unless
-    ``training``, to calls that need no gradient."""
+    (None: all it takes), to calls of at most ``max_queries`` query rows (None: any number), unless ``training`` to
+    calls that need no gradient, and to training calls with a head dim of at least ``train_min_head_dim``."""
 
     backend: str
     dtypes: Optional[tuple[torch.dtype, ...]] = None
     max_queries: Optional[int] = None
     training: bool = True
+    train_min_head_dim: Optional[int] = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,7 +256,7 @@ TABLE: tuple[Backend, ...] = (
     Backend("cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
             "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
             "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_FLOAT32_OR_16BIT,
-            compute_dtype=torch.float32, backward=False, dropout=False, mask_grad=False, family="kernel",
+            compute_dtype=torch.float32, dropout=False, mask_grad=False, family="kernel",
             requires="a C++ compiler", causal="own"),
 )
 """Every backend, in the order the lists of names show them."""
@@ -264,14 +266,20 @@ DECODE_QUERIES = 1
 fused kernel's per-call cost in the keys (it transposes all of K) and SDPA's padding are not repaid
 (``benchmarks/bench_cpu_queries.py`` measures it)."""
 
+CPU_FUSED_TRAIN_MIN_HEAD_DIM = 32
+"""On a CPU ``"auto"`` trains with the fused kernel only where the head dim is at least this: narrower heads are
+padded to 32 columns, and a training step of the toy models' heads (d = 8 or 16) ran slower than ``sdpa_padded``'s
+(``benchmarks/NOTES.md``, the CPU training section)."""
+
 AUTO: dict[str, tuple[Choice, ...]] = {
-    "cpu": (Choice("naive", max_queries=DECODE_QUERIES), Choice("cpu_fused", dtypes=(torch.float32,)),
+    "cpu": (Choice("naive", max_queries=DECODE_QUERIES),
+            Choice("cpu_fused", dtypes=(torch.float32,), train_min_head_dim=CPU_FUSED_TRAIN_MIN_HEAD_DIM),
             Choice("sdpa_padded"), Choice("sdpa_wide")),
     OTHER_DEVICES: (Choice("sdpa_split"), Choice("sdpa_wide")),
 }
 """``"auto"``'s order per device type, first tried first (measured by ``benchmarks/bench_cpu_auto.py``,
-``benchmarks/bench_cpu_queries.py`` and notebook 08): on a CPU ``naive`` for one query row, the fused kernel for
-float32 inference, then the padded SDPA formulation, then ``sdpa_wide`` (dropout); elsewhere the equal-dim
+``benchmarks/bench_cpu_queries.py``, ``benchmarks/bench_cpu_train.py`` and notebook 08): on a CPU ``naive`` for one
+query row, the fused kernel for float32 (training too, from a head dim of 32), then the padded SDPA formulation, then ``sdpa_wide`` (dropout); elsewhere the equal-dim
 formulation, which reaches the GPU's flash kernels at any head dim they take, then ``sdpa_wide`` (dropout).
 ``chunked`` is in neither: its many small parallel ops slow down most when a core is busy
 (``benchmarks/bench_busy_cpu.py``)."""
@@ -281,5 +289,5 @@ SDPA_ORDER: tuple[str, ...] = ("sdpa_split", "sdpa_wide")
 
 
 __all__ = ["Backend", "Call", "Needs", "Choice", "ANY_CALL", "ALIASES", "REFERENCE", "PLAIN_BACKENDS", "FLOAT_DTYPES",
-           "OTHER_DEVICES", "CAUSAL_MODES", "DECODE_QUERIES", "TABLE", "AUTO", "SDPA_ORDER",
+           "OTHER_DEVICES", "CAUSAL_MODES", "DECODE_QUERIES", "CPU_FUSED_TRAIN_MIN_HEAD_DIM", "TABLE", "AUTO", "SDPA_ORDER",
            "constant_under_compile", "triton_available"]

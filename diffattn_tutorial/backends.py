@@ -196,7 +196,9 @@ def _chosen_for(c: Choice, needs: Needs) -> bool:
     b = _REGISTRY[c.backend]
     dtype_ok = c.dtypes is None or (needs.dtype is not None and needs.dtype in c.dtypes)
     queries_ok = c.max_queries is None or (needs.queries is not None and needs.queries <= c.max_queries)
-    return dtype_ok and queries_ok and (c.training or not needs.grad) and (b.compiles or not needs.compiling)
+    training_ok = not needs.grad or (c.training and (c.train_min_head_dim is None or (
+        needs.head_dim is not None and needs.head_dim >= c.train_min_head_dim)))
+    return dtype_ok and queries_ok and training_ok and (b.compiles or not needs.compiling)
 
 
 def _order(alias: str, device: torch.device) -> tuple[Choice, ...]:
@@ -278,7 +280,11 @@ def _condition(c: Choice) -> str:
     dtypes = c.dtypes or b.dtypes
     words = [] if set(FLOAT_DTYPES) <= set(dtypes) else ["/".join(_dtype_name(d) for d in dtypes)]
     training = b.backward and c.training
-    words.append("inference" if not training else "calls without a learned mask" if not b.mask_grad else "calls")
+    if training and c.train_min_head_dim is not None:
+        no_mask = "" if b.mask_grad else " and no learned mask"
+        words.append(f"inference and for training with a head dim of at least {c.train_min_head_dim}{no_mask}")
+    else:
+        words.append("inference" if not training else "calls without a learned mask" if not b.mask_grad else "calls")
     if c.max_queries is not None:
         rows = "one query row" if c.max_queries == 1 else f"at most {c.max_queries} query rows"
         words.append(f"with {rows} (decoding)")

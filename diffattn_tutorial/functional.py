@@ -152,7 +152,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
-                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(), queries=Nq)
+                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(), queries=Nq, head_dim=d)
     name = backends.resolve(backend, q.device, needs)
     b = backends.get_backend(REFERENCE if Nk == 0 or q.numel() == 0 else name)  # nothing to compute: zeros
     is_causal = causal and b.applies_causal(Nq, Nk, mask is not None)

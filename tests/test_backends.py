@@ -159,7 +159,7 @@ def test_devices_and_status_as_declared(name):
 def test_the_lists_are_views_of_the_registry():
     assert BACKENDS == ("naive", "sdpa", "sdpa_wide", "sdpa_split", "sdpa_stacked", "sdpa_padded", "chunked",
                         "triton", "cpu_fused")
-    assert FORWARD_ONLY == tuple(n for n, b in ENTRIES.items() if not b.backward) == ("cpu_fused",)
+    assert FORWARD_ONLY == tuple(n for n, b in ENTRIES.items() if not b.backward) == ()
     assert SDPA_FORMULATIONS == ("sdpa_wide", "sdpa_split", "sdpa_stacked")
     assert ("auto",) + BACKENDS == ("auto", *BACKENDS) and BACKENDS + ("auto",) == (*BACKENDS, "auto")
     assert repr(BACKENDS) == repr(tuple(BACKENDS)) and "sdpa" in BACKENDS and "auto" not in BACKENDS
@@ -176,7 +176,9 @@ CPU_FUSED_OR_PADDED = "cpu_fused" if FUSED_OK else "sdpa_padded"
 @pytest.mark.parametrize("device, needs, expected", [
     ("cpu", Needs(torch.float32), CPU_FUSED_OR_PADDED),
     ("cpu", Needs(torch.float32, compiling=True), CPU_FUSED_OR_PADDED),  # a registered operator: it compiles
-    ("cpu", Needs(torch.float32, grad=True), "sdpa_padded"),
+    ("cpu", Needs(torch.float32, grad=True, head_dim=64), CPU_FUSED_OR_PADDED),  # the kernel has a backward
+    ("cpu", Needs(torch.float32, grad=True, head_dim=16), "sdpa_padded"),  # ... measured slower for narrow heads
+    ("cpu", Needs(torch.float32, grad=True), "sdpa_padded"),  # the head dim unknown
     ("cpu", Needs(torch.float32, mask_grad=True), "sdpa_padded"),
     ("cpu", Needs(torch.float64), "sdpa_padded"),
     ("cpu", Needs(torch.bfloat16), "sdpa_padded"),  # the kernel takes it, but auto is measured on float32 only
@@ -205,7 +207,7 @@ def test_diff_attention_runs_what_auto_chooses(ran):
         diff_attention(q, k, v, lam, attn_mask=torch.zeros(6, 7, requires_grad=True))  # no_grad: no gradient
     diff_attention(q.requires_grad_(), k, v, lam)
     diff_attention(q, k, v, lam, dropout_p=0.1)
-    assert ran == [CPU_FUSED_OR_PADDED, "sdpa_padded", CPU_FUSED_OR_PADDED, "sdpa_padded", "sdpa_wide"]
+    assert ran == [CPU_FUSED_OR_PADDED, "sdpa_padded", CPU_FUSED_OR_PADDED, "sdpa_padded", "sdpa_wide"]  # d = 8
 
 
 def test_auto_decodes_one_query_row_with_naive_on_a_cpu(ran):
@@ -237,16 +239,18 @@ def test_auto_skips_a_backend_that_does_not_work_here(monkeypatch, ran):
 
 def test_the_prose_comes_from_the_registry():
     assert backends.describe_auto("cpu") == ('On a CPU, `backend="auto"` runs `naive` for calls with one query row '
-                                             '(decoding), else `cpu_fused` for float32 inference (needs a C++ '
+                                             '(decoding), else `cpu_fused` for float32 inference and for training '
+                                             'with a head dim of at least 32 and no learned mask (needs a C++ '
                                              'compiler), else `sdpa_padded` (`sdpa_wide` with dropout).')
     assert backends.describe_auto("cuda") == 'On a GPU, `backend="auto"` runs `sdpa_split` (`sdpa_wide` with dropout).'
     table = backends.backend_table().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [f"| `{n}`" for n in (*BACKENDS, "auto")]
-    assert "| float32, float16, bfloat16 (computed in float32) | no | no | no | yes |" in table[2 + BACKENDS.index(
+    assert "| float32, float16, bfloat16 (computed in float32) | yes | no | no | yes |" in table[2 + BACKENDS.index(
         "cpu_fused")]
     if FUSED_OK:
         assert backend_status("cpu")["auto"][1] == ("-> naive for calls with one query row (decoding), else cpu_fused "
-                                                    "for float32 inference, else sdpa_padded (sdpa_wide with dropout)")
+                                                    "for float32 inference and for training with a head dim of at least 32 and no "
+                                                    "learned mask, else sdpa_padded (sdpa_wide with dropout)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

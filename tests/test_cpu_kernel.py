@@ -6,6 +6,7 @@ applies, and refused with a message that names the fix where it does not. Its sp
 import pytest
 import torch
 
+from diffattn_tutorial import backend_table
 from diffattn_tutorial.functional import backend_status, diff_attention
 from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.measure.cpu_threads import threads
@@ -155,17 +156,22 @@ def test_half_precision_inputs_are_computed_in_float32():
 
 
 @needs_compiler
-def test_auto_runs_it_for_float32_inference_and_sdpa_padded_for_training():
+def test_auto_runs_it_for_float32_inference_and_training_with_heads_of_32_or_more():
     q, k, v, lam = inputs(1, 2, 1, 40, 40, 32)
-    assert "else cpu_fused for float32 inference, else sdpa_padded" in backend_status()["auto"][1]
+    assert ("else cpu_fused for float32 inference and for training with a head dim of at least 32 and no learned "
+            "mask, else sdpa_padded") in backend_status()["auto"][1]
     with torch.no_grad():
         assert torch.equal(diff_attention(q, k, v, lam), diff_attention(q, k, v, lam, backend="cpu_fused"))
     qg = q.clone().requires_grad_()
     out = diff_attention(qg, k, v, lam)
-    assert out.grad_fn is not None
-    assert torch.equal(out.detach(), diff_attention(q, k, v, lam, backend="sdpa_padded"))
+    assert "cpu_fused" in type(out.grad_fn).__name__
+    assert torch.equal(out.detach(), diff_attention(q, k, v, lam, backend="cpu_fused"))
     out.sum().backward()
     assert qg.grad is not None and qg.grad.isfinite().all()
+    q16, k16, v16, lam16 = inputs(1, 2, 1, 40, 40, backend_table.CPU_FUSED_TRAIN_MIN_HEAD_DIM - 1)  # narrow heads: sdpa_padded
+    out = diff_attention(q16.requires_grad_(), k16, v16, lam16)
+    assert "cpu_fused" not in type(out.grad_fn).__name__
+    assert torch.equal(out, diff_attention(q16, k16, v16, lam16, backend="sdpa_padded"))
 
 
 @needs_compiler
@@ -174,8 +180,9 @@ def test_what_it_cannot_do_is_refused_with_the_fix():
     with pytest.raises(TypeError, match=r"takes float32, float16 and bfloat16 \(it computes in float32\), got "
                                         r"float64; for float64 use backend='auto' or 'naive'"):
         fused(q.double(), k.double(), v.double(), lam)
-    with pytest.raises(ValueError, match="forward-only .* use backend='auto' or 'sdpa_padded'"):
-        diff_attention(q.requires_grad_(), k, v, lam, backend="cpu_fused")
+    bias = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad .* backend 'cpu_fused' gives a mask no gradient"):
+        diff_attention(q, k, v, lam, attn_mask=bias, backend="cpu_fused")
     with pytest.raises(ValueError, match="does not support attention dropout"):
         diff_attention(q, k, v, lam, backend="cpu_fused", dropout_p=0.1)
 
@@ -232,7 +239,7 @@ needs_dynamo = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reaso
 def test_the_operator_passes_opcheck():
     """Schema, fake implementation (shape, dtype, strides) and AOT dispatch, for the layouts diff_attention passes:
     no mask, a broadcast bool mask, an additive per-head one, a padded head width, half precision. Autograd is
-    not checked: the operator is forward only (diff_attention refuses a gradient before calling it)."""
+    checked in test_cpu_backward.py."""
     q, k, v, lam = inputs(1, 2, 1, 9, 11, 20, lam_kind="token")
     cases = [(q, k, v, lam, None, True), (q, k, v, lam, torch.rand(1, 1, 9, 11) > 0.3, False),
              (q, k, v, lam, torch.randn(1, 2, 9, 11), True),
@@ -243,10 +250,13 @@ def test_the_operator_passes_opcheck():
 
 
 @needs_compiler
-def test_the_operator_refuses_a_gradient_by_name():
+def test_the_operator_refuses_a_mask_that_requires_grad_by_name():
     q, k, v, lam = inputs(1, 2, 1, 8, 8, 32)
-    with pytest.raises(ValueError, match="forward-only .* torch.no_grad"):
-        cpu_fused.fused_diff_attention(q.requires_grad_(), k, v, lam, scale=0.2)
+    bias = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"attn_mask requires grad .* attn_mask.detach\(\)"):
+        cpu_fused.fused_diff_attention(q.requires_grad_(), k, v, lam, attn_mask=bias, scale=0.2)
+    with pytest.raises(ValueError, match=r"attn_mask requires grad"):  # the operator itself, as compiled code calls it
+        torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, bias, False, 0.2)
 
 
 @needs_compiler

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import build, cpu_fused
 
 pytestmark = [
     pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers that)"),
@@ -30,7 +30,7 @@ pytestmark = [
 CALL = """
 import threading
 import torch
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import build, cpu_fused
 from diffattn_tutorial.functional import diff_attention
 
 g = torch.Generator().manual_seed(0)
@@ -94,8 +94,8 @@ def copying_cxx(tmp_path, real_library):
 @pytest.fixture
 def fresh_state(monkeypatch):
     """This process's kernel state emptied for one test (restored after), so that it loads afresh."""
-    monkeypatch.setattr(cpu_fused, "_LOADED", {})
-    monkeypatch.setattr(cpu_fused, "_FAILED", {})
+    monkeypatch.setattr(build, "_LOADED", {})
+    monkeypatch.setattr(build, "_FAILED", {})
 
 
 def builds(log):
@@ -130,7 +130,7 @@ def damage(library, kind):
         library.write_bytes(data[:10_000])
     elif kind == "truncated, record rewritten to match":  # only the ELF check can tell
         library.write_bytes(data[:10_000])
-        record.write_text(cpu_fused._describe(data[:10_000]))
+        record.write_text(build._describe(data[:10_000]))
     elif kind == "empty":
         library.write_bytes(b"")
     elif kind == "random bytes":
@@ -148,11 +148,11 @@ def test_a_damaged_library_is_rebuilt_before_it_is_loaded(kind, tmp_path, copyin
     monkeypatch.setenv("CXX", str(cxx))
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
     library = cpu_fused.library_path()
-    assert builds(log) == 1 and cpu_fused._intact(library)
+    assert builds(log) == 1 and build._intact(library)
     damage(library, kind)
-    assert not cpu_fused._intact(library)
+    assert not build._intact(library)
     assert cpu_fused.library_path() == library  # what the kernel loads: rebuilt first
-    assert builds(log) == 2 and cpu_fused._intact(library)
+    assert builds(log) == 2 and build._intact(library)
     assert cpu_fused.library_path() == library and builds(log) == 2  # and then found, not rebuilt
 
 
@@ -169,8 +169,8 @@ def test_a_truncated_library_does_not_kill_later_processes(tmp_path, copying_cxx
 
 def test_the_elf_check_rejects_every_truncation(real_library):
     data = real_library.read_bytes()
-    assert cpu_fused._elf_complete(data)
-    assert not any(cpu_fused._elf_complete(data[:n]) for n in range(0, len(data), 97))
+    assert build._elf_complete(data)
+    assert not any(build._elf_complete(data[:n]) for n in range(0, len(data), 97))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_the_elf_check_rejects_every_truncation(real_library):
 THREADS = """
 import threading
 import torch
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import build, cpu_fused
 from diffattn_tutorial.functional import diff_attention
 
 g = torch.Generator().manual_seed(0)
@@ -299,7 +299,7 @@ def test_a_hanging_compiler_is_stopped(tmp_path):
         if [ "$1" = "--version" ]; then echo "hanging stand-in 1.0"; exit 0; fi
         sleep 600
     """)
-    code = "from diffattn_tutorial.kernels.cpu import cpu_fused\ncpu_fused.TIMEOUT_S = 1.0\n" + CALL
+    code = "from diffattn_tutorial.kernels.cpu import build\nbuild.TIMEOUT_S = 1.0\n" + CALL
     line = status_line(child(code, tmp_path / "cache", timeout=60, CXX=str(hang)))
     assert line.startswith("STATUS False") and "timed out after 1.0 seconds" in line
 
@@ -313,7 +313,7 @@ def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     for limit, words in ((5_000, "cannot be written"), (30_000, "did not compile")):
-        cpu_fused._FAILED.clear()
+        build._FAILED.clear()
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         try:
             why = falls_back()
@@ -321,7 +321,7 @@ def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert words in why, why
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
-    cpu_fused._FAILED.clear()  # as a new process would
+    build._FAILED.clear()  # as a new process would
     assert cpu_fused.kernel_status()[0]
 
 

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diffattn_tutorial.backends import get_backend
 from diffattn_tutorial.functional import (
     BACKENDS,
     FORWARD_ONLY,
@@ -25,6 +26,7 @@ from diffattn_tutorial.functional import (
 )
 
 CPU_BACKENDS = [b for b in BACKENDS if b != "triton"] + ["auto"]
+FLOAT32_ONLY = [b for b in BACKENDS if b not in ("sdpa", "auto") and torch.float64 not in get_backend(b).dtypes]
 TOL = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
@@ -88,7 +90,7 @@ def test_all_backends_agree_with_the_paper(B, Hkv, rep, Nq, Nk, d, causal, lam_k
     expected = reference(q, k, v, lam, causal, mask)
     rtol, atol = TOL[dtype]
     for backend in CPU_BACKENDS:
-        if backend in FORWARD_ONLY and dtype == torch.float64:  # computes in float32: refuses, naming the fix
+        if backend in FLOAT32_ONLY and dtype == torch.float64:  # computes in float32: refuses, naming the fix
             with pytest.raises(TypeError, match=r"computes in float32\), got float64; for float64 use backend='auto' "
                                                 r"or 'naive'"):
                 diff_attention(q, k, v, lam, causal=causal, attn_mask=mask, backend=backend)
@@ -132,11 +134,8 @@ def test_fully_masked_rows_are_zero_with_zero_grads_everywhere():
     # causal with Nq > Nk: the first Nq - Nk queries see no key at all
     q, k, v, lam, _ = make(1, 2, 1, 6, 3, 8, torch.float64)
     for backend in CPU_BACKENDS:
-        if backend in FORWARD_ONLY:  # no gradients: the forward rows only, in float32
-            out = diff_attention(q.float(), k.float(), v.float(), lam, causal=True, backend=backend)
-            assert out[:, :, :3].abs().max() == 0 and out[:, :, 3:].abs().min() > 0, backend
-            continue
-        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        dtype = torch.float32 if backend in FLOAT32_ONLY else torch.float64
+        qq, kk, vv = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
         out = diff_attention(qq, kk, vv, lam, causal=True, backend=backend)
         assert out[:, :, :3].abs().max() == 0 and out[:, :, 3:].abs().min() > 0, backend
         out.sum().backward()
@@ -260,7 +259,7 @@ def test_padded_inference_subtracts_in_place_but_grad_flows():
 # a learned additive mask, and empty problems (issue 24, item 4 b and d)
 # ---------------------------------------------------------------------------------------------------------
 
-GRAD_BACKENDS = [b for b in CPU_BACKENDS if b not in FORWARD_ONLY]
+GRAD_BACKENDS = [b for b in CPU_BACKENDS if b in ("auto", "sdpa") or get_backend(b).mask_grad]
 
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)

@@ -1,4 +1,4 @@
-"""The fused CPU kernel of differential attention (forward, inference): ``diff_attention(..., backend="cpu_fused")``.
+"""The fused CPU kernel of differential attention: ``diff_attention(..., backend="cpu_fused")``.
 
 Every SDPA formulation does twice the multiply-adds of the naive one, because SDPA applies V to each map
 separately; naive forms ``A1 - lam * A2`` first and applies V once, but writes both maps to memory. The kernel in
@@ -6,25 +6,15 @@ separately; naive forms ``A1 - lam * A2`` first and applies V once, but writes b
 of query rows of one head, computes both score blocks, their softmax numerators, the differential map in place,
 and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_auto.py`` measures it.
 
-It is compiled on first use with the system's C++ compiler (``$CXX``, split as a shell would, so
-``CXX="ccache c++"`` works; else ``c++``, ``g++`` or ``clang++``; about a second, no PyTorch headers), cached in
-``<cache_dir()>/kernels`` under a key of the source, compiler and CPU, loaded with ``ctypes``, and checked
-against the naive formula on a small problem before it is used. The call is the torch operator
-:data:`OP_NAME` (``torch.library.custom_op``, with a fake implementation for shapes), so ``torch.compile``
-(``fullgraph=True`` included) keeps it as one node and ``backend="auto"`` uses it in compiled inference too. With ``DIFFATTN_CACHE=0`` (nothing kept in the
-user's cache) it is cached in a private folder of the user's in the system's temporary folder
-(``<tempfile.gettempdir()>/diffattn-<uid>/kernels``), so it is still built once, not once per process.
-
-The cache is safe to share: a build writes under a name of its own (process and thread), renames the library
-into place and then writes a record of its size and SHA-256 beside it; a library is loaded only after its record
-matches and its ELF headers fit in the file (a truncated library would fault when loaded). Threads of one process
-build under one lock and processes under a file lock (``fcntl.flock``, where the platform has it), so one build
-serves them all; a damaged or unfinished library is rebuilt, never loaded. A compiler run that takes longer than
-:data:`TIMEOUT_S` is stopped.
-
-Where any step fails (no compiler, as on most Windows machines; a cache folder that cannot be written; a full
-disk), :func:`kernel_status` says why, ``backend="auto"`` uses ``sdpa_padded`` instead, and the failure is
-remembered for the process (no new attempt per call) until ``CXX``, ``PATH`` or the cache settings change.
+The backward (``diff_attention_cpu_backward``) recomputes the maps block by block from per-row statistics, as
+flash attention does, in two passes: dq and dlambda per block of query rows, then dk and dv per block of keys, each
+summed by one thread in a fixed order (the gradients do not depend on the thread count; no N x N tensor is kept).
+The calls are the torch operators :data:`OP_NAME` and :data:`BACKWARD_OP_NAME` (``torch.library.custom_op``, with
+``register_autograd`` and fake implementations that check their inputs as the operators do), so
+``torch.compile(fullgraph=True)`` trains through them. The library
+is built, cached and loaded by :mod:`diffattn_tutorial.kernels.cpu.build` and checked here against the naive
+formula before it is used; where any step fails, :func:`kernel_status` says why and ``backend="auto"`` uses
+``sdpa_padded`` instead.
 
 >>> ok, why = kernel_status()
 >>> isinstance(ok, bool) and isinstance(why, str)
@@ -33,280 +23,29 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import getpass
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import signal
-import stat
-import struct
-import subprocess
-import tempfile
-import threading
-from importlib import resources
+import math
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.paths import cache_dir
-
-try:
-    import fcntl
-except ImportError:  # Windows: builds of one process still take turns; processes may build side by side
-    fcntl = None
+from diffattn_tutorial.kernels.cpu import build
+from diffattn_tutorial.kernels.cpu.build import SOURCE, KernelUnavailable, compiler, library_path
 
 Tensor = torch.Tensor
 
-SOURCE = "diff_attention_cpu.cpp"
-"""The kernel's source, inside the package."""
+BLOCK_KEYS = 48
+"""Keys per work item of the backward's second pass (dk, dv): a multiple of its 8-row score and 12-row tiles."""
 
 BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
-queries (less padding), 48 otherwise (fewer passes over K and V; 1-2% faster than 24 at N=2048 on the
-machine of the benchmarks, within its noise)."""
+queries (less padding), 48 otherwise (fewer passes over K and V)."""
 
 KEY_MULTIPLE = 32  # the kernel pads keys to the score tile's 32 columns
 VALUE_MULTIPLE = 64  # the value width to the output tile's 64 columns
-COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
-NATIVE_FLAGS = ("-march=native",)  # tried first; a compiler that does not take it builds without it
-
-TIMEOUT_S = 300.0
-"""Seconds a compiler run may take (``--version``, or one build) before it is stopped, with what it started."""
-
-_SETTINGS = ("CXX", "PATH", "DIFFATTN_CACHE", "XDG_CACHE_HOME", "HOME")
-"""The environment a build depends on: a failure is remembered until one of these changes."""
-
-_BUILD_LOCK = threading.Lock()  # one build at a time in this process (the file lock orders processes)
-_LOAD_LOCK = threading.Lock()  # one first load (build, load, self-check) at a time
-_LOADED: dict[str, object] = {}  # "lib": the checked kernel, "why": what kernel_status says about it
-_FAILED: dict[tuple, str] = {}  # the settings of a failed first load -> why it failed
-
-
-class KernelUnavailable(RuntimeError):
-    """The fused CPU kernel cannot be built, loaded or trusted here; the message says why."""
-
-
-def _command_name(cxx: Optional[list[str]]) -> str:
-    """``c++`` for ``["/usr/bin/c++"]``: the compiler as a person names it (a report, or a notebook's stored output,
-    should not carry this machine's paths)."""
-    return shlex.join([os.path.basename(cxx[0]), *cxx[1:]]) if cxx else "?"
-
-
-def compiler() -> Optional[list[str]]:
-    """The command that runs the C++ compiler: ``$CXX`` split as a shell would (``"ccache c++"`` gives two
-    words), its first word found on the PATH; else the first of ``c++``, ``g++``, ``clang++`` on the PATH;
-    None when there is none."""
-    setting = os.environ.get("CXX", "").strip()
-    if setting:
-        try:
-            words = shlex.split(setting)
-        except ValueError:  # an unbalanced quote: take it as one path
-            words = [setting]
-        return [shutil.which(words[0]) or words[0], *words[1:]]
-    return next(([path] for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
-
-
-def _source_text() -> str:
-    return resources.files(__package__).joinpath(SOURCE).read_text()
-
-
-def _cpu_fingerprint() -> str:
-    """What ``-march=native`` depends on: the CPU's feature flags where Linux lists them, else its name."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cannot_write(folder: Path, error: OSError) -> str:
-    return (f"the kernel cache folder {folder} cannot be written ({error}); set DIFFATTN_CACHE to a writable "
-            f"folder, or use backend='sdpa_padded' (what backend='auto' does meanwhile)")
-
-
-def _private_temp_dir() -> Path:
-    """``DIFFATTN_CACHE=0``'s kernel folder: ``<tempfile.gettempdir()>/diffattn-<uid>``, created private (0700)
-    and used only while it is a folder of this user's that no one else may write to."""
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    folder = Path(tempfile.gettempdir()) / f"diffattn-{uid if uid is not None else getpass.getuser()}"
-    try:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(folder)
-    except OSError as e:
-        raise KernelUnavailable(_cannot_write(folder, e)) from e
-    if uid is not None and (not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o022):
-        raise KernelUnavailable(f"{folder} is not a private folder of this user's (owner {info.st_uid}, mode "
-                                f"{oct(info.st_mode)}), so no kernel is built or loaded there; remove it, or set "
-                                f"DIFFATTN_CACHE to a folder of your own")
-    return folder
-
-
-def _build_dir() -> Path:
-
-    folder = cache_dir()
-    return (_private_temp_dir() if folder is None else folder) / "kernels"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and, on POSIX, every process it started (they share its session)."""
-    try:
-        if os.name == "posix":
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-    except OSError:
-        pass
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Run ``cmd`` capturing its output; past :data:`TIMEOUT_S` (or on Ctrl-C) it is stopped with what it
-    started, and the error raised. Raises OSError when it cannot be started, subprocess.TimeoutExpired."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=os.name == "posix")
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except BaseException:
-        _stop(proc)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _compile(cxx: list[str], source: Path, target: Path) -> None:
-    """Build ``target`` from ``source``; native flags first, then without them. Raises KernelUnavailable."""
-    errors = []
-    for extra in (NATIVE_FLAGS, ()):
-        cmd = [*cxx, *COMMON_FLAGS, *extra, str(source), "-o", str(target)]
-        try:
-            run = _run(cmd)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise KernelUnavailable(f"the C++ compiler {shlex.join(cxx)!r} could not be run ({e}); set CXX to a "
-                                    f"working compiler, or use backend='sdpa_padded'") from e
-        if run.returncode == 0:
-            return
-        errors.append(f"$ {shlex.join(cmd)}\n{run.stderr.strip()[-1500:]} (exit status {run.returncode})")
-    raise KernelUnavailable("the fused CPU kernel did not compile:\n" + "\n".join(errors))
-
-
-def _elf_complete(data: bytes) -> bool:
-    """Whether an ELF file's header tables and the segments they name lie inside it (a truncated shared
-    library passes ``dlopen``'s first checks and then faults on a missing page). Other formats: True."""
-    if data[:4] != b"\x7fELF":
-        return len(data) >= 4  # Mach-O, PE: the size and hash record is their check
-    wide, order = data[4:5] == b"\x02", "<" if data[5:6] == b"\x01" else ">"
-    head, seg = (order + "QQ", order + "IIQQQQQQ") if wide else (order + "II", order + "IIIIIIII")
-    at = (0x20, 0x36) if wide else (0x1C, 0x2A)
-    if len(data) < (64 if wide else 52):
-        return False
-    phoff, shoff = struct.unpack_from(head, data, at[0])
-    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", data, at[1])
-    size = len(data)
-    if phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
-        return False
-    if phnum and phentsize < struct.calcsize(seg):
-        return False
-    for i in range(phnum):
-        fields = struct.unpack_from(seg, data, phoff + i * phentsize)
-        offset, filesz = (fields[2], fields[5]) if wide else (fields[1], fields[4])
-        if offset + filesz > size:
-            return False
-    return True
-
-
-def _record(library: Path) -> Path:
-    """The library's record: its SHA-256 and size, written after it is in place."""
-    return library.with_suffix(".sha256")
-
-
-def _describe(data: bytes) -> str:
-    return f"{hashlib.sha256(data).hexdigest()} {len(data)}"
-
-
-def _intact(library: Path) -> bool:
-    """Whether ``library`` is a whole build: its record matches its bytes and (ELF) its headers fit in it."""
-    try:
-        record = _record(library).read_text().strip()
-        data = library.read_bytes()
-    except OSError:
-        return False
-    return record == _describe(data) and _elf_complete(data)
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: Path, name: str) -> Iterator[None]:
-    """Hold this process's build lock and, where ``fcntl`` exists, an exclusive lock on ``folder/name.lock``
-    (released when the file closes, also when the process dies). Creates ``folder``."""
-    with _BUILD_LOCK:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            handle = open(folder / f"{name}.lock", "a")
-        except OSError as e:
-            raise KernelUnavailable(_cannot_write(folder, e)) from e
-        with handle:
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
-
-
-def _build(cxx: list[str], text: str, target: Path) -> None:
-    """Compile ``text`` into ``target`` through paths of this process and thread, move it into place, then
-    write its record. Raises KernelUnavailable (leftovers removed)."""
-    tag = f"{os.getpid()}.{threading.get_ident()}"
-    source, tmp = (target.with_name(f"{target.stem}.{tag}{ext}") for ext in (".cpp", ".tmp"))
-    record_tmp = target.with_name(f"{target.stem}.{tag}.sha256.tmp")
-    try:
-        try:
-            source.write_text(text)
-        except OSError as e:
-            raise KernelUnavailable(_cannot_write(target.parent, e)) from e
-        _compile(cxx, source, tmp)
-        data = tmp.read_bytes()
-        if not _elf_complete(data):
-            raise KernelUnavailable(f"the compiler wrote an incomplete library ({len(data)} bytes; is the disk "
-                                    f"full?); free space or set DIFFATTN_CACHE to another folder")
-        try:
-            os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never a part
-            record_tmp.write_text(_describe(data) + "\n")
-            os.replace(record_tmp, _record(target))
-        except OSError as e:
-            raise KernelUnavailable(_cannot_write(target.parent, e)) from e
-    finally:
-        for leftover in (source, tmp, record_tmp):
-            with contextlib.suppress(OSError):
-                leftover.unlink()
-
-
-def library_path() -> Path:
-    """The compiled kernel for this source, compiler and CPU, built first where the cache holds no intact copy
-    (missing, unfinished, truncated or altered). Raises KernelUnavailable saying why it cannot be had."""
-    cxx = compiler()
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler found (looked for $CXX, c++, g++, clang++): install one, or "
-                                "use backend='sdpa_padded' (what backend='auto' does without it)")
-    text = _source_text()
-    try:
-        version = _run([*cxx, "--version"]).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"the C++ compiler {shlex.join(cxx)!r} could not be run ({e}); set CXX to a "
-                                f"working compiler, or use backend='sdpa_padded'") from e
-    key = hashlib.sha256("\0".join([text, *cxx, version, *COMMON_FLAGS, *NATIVE_FLAGS, platform.machine(),
-                                    _cpu_fingerprint()]).encode()).hexdigest()[:16]
-    folder = _build_dir()
-    target = folder / f"diff_attention_cpu_{key}.so"
-    if not _intact(target):
-        with _folder_lock(folder, target.stem):
-            if not _intact(target):  # another thread or process may have built it meanwhile
-                _build(cxx, text, target)
-    return target
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -315,6 +54,10 @@ def _load(path: Path) -> ctypes.CDLL:
     ptr, c_int = ctypes.c_void_p, ctypes.c_int
     f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
     f.restype = c_int
+    b = lib.diff_attention_cpu_backward
+    b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, c_int,
+                  c_int]
+    b.restype = c_int
     return lib
 
 
@@ -331,26 +74,8 @@ def _first_load() -> ctypes.CDLL:
 
 
 def _kernel() -> ctypes.CDLL:
-    """The checked kernel, loaded once per process (under a lock: threads that arrive first wait for it).
-    A failure is remembered under the settings it happened with. Raises KernelUnavailable."""
-    lib = _LOADED.get("lib")
-    if lib is not None:
-        return lib
-    settings = tuple(os.environ.get(name) for name in _SETTINGS)
-    with _LOAD_LOCK:
-        if "lib" in _LOADED:
-            return _LOADED["lib"]
-        if settings in _FAILED:
-            raise KernelUnavailable(_FAILED[settings])
-        try:
-            lib = _first_load()
-        except Exception as e:  # whatever went wrong, the kernel is not usable here: say why, fall back
-            why = str(e) if isinstance(e, KernelUnavailable) else f"{type(e).__name__}: {e}"
-            _FAILED[settings] = why
-            raise KernelUnavailable(why) from e
-        cxx = compiler()
-        _LOADED.update(lib=lib, why=f"fused C++ kernel, compiled with {_command_name(cxx)}")
-        return lib
+    """The checked kernel, loaded once per process (:func:`build.load_once`). Raises KernelUnavailable."""
+    return build.load_once(_first_load)
 
 
 def kernel_status() -> tuple[bool, str]:
@@ -360,7 +85,7 @@ def kernel_status() -> tuple[bool, str]:
         _kernel()
     except Exception as e:
         return False, str(e)
-    return True, str(_LOADED.get("why", "fused C++ kernel"))
+    return True, build.loaded_note()
 
 
 def _self_check(lib: ctypes.CDLL) -> None:
@@ -380,6 +105,18 @@ def _self_check(lib: ctypes.CDLL) -> None:
         if not err < 1e-4:
             raise KernelUnavailable(f"the compiled kernel disagrees with the naive formula (max error {err:.3g}, "
                                     f"causal={causal}, mask={m is not None}); it is not used")
+    for causal, m in ((True, None), (False, mask)):
+        grad_out = torch.randn(2, 2, 29, 48, generator=g)
+        with torch.enable_grad():  # the first use may come under torch.no_grad()
+            ins = [t.double().requires_grad_() for t in (q, k, v, lam)]
+            ref = naive_reference(*ins, causal=causal, attn_mask=None if m is None else m.double())
+            expected = torch.autograd.grad(ref, ins, grad_out.double())
+        dq, dk, dv, dlam = _backward(lib, grad_out, q, k, v, lam, m, causal, 24 ** -0.5)
+        got = (dq, dk, dv, dlam.unsqueeze(-1))
+        err = max((a.double() - b).abs().max().item() for a, b in zip(got, expected))
+        if not err < 1e-4:
+            raise KernelUnavailable(f"the compiled kernel's gradients disagree with the naive formula's (max error "
+                                    f"{err:.3g}, causal={causal}, mask={m is not None}); it is not used")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -401,6 +138,18 @@ def _kernel_layout(t: Tensor, width: int) -> Tensor:
     return t.contiguous()
 
 
+def _mask_view(mask: Optional[Tensor], shape: tuple) -> tuple[Optional[Tensor], ctypes.Array]:
+    """The mask as the kernel reads it: float32, expanded to ``shape`` (B, H, Nq, Nk), contiguous along keys
+    (or broadcast there), and its element strides (0 where broadcast)."""
+    if mask is None:
+        return None, (ctypes.c_long * 4)(0, 0, 0, 0)
+    m = _float_mask(mask)
+    if m.shape[-1] != 1 and m.stride(-1) != 1:
+        m = m.contiguous()
+    m = m.expand(shape)
+    return m, (ctypes.c_long * 4)(*(s if n > 1 else 0 for s, n in zip(m.stride(), m.shape)))
+
+
 def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], causal: bool,
              scale: float) -> Tensor:
     """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count.
@@ -411,15 +160,8 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     q, k, v = (_kernel_layout(t, width) for t, width in ((q, d_pad), (k, d_pad), (v, 2 * d_pad)))
     lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
     block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
-    strides = (ctypes.c_long * 4)(0, 0, 0, 0)
-    mask_ptr = None
-    if mask is not None:
-        m = _float_mask(mask)
-        if m.shape[-1] != 1 and m.stride(-1) != 1:
-            m = m.contiguous()
-        m = m.expand(B, H, nq, nk)
-        strides = (ctypes.c_long * 4)(*(s if n > 1 else 0 for s, n in zip(m.stride(), m.shape)))
-        mask_ptr = m.data_ptr()
+    m, strides = _mask_view(mask, (B, H, nq, nk))
+    mask_ptr = None if m is None else m.data_ptr()
     out = torch.empty(B, H, nq, 2 * d_pad)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
@@ -433,6 +175,123 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     return out if d_pad == d else out[..., : 2 * d]
 
 
+def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor,
+              mask: Optional[Tensor], causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`_forward`'s output: float32 ``dq, dk, dv`` shaped as q, k, v and ``dlam`` per row,
+    ``(B, H, Nq)`` (the caller sums it to lam's shape). Inputs laid out as the forward lays them out."""
+    B, H2, nq, d = q.shape
+    H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
+    d_pad = _round_up(d, VALUE_MULTIPLE // 2)
+    q, k, v, grad_out = (_kernel_layout(t, width) for t, width in
+                         ((q, d_pad), (k, d_pad), (v, 2 * d_pad), (grad_out, 2 * d_pad)))
+    lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
+    block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
+    m, strides = _mask_view(mask, (B, H, nq, nk))
+    dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
+    dlam = torch.empty(B, H, nq)
+    sizes = (ctypes.c_int * 9)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows, BLOCK_KEYS)
+    rc = lib.diff_attention_cpu_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(),
+                                         None if m is None else m.data_ptr(), strides, grad_out.data_ptr(), LOG2E,
+                                         scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dlam.data_ptr(), sizes,
+                                         int(causal), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("the fused CPU kernel's backward could not allocate its buffers (q, k, v and the output's "
+                          "gradient transposed, and a block of scores per thread); use backend='sdpa_padded'")
+    if rc != 0:
+        raise RuntimeError(f"the fused CPU kernel's backward refused sizes {tuple(sizes)} (code {rc}); please "
+                           f"report this")
+    if d_pad != d:
+        dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., : 2 * d]
+    return dq, dk, dv, dlam
+
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes the operators take for q, k and v (computed in float32)."""
+
+_INT_MAX = 2 ** 31 - 1  # the kernel's sizes are C ints
+
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(int(n) for n in t.shape)
+
+
+def _check_tensor(name: str, t: object, device: torch.device, *, optional: bool = False) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} is a {t.layout} tensor; the kernel reads dense memory: pass {name}.to_dense()")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}: pass every argument on one device "
+                         f"({name}.to(q.device))")
+    if any(n > _INT_MAX for n in t.shape):
+        raise ValueError(f"{name} has shape {_shape(t)}: the kernel takes sizes below 2**31 per dimension")
+
+
+def _broadcasts(shape: tuple, target: tuple) -> bool:
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
+def _check_scale(scale: float) -> None:
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (the softmax scale, usually d ** -0.5), got {scale}")
+
+
+def check_operator_inputs(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                          grad_out: Optional[Tensor] = None) -> None:
+    """Refuse, naming the argument and the fix, inputs the operators cannot compute (shapes, dtypes, devices and
+    layouts only: nothing reads the data). Runs in the operators and in their fake implementations."""
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("lam", lam)):
+        _check_tensor(name, t, q.device)
+    _check_tensor("attn_mask", attn_mask, q.device, optional=True)
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q is {q.dtype}: the kernel takes float32, float16 or bfloat16 (it computes in float32); "
+                        f"pass q.float(), or use diff_attention(..., backend='naive') for other dtypes")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} is {t.dtype} but q is {q.dtype}: q, k and v share one dtype; pass "
+                            f"{name}.to(q.dtype)")
+    if not lam.is_floating_point():
+        raise TypeError(f"lam is {lam.dtype}: pass a floating-point tensor (lam.float())")
+    if attn_mask is not None and not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise TypeError(f"attn_mask is {attn_mask.dtype}: pass a bool mask (True = may attend) or an additive "
+                        f"floating-point one")
+    for name, t, layout in (("q", q, "(B, 2H, Nq, d)"), ("k", k, "(B, 2Hkv, Nk, d)"), ("v", v, "(B, Hkv, Nk, 2d)")):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {_shape(t)}")
+    B, H2, Nq, d = q.shape
+    if H2 % 2 or H2 == 0 or d == 0:
+        raise ValueError(f"q has shape {_shape(q)}: it must be (B, 2H, Nq, d) with an even, nonzero number of "
+                         f"heads (the two maps of each differential head) and d > 0")
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"k has shape {_shape(k)} and q {_shape(q)}: k must be (B, 2Hkv, Nk, d) with q's batch "
+                         f"size B and head dim d")
+    if k.shape[1] % 2 or k.shape[1] == 0 or (H2 // 2) % (k.shape[1] // 2):
+        raise ValueError(f"k has {k.shape[1]} heads and q {H2}: k must have 2Hkv heads, an even number with Hkv "
+                         f"dividing q's H = {H2 // 2} (grouped-query attention)")
+    Hkv, Nk = k.shape[1] // 2, k.shape[2]
+    expected_v = (B, Hkv, Nk, 2 * d)
+    if _shape(v) != expected_v:
+        raise ValueError(f"v has shape {_shape(v)}, but q {_shape(q)} and k {_shape(k)} need v of shape "
+                         f"(B, Hkv, Nk, 2d) = {expected_v} (v has {v.shape[2]} keys, k has {Nk})")
+    H = H2 // 2
+    if not _broadcasts(_shape(lam), (B, H, Nq, 1)):
+        raise ValueError(f"lam has shape {_shape(lam)}, which does not broadcast to (B, H, Nq, 1) = {(B, H, Nq, 1)} "
+                         f"(from q's shape {_shape(q)}); pass one lambda per head (1, H, 1, 1), per token "
+                         f"(B, H, Nq, 1) or a 0-dim tensor")
+    if attn_mask is not None and not _broadcasts(_shape(attn_mask), (B, H, Nq, Nk)):
+        raise ValueError(f"attn_mask has shape {_shape(attn_mask)}, which does not broadcast to (B, H, Nq, Nk) = "
+                         f"{(B, H, Nq, Nk)} (from q's and k's shapes)")
+    if grad_out is not None:
+        _check_tensor("grad_out", grad_out, q.device)
+        if _shape(grad_out) != (B, H, Nq, 2 * d) or not grad_out.is_floating_point():
+            raise ValueError(f"grad_out has shape {_shape(grad_out)} and dtype {grad_out.dtype}: it must be the "
+                             f"output's gradient, floating-point of shape (B, H, Nq, 2d) = {(B, H, Nq, 2 * d)}")
+
+
 OP_NAME = "diffattn::cpu_fused_forward"
 """The kernel as a torch operator: ``torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, attn_mask, causal, scale)``,
 one node in a ``torch.compile`` graph (its fake implementation gives the output's shape and dtype)."""
@@ -442,15 +301,87 @@ one node in a ``torch.compile`` graph (its fake implementation gives the output'
 def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
                       scale: float) -> Tensor:
     """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new contiguous
-    ``(B, H, Nq, 2d)`` tensor in q's dtype. No autograd (forward only: a backward through it raises)."""
+    ``(B, H, Nq, 2d)`` tensor in q's dtype. Gradients flow to q, k, v and lam (:data:`BACKWARD_OP_NAME`); an
+    ``attn_mask`` that requires grad is refused."""
+    check_operator_inputs(q, k, v, lam, attn_mask)
+    _check_scale(scale)
     return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype).contiguous()
 
 
 @cpu_fused_forward.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
       scale: float) -> Tensor:
+    check_operator_inputs(q, k, v, lam, attn_mask)
+    _check_scale(scale)
     B, H2, nq, d = q.shape
     return q.new_empty(B, H2 // 2, nq, 2 * d)
+
+
+BACKWARD_OP_NAME = "diffattn::cpu_fused_backward"
+"""The kernel's backward as a torch operator: ``torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam,
+attn_mask, causal, scale)`` gives ``(dq, dk, dv, dlam)``, dlam per row ``(B, H, Nq)`` in float32."""
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=(), device_types="cpu")
+def cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`cpu_fused_forward`'s output ``grad_out``: dq, dk, dv in q's dtype and dlam per
+    row, ``(B, H, Nq)`` float32; fully masked rows get zero gradients."""
+    check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
+    _check_scale(scale)
+    dq, dk, dv, dlam = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale)
+    return dq.to(q.dtype).contiguous(), dk.to(q.dtype).contiguous(), dv.to(q.dtype).contiguous(), dlam
+
+
+@cpu_fused_backward.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+      scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
+    _check_scale(scale)
+    B, H2, nq, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape),
+            q.new_empty(B, H2 // 2, nq, dtype=torch.float32))
+
+
+def _refuse_mask_grad(attn_mask: Optional[Tensor]) -> None:
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attn_mask requires grad (a learned bias?), but the fused CPU kernel gives a mask no "
+                         "gradient; pass attn_mask.detach() if it is not to be learned, or use "
+                         "diff_attention(..., backend='naive') to learn it")
+
+
+def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+    q, k, v, lam, attn_mask, causal, scale = inputs
+    _refuse_mask_grad(attn_mask)
+    ctx.save_for_backward(q, k, v, lam, attn_mask)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _autograd_backward(ctx, grad_out: Tensor) -> tuple:
+    q, k, v, lam, attn_mask = ctx.saved_tensors
+    dq, dk, dv, dlam = cpu_fused_backward(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale)
+    dlam = dlam.unsqueeze(-1).sum_to_size(lam.shape).to(lam.dtype)  # per row -> lam's broadcast shape
+    return dq, dk, dv, dlam, None, None, None
+
+
+cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _refuse_layout(q, k, v, lam, attn_mask, *rest):
+    check_operator_inputs(q, k, v, lam, attn_mask)  # raises: some argument is not dense
+    raise ValueError("the fused CPU kernel reads dense (strided) tensors only; pass t.to_dense() for each")
+
+
+_SPARSE = torch.library.Library("diffattn", "FRAGMENT")  # a sparse argument reaches the check, not a dispatch error
+def _refuse_layout_backward(grad_out, q, k, v, lam, attn_mask, *rest):
+    check_operator_inputs(q, k, v, lam, attn_mask, grad_out)  # raises: some argument is not dense
+    raise ValueError("the fused CPU kernel reads dense (strided) tensors only; pass t.to_dense() for each")
+
+
+for _key in ("SparseCPU", "SparseCsrCPU"):
+    _SPARSE.impl("cpu_fused_forward", _refuse_layout, _key)
+    _SPARSE.impl("cpu_fused_backward", _refuse_layout_backward, _key)
+del _key
 
 
 def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_mask: Optional[Tensor] = None,
@@ -458,15 +389,15 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     """Differential attention by the fused CPU kernel, on inputs :func:`~diffattn_tutorial.functional.diff_attention`
     has validated: q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam broadcastable to
     ``(B, H, Nq, 1)``, ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` with no fully masked
-    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype. Runs the
-    operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as one node.
-    Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError where a
-    gradient is wanted (forward only)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, attn_mask)):
-        raise ValueError("the fused CPU kernel is forward-only (no autograd); call it under torch.no_grad(), or "
-                         "use diff_attention(..., backend='auto') to train")
+    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype, with gradients
+    to q, k, v and lam. Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
+    one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
+    for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient)."""
+    if torch.is_grad_enabled():
+        _refuse_mask_grad(attn_mask)
     return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
 
 
-__all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "KernelUnavailable", "compiler", "library_path", "kernel_status",
-           "cpu_fused_forward", "fused_diff_attention"]
+__all__ = ["SOURCE", "BLOCK_ROWS", "BLOCK_KEYS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
+           "library_path", "kernel_status", "check_operator_inputs", "cpu_fused_forward", "cpu_fused_backward",
+           "fused_diff_attention"]

@@ -1,0 +1,179 @@
+"""The fused CPU kernel's backward (``diffattn::cpu_fused_backward``): gradients to q, k, v and lam equal the naive
+formula's in float64 over shapes, layouts (views of a fused projection, slices, expanded tensors), masks (bool,
+additive, causal, key padding, fully masked rows), GQA, ``Nq != Nk`` and lambda shapes; they do not depend on the
+thread count; ``opcheck`` passes and ``torch.compile(fullgraph=True)`` trains through the operators. The property
+test runs in a child process (the kernel reads raw pointers: a crash fails one test, not pytest). Its speed is
+measured by ``benchmarks/bench_cpu_train.py``, not here."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
+
+pytestmark = pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers "
+                                                                     "that)")
+
+
+def inputs(B, H, Hkv, Nq, Nk, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g),
+            torch.randn(B, Hkv, Nk, 2 * d, generator=g), torch.rand(B, H, Nq, 1, generator=g))
+
+
+PROPERTY = r'''
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure.cpu_threads import threads
+
+
+def view(t, kind, g):
+    """t's values in a non-dense layout: a transposed view, a slice of a wider tensor, or an expanded batch."""
+    if kind == "transposed":  # as a fused projection's (B, N, heads, d) output, transposed to (B, heads, N, d)
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if kind == "sliced":
+        wide = torch.randn(*t.shape[:-1], t.shape[-1] + 3, generator=g)
+        wide[..., 1:-2] = t
+        return wide[..., 1:-2]
+    return t
+
+
+@st.composite
+def cases(draw):
+    Hkv = draw(st.integers(1, 2))
+    H, B = Hkv * draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    Nq, Nk = draw(st.integers(1, 60)), draw(st.integers(1, 60))
+    d = draw(st.sampled_from([8, 20, 32, 64]))
+    return dict(B=B, H=H, Hkv=Hkv, Nq=Nq, Nk=Nk, d=d, causal=draw(st.booleans()),
+                mask=draw(st.sampled_from(["none", "bool", "additive", "padding", "fully_masked_rows"])),
+                lam=draw(st.sampled_from(["scalar", "head", "token"])),
+                layout=draw(st.sampled_from(["dense", "transposed", "sliced", "expanded"])),
+                seed=draw(st.integers(0, 2 ** 16)))
+
+
+def make(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    B, H, Hkv, Nq, Nk, d = (c[x] for x in ("B", "H", "Hkv", "Nq", "Nk", "d"))
+    q, k = torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g)
+    v = torch.randn(B, Hkv, Nk, 2 * d, generator=g)
+    if c["layout"] == "expanded":  # one k and v for the whole batch (stride 0)
+        k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+    else:
+        q, k, v = (view(t, c["layout"], g) for t in (q, k, v))
+    lam = {"scalar": torch.tensor(0.4), "head": torch.rand(1, H, 1, 1, generator=g),
+           "token": torch.rand(B, H, Nq, 1, generator=g)}[c["lam"]]
+    mask = None
+    if c["mask"] == "bool":
+        mask = torch.rand(Nq, Nk, generator=g) > 0.3
+    elif c["mask"] == "additive":
+        mask = torch.randn(1, H, Nq, Nk, generator=g)
+    elif c["mask"] == "padding":  # (B, 1, 1, Nk): keys beyond each sequence's length hidden
+        lengths = torch.randint(1, Nk + 1, (B, 1), generator=g)
+        mask = (torch.arange(Nk) < lengths).view(B, 1, 1, Nk)
+    elif c["mask"] == "fully_masked_rows":
+        mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.4
+        mask[:, :, ::3] = False  # every third row sees no key: zero output, zero gradients
+    grad_out = torch.randn(B, H, Nq, 2 * d, generator=g)
+    return q, k, v, lam, mask, grad_out
+
+
+def gradients(q, k, v, lam, mask, grad_out, causal, backend, dtype):
+    ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, lam)]
+    m = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+    out = diff_attention(*ins, causal=causal, attn_mask=m, backend=backend)
+    return (out.detach(), *torch.autograd.grad(out, ins, grad_out.to(dtype)))
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(cases())
+def check(c):
+    q, k, v, lam, mask, grad_out = make(c)
+    expected = gradients(q, k, v, lam, mask, grad_out, c["causal"], "naive", torch.float64)
+    with threads(1):
+        got = gradients(q, k, v, lam, mask, grad_out, c["causal"], "cpu_fused", torch.float32)
+    with threads(3):
+        again = gradients(q, k, v, lam, mask, grad_out, c["causal"], "cpu_fused", torch.float32)
+    for name, a, b, e in zip(("out", "dq", "dk", "dv", "dlam"), got, again, expected):
+        assert a.shape == e.shape and a.dtype == torch.float32, (name, a.shape, e.shape)
+        assert torch.equal(a, b), f"{name} depends on the thread count ({c})"
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5 * max(1.0, e.abs().max().item()),
+                                   msg=lambda m: f"{name}: {m} ({c})")
+    if c["mask"] == "fully_masked_rows":
+        assert got[1].unflatten(1, (-1, 2))[:, :, :, ::3].abs().max() == 0, "a fully masked row has a dq"
+
+
+check()
+print("PROPERTY OK")
+'''
+
+
+def test_gradients_equal_naives_in_float64_on_any_thread_count():
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", "MAX_EXAMPLES = 60\n" + PROPERTY], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "PROPERTY OK" in proc.stdout
+
+
+def test_half_precision_gradients_come_back_in_the_inputs_dtype():
+    q, k, v, lam = inputs(1, 2, 1, 30, 30, 32)
+    ins = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    diff_attention(*ins, lam, causal=True, backend="cpu_fused").float().sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    diff_attention(*ref, lam.double(), causal=True, backend="naive").sum().backward()
+    for a, b in zip(ins, ref):
+        assert a.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=3e-2, atol=3e-2)
+
+
+def test_the_operators_pass_opcheck_with_autograd():
+    """Schema, fake implementations, autograd registration and AOT dispatch (forward and backward compared with
+    eager), for a padded head width, GQA, a mask and per-token, per-head and scalar lambdas."""
+    q, k, v, lam = inputs(1, 2, 1, 9, 11, 20)
+    mask = torch.rand(1, 1, 9, 11, generator=torch.Generator().manual_seed(1)) > 0.2
+    cases = [(q, k, v, lam, None, True), (q, k, v, lam[:1, :, :1], mask, False), (q, k, v, torch.tensor(0.3), None,
+                                                                                  False)]
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for q_, k_, v_, lam_, m, causal in cases:
+        args = (q_.requires_grad_(), k_.requires_grad_(), v_.requires_grad_(), lam_.requires_grad_(), m, causal,
+                20 ** -0.5)
+        torch.library.opcheck(cpu_fused.cpu_fused_forward, args, test_utils=utils)
+    grad_out = torch.randn(1, 2, 9, 40)
+    torch.library.opcheck(cpu_fused.cpu_fused_backward, (grad_out, q.detach(), k.detach(), v.detach(),
+                                                         lam.detach(), mask, True, 0.25),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
+def test_torch_compile_fullgraph_trains_through_the_operators():
+    """A training step compiled with fullgraph=True (auto's choice: the kernel): the graph holds the forward
+    operator, its backward runs the backward operator, and the gradients equal eager's."""
+    q, k, v, lam = inputs(1, 2, 1, 40, 40, 32)
+
+    def loss(q, k, v, lam):
+        return diff_attention(q, k, v, lam, causal=True).square().mean()  # backend="auto"
+
+    def gradients(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    eager = gradients(loss)
+    calls = []
+    real = cpu_fused._backward
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    try:
+        cpu_fused._backward = lambda *a: calls.append(1) or real(*a)
+        got = gradients(compiled)
+    finally:
+        cpu_fused._backward = real
+    assert calls == [1]
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
