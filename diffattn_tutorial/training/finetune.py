@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from diffattn_tutorial.layers import convert as convert_mod
-from diffattn_tutorial.layers.convert import convert_model, finish_warmup, set_warmup, warmup_layers, warmup_mix
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadDiffAttn
+from diffattn_tutorial.layers.convert import convert_model, finish_warmup, set_warmup, warmup_layers, warmup_mix
 from diffattn_tutorial.training.needle import IGNORE
 from diffattn_tutorial.training.study import (
     StudyConfig,
