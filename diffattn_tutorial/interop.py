@@ -9,6 +9,8 @@ Config keys are the reference constructors' own names (the ``config`` dict in ea
   ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``attention_bias``, ``attention_dropout``;
   ``layer_idx``), or a whole config as transformers gives it (``config=model.config``,
   ``**model.config.to_dict()``)
+* Hugging Face ``LlamaForCausalLM``, a whole model into the course's ``TinyLM`` (:func:`from_llama`; ``LlamaConfig``
+  keys, ``config=model.config``)
 
 This library's layers keep their reference's names, so two spellings of one thing live side by side:
 :class:`MultiheadDiffAttn` (V1) has ``embed_dim`` and ``out_proj`` as unilm V1, :class:`DiffAttnV2` has ``d_model``

@@ -70,3 +70,11 @@ def test_live_against_transformers():
     model = interop.from_llama(hf.state_dict(), config=hf.config)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_norm_eps_is_checked():
+    from diffattn_tutorial.training.model import LMConfig
+
+    for bad in (0, -1e-6, True, "1e-6"):
+        with pytest.raises(ValueError, match="norm_eps must be a number > 0"):
+            LMConfig(vocab_size=4, norm_eps=bad)
