@@ -9,6 +9,8 @@ Config keys are the reference constructors' own names (the ``config`` dict in ea
   ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``attention_bias``, ``attention_dropout``;
   ``layer_idx``), or a whole config as transformers gives it (``config=model.config``,
   ``**model.config.to_dict()``)
+* Hugging Face ``LlamaForCausalLM``, a whole model into the course's ``TinyLM`` (:func:`from_llama`; ``LlamaConfig``
+  keys, ``config=model.config``)
 
 This library's layers keep their reference's names, so two spellings of one thing live side by side:
 :class:`MultiheadDiffAttn` (V1) has ``embed_dim`` and ``out_proj`` as unilm V1, :class:`DiffAttnV2` has ``d_model``
@@ -94,6 +96,15 @@ def _detached(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
+def _check_no_warmup(module: torch.nn.Module) -> None:
+    """Refuse a converted layer still in its negative-branch warm-up (``layers.convert``): no reference has the
+    factor ``lambda_mix`` on its lambda, so its export would compute another function."""
+    if hasattr(module, "lambda_mix"):
+        raise ValueError(f"this {type(module).__name__} is in its negative-branch warm-up (lambda_mix = "
+                         f"{float(module.lambda_mix):g}); export it after diffattn_tutorial.layers.convert."
+                         f"finish_warmup(model), which needs lambda_mix = 1")
+
+
 def from_unilm(state_dict: StateDict, *, embed_dim: int, num_heads: int, depth: int,
                num_kv_heads: Optional[int] = None, subln_affine: bool = True, **module_kwargs) -> MultiheadDiffAttn:
     """A :class:`MultiheadDiffAttn` from unilm ``multihead_diffattn.py`` / ``multihead_flashdiff_*.py`` weights.
@@ -112,6 +123,7 @@ def to_unilm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     """unilm's state_dict for a layer that unilm can express (no biases, no qk-norm, paper lambda)."""
     if not isinstance(module, MultiheadDiffAttn):
         raise TypeError(f"to_unilm expects a MultiheadDiffAttn, got {type(module).__name__}")
+    _check_no_warmup(module)
     problems = [what for what, bad in [
         ("head_dim other than embed_dim // (2 * num_heads)", module.q_proj.out_features != module.embed_dim),
         ("projection biases", module.q_proj.bias is not None or module.out_proj.bias is not None),
@@ -175,6 +187,7 @@ def to_timm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     """timm ``DiffAttention``'s state_dict for a compatible layer (MHA self-attention, affine sub-norm)."""
     if not isinstance(module, MultiheadDiffAttn):
         raise TypeError(f"to_timm expects a MultiheadDiffAttn, got {type(module).__name__}")
+    _check_no_warmup(module)
     problems = [what for what, bad in [
         ("GQA (num_kv_heads < num_heads)", module.num_kv_heads != module.num_heads),
         ("head_dim other than dim // (2 * num_heads)", module.q_proj.out_features != module.embed_dim),
@@ -218,6 +231,7 @@ def to_unilm_v2(module: DiffAttnV2) -> dict[str, Tensor]:
     """unilm ``MultiheadFlashDiffV2``'s state_dict for a :class:`DiffAttnV2`."""
     if not isinstance(module, DiffAttnV2):
         raise TypeError(f"to_unilm_v2 expects a DiffAttnV2, got {type(module).__name__}")
+    _check_no_warmup(module)
     return _detached(module.state_dict())
 
 
@@ -379,6 +393,7 @@ def to_diffllama(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     """
     if not isinstance(module, MultiheadDiffAttn):
         raise TypeError(f"to_diffllama expects a MultiheadDiffAttn, got {type(module).__name__}")
+    _check_no_warmup(module)
     has_bias = [p.bias is not None for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj)]
     problems = [what for what, bad in [
         ("lambda_mode='dual'", module.lambda_mode != "paper"),
@@ -410,3 +425,114 @@ def to_diffllama(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     if sd:
         raise ValueError(f"cannot map {sorted(sd)} to DiffLlama names")
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face transformers Llama (a whole model, into the course's TinyLM)
+# --------------------------------------------------------------------------------------------
+
+_LLAMA_LM_KEYS: dict[str, Any] = {
+    "vocab_size": None, "hidden_size": None, "intermediate_size": None, "num_hidden_layers": None,
+    "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_parameters": None, "rope_scaling": None,
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "pretraining_tp": 1}
+"""The ``LlamaConfig`` keys that shape a ``LlamaForCausalLM``'s function, with transformers' defaults (None:
+required, or derived as transformers derives it). Other keys of a whole config (token ids, dtype, ...) are ignored."""
+
+_LLAMA_BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
+    "self_attn.q_proj.weight": "attn.q_proj.weight", "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight", "self_attn.o_proj.weight": "attn.out_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate.weight", "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight"}
+"""A Llama decoder layer's parameter names (under ``model.layers.{i}.``) -> a TinyLM block's."""
+
+
+def _half_split_to_interleaved(w: Tensor, head_dim: int) -> Tensor:
+    """The inverse of :func:`~diffattn_tutorial.layers.rope.interleaved_to_half_split`: rows of a Llama q/k
+    projection (half-split RoPE) reordered so this library's interleaved RoPE rotates the same pairs."""
+    one = interleaved_to_half_split(torch.arange(head_dim)[:, None], head_dim)[:, 0]  # (d,) where each row went
+    back = torch.argsort(one)
+    return w.unflatten(0, (-1, head_dim))[:, back].flatten(0, 1)
+
+
+def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
+    """The keys of a ``LlamaConfig`` (an object with ``to_dict()``, its dict, or keys given loose) that shape the
+    model's function, with transformers' defaults filled in; refuses the Llama features TinyLM does not have
+    (RoPE scaling, biases, another activation, a head width other than ``hidden_size // num_attention_heads``)."""
+    whole = dict(config.to_dict()) if hasattr(config, "to_dict") else dict(config or {})
+    merged = {**whole, **kwargs}
+    if merged.get("model_type", "llama") != "llama":
+        raise ValueError(f"this is a {merged['model_type']!r} config, not Llama's: from_llama loads LlamaForCausalLM")
+    cfg = {k: merged.get(k, default) for k, default in _LLAMA_LM_KEYS.items()}
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if cfg[k] is None:
+            raise TypeError(f"from_llama needs the LlamaConfig key {k!r} (or config=model.config)")
+    rope = dict(cfg.pop("rope_parameters") or {})  # transformers >= 5 keeps theta and the type here
+    scaling = cfg.pop("rope_scaling") or {}
+    cfg["rope_theta"] = rope.get("rope_theta", cfg["rope_theta"])
+    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    cfg["num_key_value_heads"] = cfg["num_key_value_heads"] or cfg["num_attention_heads"]
+    width = cfg["hidden_size"] // cfg["num_attention_heads"]
+    problems = [what for what, bad in [
+        (f"RoPE type {rope_type!r} (only 'default')", rope_type != "default"),
+        (f"hidden_act={cfg['hidden_act']!r} (SwiGLU uses 'silu')", cfg["hidden_act"] != "silu"),
+        ("attention_bias=True", cfg["attention_bias"]), ("mlp_bias=True", cfg["mlp_bias"]),
+        (f"pretraining_tp={cfg['pretraining_tp']}", cfg["pretraining_tp"] != 1),
+        (f"head_dim={cfg['head_dim']} other than hidden_size // num_attention_heads = {width}",
+         cfg["head_dim"] not in (None, width))] if bad]
+    if problems:
+        raise ValueError(f"TinyLM has no {', '.join(problems)}: this Llama cannot be loaded exactly")
+    cfg["head_dim"] = width
+    return cfg
+
+
+def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
+    """A baseline :class:`~diffattn_tutorial.training.model.TinyLM` computing what Hugging Face's
+    ``LlamaForCausalLM`` computes, from its ``state_dict`` (``model.embed_tokens.weight``,
+    ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``) and config (``config=model.config``,
+    its dict, or ``LlamaConfig`` keys loose; see :func:`llama_lm_config`).
+
+    The architectures match term by term (RMSNorm, SwiGLU, RoPE, no biases, GQA), but for two layouts: Llama
+    rotates dims ``j`` and ``j + d/2`` of a head (half-split RoPE), TinyLM dims ``2j`` and ``2j + 1``, so the
+    rows of every q and k projection are reordered per head (the scores ``q.k`` are sums over the same pairs);
+    and TinyLM's head is a parameter of its own, so a checkpoint with ``tie_word_embeddings`` gets a copy of the
+    embedding there (the same function; fine-tuning then moves them apart).
+    """
+    from diffattn_tutorial.training.model import LMConfig, TinyLM
+
+    cfg = llama_lm_config(config, **kwargs)
+    lm = LMConfig(vocab_size=cfg["vocab_size"], attention="baseline", d_model=cfg["hidden_size"],
+                  n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                  n_kv_heads=cfg["num_key_value_heads"], ffn_hidden=cfg["intermediate_size"],
+                  max_len=cfg["max_position_embeddings"], rope_base=float(cfg["rope_theta"]),
+                  norm_eps=float(cfg["rms_norm_eps"]))
+    sd = _detached(state_dict)
+    if cfg["tie_word_embeddings"] and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd.get("model.embed_tokens.weight")
+    out, names = {}, {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                      "head.weight": "lm_head.weight"}
+    out.update({ours: sd.pop(theirs) for ours, theirs in names.items() if sd.get(theirs) is not None})
+    for i in range(lm.n_layers):
+        for theirs, ours in _LLAMA_BLOCK_NAMES.items():
+            key = f"model.layers.{i}.{theirs}"
+            if key in sd:
+                t = sd.pop(key)
+                if theirs.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                    t = _half_split_to_interleaved(t, cfg["head_dim"])
+                out[f"blocks.{i}.{ours}"] = t
+                names[f"blocks.{i}.{ours}"] = key
+    model = TinyLM(lm)
+    own = model.state_dict()
+    missing = sorted(names.get(k, k) for k in own if k not in out)
+    if sd or missing:
+        raise ValueError(f"Llama state_dict does not match this config: missing {missing}, unexpected {sorted(sd)}; "
+                         f"pass LlamaForCausalLM's state_dict with its config (num_hidden_layers, "
+                         f"tie_word_embeddings)")
+    wrong = [f"{names[k]}: checkpoint {tuple(out[k].shape)}, this config {tuple(v.shape)}"
+             for k, v in own.items() if out[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"Llama state_dict has other shapes than this config: {'; '.join(wrong)}")
+    model.load_state_dict(out)
+    return model.eval()

@@ -90,6 +90,9 @@ EQUIVALENT = {
     "13_serving task 1 | index: 0 (#3) -> (-1)",
     # min is symmetric in its two arguments.
     "13_serving task 3 | arguments swapped: min(top_k, scaled.shape[-1]) -> min(scaled.shape[-1], top_k)",
+    # min(a, b) == min(b, a): the warm-up factor is the same.
+    "14_converting_trained_models task 3 | arguments swapped: min(1.0, t / warmup_steps) -> "
+    "min(t / warmup_steps, 1.0)",
 }
 
 

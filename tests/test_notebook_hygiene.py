@@ -24,7 +24,7 @@ def code_cells(nb: dict) -> list[dict]:
 
 def test_the_series_is_complete_and_named():
     names = [p.name for p in sorted((ROOT / "notebooks").glob("*.ipynb"))]
-    assert [n[:2] for n in names] == [f"{i:02d}" for i in range(14)], names
+    assert [n[:2] for n in names] == [f"{i:02d}" for i in range(15)], names
     assert all(NAME.match(n) for n in names + [p.name for p in EXERCISES])
     assert [p.name for p in EXERCISES] == [p.name for p in sorted((ROOT / "solutions").glob("*.ipynb"))]
     assert {p.name for p in EXERCISES} <= set(names)

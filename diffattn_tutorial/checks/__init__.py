@@ -1,6 +1,6 @@
 """Exercise checks: ``from diffattn_tutorial.checks import check_...``.
 
-Each notebook's checks live in a submodule ``nbNN`` (``nb01`` ... ``nb13``); its public ``check_*`` functions are
+Each notebook's checks live in a submodule ``nbNN`` (``nb01`` ... ``nb14``); its public ``check_*`` functions are
 imported here by name, so exercises import from one place (``tests/test_checks.py`` fails when a submodule's
 ``__all__`` and this list disagree). Each check belongs to one task of one exercise notebook (``check.task``,
 ``check.function_name``); a failure is one line, :class:`CheckFailed` (the hint), and an unattempted stub is
@@ -28,6 +28,7 @@ from diffattn_tutorial.checks.nb11 import (
 )
 from diffattn_tutorial.checks.nb12 import check_local_shard, check_rank_rows
 from diffattn_tutorial.checks.nb13 import check_combine_splits, check_sample_next, check_static_step
+from diffattn_tutorial.checks.nb14 import check_finetune, check_mirror_to_v2, check_shared_map_values
 
 __all__ = [
     "CheckFailed", "NotAttempted",
@@ -44,4 +45,5 @@ __all__ = [
     "check_axonml_fixed", "check_block_causal_mask", "check_four_calls_gqa", "check_diffllama_rows",
     "check_rank_rows", "check_local_shard",
     "check_static_step", "check_combine_splits", "check_sample_next",
+    "check_mirror_to_v2", "check_shared_map_values", "check_finetune",
 ]

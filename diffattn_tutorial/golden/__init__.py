@@ -6,7 +6,9 @@ Each ``NAME.pt`` file was written by running a reference implementation itself (
 A module case holds ``source``, ``variant``, ``config`` (the reference constructor's own keys), ``x``, ``rope``,
 ``causal``, ``attn_mask``, ``state_dict`` (the reference's parameter names), ``out``, ``g`` (upstream gradient),
 ``x_grad``, ``lr`` and ``state_dict_after_sgd`` (parameters after one plain SGD step on ``(out * g).sum()``).
-The functional case holds ``q``, ``k``, ``v``, ``lam``, ``causal``, ``out`` and ``out_fp64``. Tolerance: float32,
+The functional case holds ``q``, ``k``, ``v``, ``lam``, ``causal``, ``out`` and ``out_fp64``. The ``llama/`` cases
+(``tools/make_llama_golden.py``, Hugging Face ``LlamaForCausalLM``, a whole model) hold ``config``, ``state_dict``,
+``input_ids`` and ``logits``. Tolerance: float32,
 ``rtol=1e-4, atol=1e-5``.
 
 They are read through :mod:`importlib.resources`, so a notebook finds them wherever the package is installed

@@ -84,6 +84,7 @@ class LMConfig:
         ffn_hidden: SwiGLU hidden width (default ``2 * d_model``).
         max_len: longest sequence (RoPE tables are built for it).
         rope_base: RoPE base.
+        norm_eps: the epsilon of every RMSNorm (Llama checkpoints say ``rms_norm_eps``, often ``1e-6``).
     """
 
     vocab_size: int
@@ -95,6 +96,7 @@ class LMConfig:
     ffn_hidden: Optional[int] = None
     max_len: int = 512
     rope_base: float = 10000.0
+    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_len"):
@@ -103,6 +105,8 @@ class LMConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive whole number, got {value!r}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ValueError(f"LMConfig.norm_eps must be a number > 0, got {self.norm_eps!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.d_model % self.n_heads:
@@ -153,9 +157,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: LMConfig, depth: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = make_attention(cfg, depth)
-        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden or 2 * cfg.d_model)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Optional[Cache] = None,
@@ -189,7 +193,7 @@ class TinyLM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, depth) for depth in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_cos_sin(cfg.max_len, cfg.head_dim, base=cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)

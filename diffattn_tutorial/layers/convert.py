@@ -1,0 +1,247 @@
+"""Turn a trained baseline attention layer (or a whole :class:`~diffattn_tutorial.training.model.TinyLM`) into a
+differential one: DIFF V2 exactly, the paper's V1 as closely as its form allows.
+
+The options follow axolotl's ``diff-transformer`` conversion (``--mirror-weights``, ``--zero-init``,
+``--split-heads``, ``--sublayer-norm``, a warm-up of the negative branch), each with what it preserves:
+
+* :func:`to_diff_v2` doubles the query heads: query head ``2i`` is the baseline's head ``i``, ``2i + 1`` the
+  negative map (``negative="mirror"``: the same query, ``"zero"``: a zero query, whose map is uniform). Keys and
+  values are the baseline's, so both heads of a pair stay in head ``i``'s GQA group. ``lambda_proj`` starts at
+  zero, so lambda is ``sigmoid(0) = 1/2`` on every token; with a mirrored negative the head outputs
+  ``a - a/2 = a/2`` and ``o_proj`` is ``out_proj * 2``: the same function, exactly.
+* :func:`to_diff_v1` gives the paper's layer. ``heads="split"`` pairs baseline heads ``2i`` and ``2i + 1`` as the
+  two maps of differential head ``i`` and copies every weight (the course's parameter-matched ``"diff"``);
+  ``"double"`` keeps every baseline head as the positive map and adds a negative one. V1 applies one pair of maps
+  to a value of width ``2d`` and divides each head by its RMS (the sub-norm), so a split conversion is never
+  exact, and a doubled one only without the sub-norm.
+* ``warmup=True`` multiplies lambda by a factor ``lambda_mix`` (0 at conversion, raised to 1 by
+  :func:`set_warmup` during fine-tuning): at 0 the negative branch is off and the layer is the baseline.
+
+:func:`why_not_exact` says, in one sentence, why an option set cannot reproduce the baseline (None if it does);
+the tests and notebook 14 assert equal logits where it returns None and measure the gap where it does not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
+
+Tensor = torch.Tensor
+
+NEGATIVES: tuple[str, ...] = ("mirror", "zero")
+"""How the negative map starts: a copy of the positive query (and key, V1), or zeros (a uniform map)."""
+
+V1_HEADS: tuple[str, ...] = ("split", "double")
+"""V1 head layouts: baseline heads paired up (H/2 differential heads), or each baseline head doubled (H)."""
+
+V2_LAMBDA_AT_CONVERSION = 0.5
+"""``sigmoid(0)``: DIFF V2's lambda on every token once ``lambda_proj`` is zero."""
+
+
+class WarmupDiffAttnV2(DiffAttnV2):
+    """:class:`DiffAttnV2` whose lambda is multiplied by the buffer ``lambda_mix`` (0 -> 1 over a warm-up)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("lambda_mix", torch.zeros(()))
+
+    def lambda_full(self, x: Tensor) -> Tensor:
+        return self.lambda_mix * super().lambda_full(x)
+
+
+class WarmupDiffAttn(MultiheadDiffAttn):
+    """:class:`MultiheadDiffAttn` whose lambda is multiplied by the buffer ``lambda_mix`` (0 -> 1 over a warm-up)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("lambda_mix", torch.zeros(()))
+
+    def lambda_full(self) -> Tensor:
+        return self.lambda_mix * super().lambda_full()
+
+
+def why_not_exact(attention: str, *, heads: str = "split", negative: Optional[str] = "mirror", subln: bool = True,
+                  warmup: bool = False) -> Optional[str]:
+    """None when the conversion computes the baseline's function at conversion, else the reason in one sentence."""
+    if attention == "diff_v2":
+        if negative == "mirror" or warmup:
+            return None
+        return "a zero negative query gives a uniform map, and lambda = sigmoid(0) = 0.5 subtracts half the mean value"
+    if attention != "diff":
+        raise ValueError(f"attention must be 'diff' (V1) or 'diff_v2', got {attention!r}")
+    if heads == "split":
+        return ("V1 applies one pair of maps to a value of width 2d; the baseline gives each half of it its own map"
+                + (", and the sub-norm divides each head by its RMS" if subln else ""))
+    if subln:
+        return "the sub-norm divides each head's output by its RMS per token, which the baseline does not"
+    if negative == "zero" and not warmup:
+        return "a zero negative query and key give a uniform map, subtracted with weight lambda"
+    return None
+
+
+def _check_baseline(layer: nn.Module) -> MultiheadAttention:
+    if not isinstance(layer, MultiheadAttention):
+        raise TypeError(f"convert a MultiheadAttention (the baseline layer), got {type(layer).__name__}")
+    if layer.q_proj.bias is not None or layer.kdim != layer.embed_dim:
+        raise ValueError("only a self-attention baseline without projection biases converts (DIFF's layers in this "
+                         "library have no q/k/v biases there); build the baseline with bias=False")
+    return layer
+
+
+def _check_negative(negative: Optional[str]) -> str:
+    if negative not in NEGATIVES:
+        raise ValueError(f"negative must be one of {NEGATIVES}, got {negative!r}")
+    return negative
+
+
+def _heads(w: Tensor, d: int) -> Tensor:
+    """``(heads * d, C) -> (heads, d, C)``: the rows of a projection, one block per head."""
+    return w.unflatten(0, (-1, d))
+
+
+def _pair(positive: Tensor, negative: str, d: int) -> Tensor:
+    """Rows ``(heads * d, C)`` -> ``(2 * heads * d, C)`` with head ``2i`` = head ``i`` and ``2i + 1`` its negative."""
+    pos = _heads(positive, d)
+    neg = pos if negative == "mirror" else torch.zeros_like(pos)
+    return torch.stack([pos, neg], dim=1).flatten(0, 2)  # (heads, 2, d, C) -> (2 heads d, C)
+
+
+@torch.no_grad()
+def to_diff_v2(layer: MultiheadAttention, *, negative: str = "mirror", warmup: bool = False) -> DiffAttnV2:
+    """A :class:`DiffAttnV2` (H output heads, 2H query heads) made from a baseline layer; see the module doc.
+
+    ``o_proj = out_proj / (1 - lambda)`` for a mirrored negative (lambda = 0.5, or 0 under ``warmup``), so the
+    conversion is exact; a zero negative is exact under ``warmup`` only. Keys, values and GQA groups are kept.
+    """
+    base, negative = _check_baseline(layer), _check_negative(negative)
+    d, w = base.head_dim, base.q_proj.weight
+    cls = WarmupDiffAttnV2 if warmup else DiffAttnV2
+    new = cls(base.embed_dim, base.num_heads, num_kv_heads=base.num_kv_heads, head_dim=d, backend=base.backend,
+              rope_interleaved=base.rope_interleaved, device=w.device, dtype=w.dtype)
+    lam = 0.0 if warmup else V2_LAMBDA_AT_CONVERSION
+    new.q_proj.weight.copy_(_pair(w, negative, d))
+    new.k_proj.weight.copy_(base.k_proj.weight)
+    new.v_proj.weight.copy_(base.v_proj.weight)
+    new.o_proj.weight.copy_(base.out_proj.weight / (1 - lam) if negative == "mirror" else base.out_proj.weight)
+    new.lambda_proj.weight.zero_()
+    return new
+
+
+@torch.no_grad()
+def to_diff_v1(layer: MultiheadAttention, *, depth: int, heads: str = "split", negative: Optional[str] = None,
+               subln: bool = True, warmup: bool = False) -> MultiheadDiffAttn:
+    """The paper's :class:`MultiheadDiffAttn` made from a baseline layer at block ``depth``; see the module doc.
+
+    ``heads="split"``: baseline heads ``2i`` and ``2i + 1`` become maps 1 and 2 of differential head ``i`` and
+    every weight is copied as it is (no ``negative``; needs an even head count and no GQA, where one KV group
+    would have to feed two keys). ``heads="double"``: map 1 of head ``i`` is baseline head ``i``, map 2 is
+    ``negative`` (``"mirror"`` or ``"zero"``, on q and k), its value ``[v, v]`` of width ``2d`` whose second half
+    ``out_proj`` starts by ignoring; GQA groups kept. The lambda vectors start as equal pairs
+    (``lambda_q2 = lambda_q1``, ``lambda_k2 = lambda_k1``), so lambda is exactly ``lambda_init(depth)``, and
+    ``out_proj`` is divided by ``1 - lambda`` for a mirrored negative. ``subln``: the paper's sub-norm.
+    """
+    base = _check_baseline(layer)
+    if heads not in V1_HEADS:
+        raise ValueError(f"heads must be one of {V1_HEADS}, got {heads!r}")
+    H, Hkv, d, w = base.num_heads, base.num_kv_heads, base.head_dim, base.q_proj.weight
+    if heads == "split":
+        if negative is not None:
+            raise ValueError("heads='split' takes the negative maps from the baseline's odd heads: leave negative=None "
+                             "(or use heads='double' with negative='mirror' or 'zero')")
+        if H % 2 or Hkv != H:
+            raise ValueError(f"heads='split' needs an even head count without GQA (num_heads={H}, num_kv_heads={Hkv}): "
+                             f"the two maps of a V1 head read two different keys of one group; use heads='double'")
+    else:
+        negative = _check_negative("mirror" if negative is None else negative)
+    n_diff, n_kv = (H // 2, Hkv // 2) if heads == "split" else (H, Hkv)
+    cls = WarmupDiffAttn if warmup else MultiheadDiffAttn
+    new = cls(base.embed_dim, n_diff, depth=depth, num_kv_heads=n_kv, head_dim=d, subln=subln,
+              backend=base.backend, rope_interleaved=base.rope_interleaved, device=w.device, dtype=w.dtype)
+    new.lambda_q2.copy_(new.lambda_q1)
+    new.lambda_k2.copy_(new.lambda_k1)
+    if heads == "split":  # the baseline's layout is already V1's: q/k heads 2i, 2i+1 are the maps of head i
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(new, name).weight.copy_(getattr(base, name).weight)
+        new.out_proj.weight.copy_(base.out_proj.weight)
+        return new
+    lam = 0.0 if warmup else new.lambda_init
+    new.q_proj.weight.copy_(_pair(w, negative, d))
+    new.k_proj.weight.copy_(_pair(base.k_proj.weight, negative, d))
+    v = _heads(base.v_proj.weight, d)
+    new.v_proj.weight.copy_(torch.cat([v, v], dim=1).flatten(0, 1))  # (Hkv, 2d, C): value [v, v] per group
+    o = base.out_proj.weight.unflatten(1, (H, d))  # (C, H, d)
+    scale = 1 / (1 - lam) if negative == "mirror" else 1.0
+    new.out_proj.weight.copy_(torch.cat([o * scale, torch.zeros_like(o)], dim=2).flatten(1))  # (C, H, 2d)
+    return new
+
+
+def convert_layer(layer: MultiheadAttention, attention: str, *, depth: int = 0, **options) -> nn.Module:
+    """:func:`to_diff_v2` (``attention="diff_v2"``) or :func:`to_diff_v1` (``"diff"``) with ``options``."""
+    if attention == "diff_v2":
+        return to_diff_v2(layer, **options)
+    if attention == "diff":
+        return to_diff_v1(layer, depth=depth, **options)
+    raise ValueError(f"attention must be 'diff' (V1) or 'diff_v2', got {attention!r}")
+
+
+def convert_model(model: nn.Module, attention: str, **options) -> nn.Module:
+    """A converted copy of a baseline ``TinyLM`` (any model with ``blocks[i].attn`` and a ``cfg`` dataclass):
+    every attention layer through :func:`convert_layer` (``depth`` = block index), ``cfg.attention`` renamed.
+
+    The copy's other weights are the original's. ``heads="double"`` gives layers of other shapes than
+    ``TinyLM(cfg)`` builds: to load a saved copy, convert the same baseline again and ``load_state_dict``.
+    """
+    if getattr(model.cfg, "attention", None) != "baseline":
+        raise ValueError(f"convert a baseline model (cfg.attention == 'baseline'), got {model.cfg.attention!r}")
+    new = copy.deepcopy(model)
+    for depth, block in enumerate(new.blocks):
+        block.attn = convert_layer(block.attn, attention, depth=depth, **options)
+    new.cfg = dataclasses.replace(model.cfg, attention=attention)
+    return new
+
+
+def warmup_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of ``model`` (or ``model`` itself) whose lambda has a warm-up factor ``lambda_mix``."""
+    return [m for m in model.modules() if isinstance(m, (WarmupDiffAttnV2, WarmupDiffAttn))]
+
+
+def set_warmup(model: nn.Module, mix: float) -> None:
+    """Set every warm-up layer's ``lambda_mix`` (0: negative branch off, 1: the plain differential layer)."""
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
+        raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
+    for layer in warmup_layers(model):
+        layer.lambda_mix.fill_(mix)
+
+
+@torch.no_grad()
+def finish_warmup(model: nn.Module) -> nn.Module:
+    """Replace every warm-up layer of ``model`` (its ``lambda_mix`` at 1) by the plain layer with its weights, in
+    place (the same function; exports through :mod:`diffattn_tutorial.interop` refuse a layer in warm-up)."""
+    for parent in list(model.modules()):
+        for name, layer in list(parent.named_children()):
+            if not isinstance(layer, (WarmupDiffAttnV2, WarmupDiffAttn)):
+                continue
+            if float(layer.lambda_mix) != 1.0:
+                raise ValueError(f"{name}: lambda_mix is {float(layer.lambda_mix):g}; finish the warm-up "
+                                 f"(set_warmup(model, 1.0)) before replacing the layer")
+            plain = copy.deepcopy(layer)
+            plain.__class__ = layer.__class__.__bases__[0]  # DiffAttnV2 / MultiheadDiffAttn, the same weights
+            del plain._buffers["lambda_mix"]
+            setattr(parent, name, plain)
+    return model
+
+
+def warmup_mix(step: int, warmup_steps: int) -> float:
+    """Linear warm-up of the negative branch: ``min(1, step / warmup_steps)`` (1 when ``warmup_steps`` is 0)."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, step / warmup_steps)
+
+
+__all__ = ["NEGATIVES", "V1_HEADS", "V2_LAMBDA_AT_CONVERSION", "WarmupDiffAttnV2", "WarmupDiffAttn", "why_not_exact",
+           "to_diff_v2", "to_diff_v1", "convert_layer", "convert_model", "warmup_layers", "set_warmup", "finish_warmup",
+           "warmup_mix"]

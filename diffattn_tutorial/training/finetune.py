@@ -1,0 +1,202 @@
+"""Fine-tune notebook 07's trained baseline after converting it to differential attention (notebook 14).
+
+:func:`finetune_study` takes the baseline :func:`~diffattn_tutorial.training.study.retrieval_study` trained (from
+the cache when notebook 07 ran), converts it with :func:`diffattn_tutorial.layers.convert.convert_model`
+(``attention="diff_v2"`` or ``"diff"``; ``"baseline"`` keeps it as it is, to continue its training for the same
+budget), measures the gap the conversion opens (largest logit change and retrieval loss on the evaluation data),
+fine-tunes with the study's own loop (:func:`~diffattn_tutorial.training.study.train_toy_model`) and measures the
+result with the study's :func:`~diffattn_tutorial.training.study.measure`.
+
+While it trains, forward hooks record every layer's lambda at every step (V1: the scalar; V2: the mean of the
+per-token lambda over the batch), and, for a conversion with ``warmup=True``, raise the negative branch's factor
+``lambda_mix`` linearly from 0 to 1 over ``warmup_steps`` (:func:`~diffattn_tutorial.layers.convert.warmup_mix`).
+With ``cache=True`` the fine-tuned weights, losses and lambdas are saved like notebook 07's models (the key holds
+the config, the base run's key and this module's and the conversion's source), so a second run loads them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from diffattn_tutorial.layers import convert as convert_mod
+from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadDiffAttn
+from diffattn_tutorial.layers.convert import convert_model, finish_warmup, set_warmup, warmup_layers, warmup_mix
+from diffattn_tutorial.training.needle import IGNORE
+from diffattn_tutorial.training.study import (
+    StudyConfig,
+    StudyMetrics,
+    _cache_file,
+    _cache_lock,
+    _read_cached,
+    _write_cached,
+    deterministic,
+    measure,
+    retrieval_study,
+    train_toy_model,
+)
+
+Tensor = torch.Tensor
+
+LR_WARMUP = 10
+"""Learning-rate warm-up steps of a fine-tune (the study's schedule, shortened: the weights are trained already)."""
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """One fine-tune: the base run, the conversion and the budget.
+
+    Attributes:
+        attention: ``"baseline"`` (no conversion: continue training), ``"diff"`` (V1) or ``"diff_v2"``.
+        options: the conversion's options as sorted ``(name, value)`` pairs (see ``layers.convert``).
+        steps, lr, batch_size: the fine-tuning budget (AdamW, ``LR_WARMUP`` steps of warm-up, cosine decay).
+        warmup_steps: steps over which ``lambda_mix`` goes from 0 to 1 (needs ``warmup=True`` in ``options``).
+        seed: seeds the fine-tuning data (and the new lambda parameters); 1 by default, so the batches differ
+            from the ones the base run (seed 0) trained on.
+        base: the :class:`StudyConfig` of the baseline to start from (notebook 07's by default).
+    """
+
+    attention: str
+    options: tuple[tuple[str, object], ...] = ()
+    steps: int = 100
+    lr: float = 1e-3
+    batch_size: int = 32
+    warmup_steps: int = 0
+    seed: int = 1
+    base: StudyConfig = field(default_factory=lambda: StudyConfig("baseline"))
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("baseline", "diff", "diff_v2"):
+            raise ValueError(f"attention must be 'baseline', 'diff' or 'diff_v2', got {self.attention!r}")
+        if self.base.attention != "baseline":
+            raise ValueError(f"base must be a baseline run, got attention={self.base.attention!r}")
+        if self.attention == "baseline" and self.options:
+            raise ValueError("attention='baseline' continues training without a conversion: pass no options")
+        warm = dict(self.options).get("warmup", False)
+        if self.warmup_steps and not warm:
+            raise ValueError("warmup_steps needs a conversion with warmup=True (a lambda_mix to raise)")
+        if warm and not 0 < self.warmup_steps < self.steps:
+            raise ValueError(f"warmup=True needs 0 < warmup_steps < steps={self.steps}, got {self.warmup_steps}")
+
+    def cache_key(self) -> dict:
+        key = {f.name: repr(getattr(self, f.name)) for f in fields(self) if f.name != "base"}
+        src = hashlib.sha256(Path(__file__).read_bytes() + Path(convert_mod.__file__).read_bytes()).hexdigest()
+        key.update(attention=f"finetune_{self.attention}", seed=self.seed, base=repr(self.base.cache_key()),
+                   source=src[:16])
+        return key
+
+
+@dataclass
+class FinetuneResult:
+    """A fine-tuned model and its measurements.
+
+    Attributes:
+        config: the run. metrics: :class:`StudyMetrics` after fine-tuning. losses: per step.
+        lambdas: per step, one lambda per layer (V1: the scalar, times ``lambda_mix``; V2: the batch mean of the
+            per-token lambda, times ``lambda_mix``); None for the baseline.
+        conversion_logit_error: largest ``|logit|`` change the conversion makes on the evaluation data (0 for
+            the baseline). conversion_loss: retrieval loss of the converted model before fine-tuning, next to
+            ``base_loss``, the baseline's, on the same data.
+        seconds: fine-tuning wall time (when it was trained). cached: loaded from the cache.
+        model: the fine-tuned model (warm-up finished: plain layers), eval mode.
+    """
+
+    config: FinetuneConfig
+    metrics: StudyMetrics
+    losses: list[float]
+    lambdas: Optional[list[list[float]]]
+    conversion_logit_error: float
+    conversion_loss: float
+    base_loss: float
+    seconds: float
+    cached: bool
+    model: torch.nn.Module
+
+
+@torch.no_grad()
+def _eval_loss(model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple[Tensor, float]:
+    logits = model(tokens)
+    return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE).item()
+
+
+def _lambda_recorder(model: torch.nn.Module, steps: int, warmup_steps: int) -> tuple[list, list]:
+    """Hooks that, on every training forward, set ``lambda_mix`` for the step and record each layer's lambda."""
+    record: list[list[float]] = []
+    layers = [m for m in model.modules() if isinstance(m, (DiffAttnV2, MultiheadDiffAttn))]
+    handles = []
+
+    def before(module, args):
+        if module.training:
+            set_warmup(module, warmup_mix(len(record), warmup_steps))
+            record.append([])
+
+    def after(layer, args, output):
+        if layer.training:
+            lam = layer.lambda_full(args[0]) if isinstance(layer, DiffAttnV2) else layer.lambda_full()
+            record[-1].append(lam.detach().float().mean().item())
+
+    handles.append(model.register_forward_pre_hook(before))
+    handles += [layer.register_forward_hook(after) for layer in layers]
+    return record, handles
+
+
+def run_finetune(config: FinetuneConfig, *, cache: Union[bool, str] = False, progress: bool = True) -> FinetuneResult:
+    """Load (or train) the base run, convert it, measure the conversion's gap, fine-tune (or load), measure."""
+    base = retrieval_study("baseline", cache=cache, progress=progress,
+                           **{f.name: getattr(config.base, f.name) for f in fields(config.base) if f.name != "attention"})
+    batch = base.eval_batch
+    path = _cache_file(cache, config.cache_key()) if cache else None
+    with deterministic(config.base.num_threads), _cache_lock(path):
+        torch.manual_seed(config.seed)  # the new lambda parameters
+        model = copy.deepcopy(base.model) if config.attention == "baseline" else \
+            convert_model(base.model, config.attention, **dict(config.options))
+        base_logits, base_loss = _eval_loss(base.model, batch.tokens, batch.targets)
+        logits, conv_loss = _eval_loss(model, batch.tokens, batch.targets)
+        gap = (logits - base_logits).abs().max().item()
+        saved = _read_cached(path)
+        if saved is not None:
+            model.load_state_dict(saved["state_dict"])
+            losses, lambdas, seconds = saved["losses"], saved["lambdas"], saved["seconds"]
+        else:
+            lambdas, handles = _lambda_recorder(model, config.steps, config.warmup_steps)
+            t0 = time.perf_counter()
+            try:
+                losses = train_toy_model(model, config.base.task, steps=config.steps, batch_size=config.batch_size,
+                                         lr=config.lr, settings=config.base.settings, warmup=LR_WARMUP,
+                                         seed=config.seed, progress=progress, desc=f"fine-tune {config.attention}")
+            finally:
+                for h in handles:
+                    h.remove()
+            seconds = time.perf_counter() - t0
+            if path is not None:
+                _write_cached(path, {"state_dict": model.state_dict(), "losses": losses, "seconds": seconds,
+                                     "lambdas": lambdas})
+        if warmup_layers(model):
+            set_warmup(model, 1.0)
+            finish_warmup(model)
+        model.eval()
+        metrics, _ = measure(model, config.base.task, config.base.settings, config.base.n_eval, config.base.device)
+    return FinetuneResult(config=config, metrics=metrics, losses=losses,
+                          lambdas=lambdas if config.attention != "baseline" else None,
+                          conversion_logit_error=gap, conversion_loss=conv_loss, base_loss=base_loss,
+                          seconds=seconds, cached=saved is not None, model=model)
+
+
+def finetune_study(attention: str, *, cache: Union[bool, str] = False, progress: bool = True, steps: int = 100,
+                   lr: float = 1e-3, warmup_steps: int = 0, seed: int = 1, base: Optional[StudyConfig] = None,
+                   **options) -> FinetuneResult:
+    """``run_finetune(FinetuneConfig(attention, options, ...))``: the short form notebook 14 uses, e.g.
+    ``finetune_study("diff_v2", negative="mirror", cache=True)``. ``options`` go to the conversion."""
+    config = FinetuneConfig(attention, tuple(sorted(options.items())), steps=steps, lr=lr, warmup_steps=warmup_steps,
+                            seed=seed, **({"base": base} if base is not None else {}))
+    return run_finetune(config, cache=cache, progress=progress)
+
+
+__all__ = ["LR_WARMUP", "FinetuneConfig", "FinetuneResult", "run_finetune", "finetune_study"]
