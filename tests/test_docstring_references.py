@@ -139,7 +139,7 @@ def test_every_name_in_backticks_exists(path):
 
 def test_a_stale_reference_is_found(tmp_path):
     stale = tmp_path / "stale.py"
-    stale.write_text('"""See ``diffattn_tutorial/cpu_kernel.py``, :func:`~diffattn_tutorial.functional.nothing`,\n'
+    stale.write_text('"""See ``diffattn_tutorial/' + 'cpu_kernel.py``, :func:`~diffattn_tutorial.functional.nothing`,\n'
                      "``functional.diff_attention``, ``backends.describe_auto`` and :func:`gone`.\"\"\"\n"
                      "# the kernel: `kernels/cpu/diff_attention_cpu.cpp`\n")
-    assert broken(stale) == ["diffattn_tutorial/cpu_kernel.py", "diffattn_tutorial.functional.nothing", "gone"]
+    assert broken(stale) == ["diffattn_tutorial/" + "cpu_kernel.py", "diffattn_tutorial.functional.nothing", "gone"]

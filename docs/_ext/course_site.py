@@ -158,7 +158,7 @@ def public_api() -> dict[str, ModuleAPI]:
     # (id(object), name) -> the full name that documents it; the name too, because equal small ints and strings
     # are one object in Python, and two constants are not one re-exported name because their values are equal
     homes: dict[tuple[int, str], str] = {}
-    pending = []
+    reexports = []
     for name, module in modules.items():
         for attr in _public_names(module):
             obj = getattr(module, attr)
@@ -166,8 +166,8 @@ def public_api() -> dict[str, ModuleAPI]:
                 apis[name].documented.append((attr, _directive(obj)))
                 homes.setdefault((id(obj), attr), f"{name}.{attr}")
             else:
-                pending.append((name, attr, obj))
-    for name, attr, obj in pending:  # re-exports: link to the home, or document here when nothing else does
+                reexports.append((name, attr, obj))
+    for name, attr, obj in reexports:  # re-exports: link to the home, or document here when nothing else does
         if (id(obj), attr) in homes:
             apis[name].reexported.append((attr, homes[(id(obj), attr)]))
         else:
@@ -271,7 +271,7 @@ def custom_op_signature(app, what, name, obj, options, signature, return_annotat
 # --- chapter pages -------------------------------------------------------------------------------------------------
 
 def notebook_path(app: Sphinx, docname: str) -> str | None:
-    """``notebooks/01_x.ipynb`` for a page built from a course notebook, else None."""
+    """``notebooks/NN_topic.ipynb`` for a page built from a course notebook, else None."""
     folder = docname.split("/")[0]
     if folder in NOTEBOOK_FOLDERS and app.env.doc2path(docname).suffix == ".ipynb":
         return f"{docname}.ipynb"
