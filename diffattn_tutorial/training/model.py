@@ -17,8 +17,8 @@ RMSNorm and an untied LM head. The attention layers are the library's own module
 torch.Size([2, 10, 32])
 
 :meth:`TinyLM.generate` decodes with a dynamic KV cache (grown by concatenation), a static one (preallocated,
-written in place: fixed shapes, so ``compile=True`` compiles the decode step once), or none (recompute), greedy
-or sampled (:func:`next_token`); every cache gives the same tokens.
+written in place: fixed shapes, so ``compile=True`` compiles the decode step once per buffer size), or none
+(recompute), greedy or sampled (:func:`next_token`); every cache gives the same tokens.
 
 >>> prompt = torch.randint(0, 32, (1, 4))
 >>> torch.equal(m.generate(prompt, 5, cache="static"), m.generate(prompt, 5, cache=None))
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import functools
 import math
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
@@ -62,10 +64,8 @@ CACHES: tuple[Optional[str], ...] = ("static", "dynamic", None)
 """The ``cache`` choices of :meth:`TinyLM.generate`: preallocated and written in place, grown by concatenation,
 or none (recompute the whole sequence every step)."""
 
-STATIC_CACHE_MULTIPLE = 64
-"""``generate(cache="static")`` preallocates the prompt plus the new tokens rounded up to a multiple of this
-(at most ``max_len``), so calls of similar lengths share one buffer shape, and a compiled step compiles once
-for all of them. The positions not written yet are masked."""
+STATIC_CACHE_MIN = 64
+"""The smallest buffer ``generate(cache="static")`` preallocates (see :func:`static_cache_size`)."""
 
 Cache = Union[KVCache, StaticKVCache]
 
@@ -206,9 +206,23 @@ class TinyLM(nn.Module):
         return self.rope_cos[offset:offset + n], self.rope_sin[offset:offset + n]
 
     def _check_idx(self, idx: Tensor) -> None:
-        if not isinstance(idx, Tensor) or idx.ndim != 2 or idx.dtype != torch.long:
-            raise ValueError(f"idx must be a (B, N) tensor of token ids (torch.long), got "
-                             f"{tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__}")
+        """``idx`` refused by name unless a ``(B, N)`` long tensor of ids in ``0..vocab_size - 1`` (the values are
+        not read while ``torch.compile`` traces: a graph has no data to check). Every refusal is a ``ValueError``."""
+        if not isinstance(idx, Tensor):
+            raise ValueError(f"idx must be a (B, N) torch.long tensor of token ids, got {type(idx).__name__}; "
+                             f"e.g. torch.tensor([[1, 2, 3]])")
+        if idx.ndim != 2:
+            raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}; "
+                             f"a single sequence is idx[None] (batch of 1)")
+        if idx.dtype != torch.long:
+            raise ValueError(f"token ids must be integers (torch.long), got {idx.dtype}; pass idx.long() if they "
+                             f"are whole numbers")
+        if idx.numel() and not torch.compiler.is_compiling():
+            low, high = idx.min().item(), idx.max().item()
+            if low < 0 or high >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1} (vocab_size="
+                                 f"{self.cfg.vocab_size}), got {low if low < 0 else high}; encode with this model's "
+                                 f"tokenizer, or build it with a larger LMConfig(vocab_size=...)")
 
     def forward(self, idx: Tensor, *, caches: Optional[Sequence[Cache]] = None,
                 positions: Optional[Tensor] = None) -> Tensor:
@@ -219,6 +233,10 @@ class TinyLM(nn.Module):
         (preallocated, written in place): pass ``positions``, the ``(N,)`` long tensor of the tokens' positions.
         """
         self._check_idx(idx)
+        return self._forward(idx, caches, positions)
+
+    def _forward(self, idx: Tensor, caches: Optional[Sequence[Cache]], positions: Optional[Tensor]) -> Tensor:
+        """:meth:`forward` after the check of ``idx`` (what the decode steps run: their tokens are the model's own)."""
         if caches is None:
             return self._logits(idx, self._rope(0, idx.shape[1]), [None] * len(self.blocks))
         if len(caches) != len(self.blocks):
@@ -242,19 +260,6 @@ class TinyLM(nn.Module):
             x = block(x, rope, cache, attn_mask)
         return self.head(self.norm(x))
 
-    # The decode steps: the logits of the token after ``idx``, ``(B, vocab)``, what ``generate(compile=True)``
-    # compiles. One function per cache kind, so torch.compile keeps their graphs apart (it caches them, and
-    # counts recompilations against its limit, per function).
-
-    def _step_recompute(self, idx: Tensor, caches: None = None, positions: None = None) -> Tensor:
-        return self(idx)[:, -1]
-
-    def _step_dynamic(self, idx: Tensor, caches: Sequence[KVCache], positions: None = None) -> Tensor:
-        return self(idx, caches=caches)[:, -1]
-
-    def _step_static(self, idx: Tensor, caches: Sequence[StaticKVCache], positions: Tensor) -> Tensor:
-        return self(idx, caches=caches, positions=positions)[:, -1]
-
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, cache: Optional[str] = "dynamic",
                  compile: Union[bool, str, Callable] = False, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -265,17 +270,20 @@ class TinyLM(nn.Module):
             cache: how the keys and values of past tokens are kept (see :data:`CACHES`). ``"dynamic"``: a
                 :class:`KVCache` per layer, grown by ``torch.cat`` each step (a new allocation and new shapes per
                 token). ``"static"``: a :class:`StaticKVCache` per layer, preallocated for ``N + max_new_tokens``
-                positions (rounded up to a multiple of :data:`STATIC_CACHE_MULTIPLE`) and written in place, so
+                positions rounded up to a power of two (:func:`static_cache_size`) and written in place, so
                 every step has the same shapes. ``None``: no cache, every step recomputes the whole sequence.
                 All three give the same tokens (in 16-bit, up to an exact tie of the top two logits, which
                 rounding may break either way).
-            compile: compile the decode step with ``torch.compile`` once and reuse it for every token (True: the
+            compile: compile the decode step with ``torch.compile`` and reuse it for every token (True: the
                 default ``"inductor"`` backend; otherwise the backend to use, a name such as ``"aot_eager"`` or a
                 backend function). With the static cache the step is one graph of fixed shapes
-                (``fullgraph=True``), compiled once per buffer size; with the dynamic cache or none its shapes
-                grow every token, so it is compiled with ``dynamic=True`` (symbolic lengths, compiled once). The
-                prompt runs eagerly (it runs once). Compiled steps are kept by ``torch.compile`` itself (per
-                process; a new model configuration compiles again, up to ``torch._dynamo.config.recompile_limit``).
+                (``fullgraph=True, dynamic=False``); with the dynamic cache or none its shapes grow every token,
+                so it is compiled with ``dynamic=True`` (symbolic lengths; traced when a length equals another of
+                its sizes, torch gives both one symbol and compiles once more at the next length). The prompt
+                runs eagerly (it runs once). Each model keeps its compiled steps for its lifetime, one per cache
+                kind, backend, device and dtype (static: also per buffer size and batch size), each compiled once
+                on its first call and reused by every later call with the same key: any number of models and
+                lengths work in one process (``torch._dynamo.config.recompile_limit`` counts per compiled step).
             temperature: 0 (default) picks the most likely token (greedy); above 0 samples from
                 ``softmax(logits / temperature)`` (see :func:`next_token`).
             top_k: sample among the ``top_k`` most likely tokens only (None: all).
@@ -286,6 +294,7 @@ class TinyLM(nn.Module):
         _check_sampling(temperature, top_k, generator)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+        _check_compile(compile)
         total = idx.shape[1] + max_new_tokens
         if idx.shape[1] == 0 or total > self.cfg.max_len:
             raise ValueError(f"the prompt ({idx.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) must be "
@@ -294,14 +303,15 @@ class TinyLM(nn.Module):
         if max_new_tokens == 0:
             return idx
         pick = functools.partial(next_token, temperature=temperature, top_k=top_k, generator=generator)
-        eager = {None: self._step_recompute, "dynamic": self._step_dynamic, "static": self._step_static}[cache]
-        step = _compiled(eager, compile, cache)
+        size = static_cache_size(total, self.cfg.max_len)
+        eager = functools.partial(_STEPS[cache], self)
+        step = eager if compile is False else functools.partial(_compiled_step(self, cache, compile, idx, size), self)
         if cache is None:
             idx = idx.clone()  # made here like every later step's input (an inference tensor under inference_mode):
             for _ in range(max_new_tokens):  # a compiled step then meets one kind of tensor and compiles once
                 idx = torch.cat([idx, pick(step(idx))], dim=1)
             return idx
-        caches, positions = self._prefill_caches(cache, idx.shape[1], total, idx.device)
+        caches, positions = self._prefill_caches(cache, idx.shape[1], size, idx.device)
         logits = eager(idx, caches, positions)  # the prompt, once
         out = [idx]
         for t in range(max_new_tokens):
@@ -311,12 +321,12 @@ class TinyLM(nn.Module):
                 logits = step(out[-1], caches, positions)
         return torch.cat(out, dim=1)
 
-    def _prefill_caches(self, cache: str, n: int, total: int,
+    def _prefill_caches(self, cache: str, n: int, size: int,
                         device: torch.device) -> tuple[list[Cache], Optional[Tensor]]:
-        """Empty caches of kind ``cache`` for ``total`` positions, and the positions of an ``n``-token prompt."""
+        """Empty caches of kind ``cache`` (static: of ``size`` positions), and the positions of an ``n``-token
+        prompt."""
         if cache == "dynamic":
             return [KVCache() for _ in self.blocks], None
-        size = min(self.cfg.max_len, -(-total // STATIC_CACHE_MULTIPLE) * STATIC_CACHE_MULTIPLE)
         return [StaticKVCache(size) for _ in self.blocks], torch.arange(n, device=device)
 
     @torch.no_grad()
@@ -340,6 +350,64 @@ class TinyLM(nn.Module):
         """Parameter count (of the whole model, or of its attention layers only)."""
         mods = [b.attn for b in self.blocks] if attention_only else [self]
         return sum(p.numel() for m in mods for p in m.parameters())
+
+
+def static_cache_size(total: int, max_len: int) -> int:
+    """Positions ``generate(cache="static")`` preallocates for ``total`` tokens: the smallest power of two that
+    holds them, at least :data:`STATIC_CACHE_MIN`, at most ``max_len``. Few sizes (64, 128, 256, ... then
+    ``max_len``) mean few compiled steps; the positions not written yet are masked, so the size never changes
+    the tokens."""
+    return min(max_len, max(STATIC_CACHE_MIN, 1 << (total - 1).bit_length()))
+
+
+# The decode steps: the logits of the token after ``idx``, ``(B, vocab)``, what ``generate(compile=True)``
+# compiles. Functions of the model (not methods), so a compiled step holds no reference to it.
+
+def _step_recompute(model: TinyLM, idx: Tensor, caches: None = None, positions: None = None) -> Tensor:
+    return model._forward(idx, None, None)[:, -1]
+
+
+def _step_dynamic(model: TinyLM, idx: Tensor, caches: Sequence[KVCache], positions: None = None) -> Tensor:
+    return model._forward(idx, caches, None)[:, -1]
+
+
+def _step_static(model: TinyLM, idx: Tensor, caches: Sequence[StaticKVCache], positions: Tensor) -> Tensor:
+    return model._forward(idx, caches, positions)[:, -1]
+
+
+_STEPS = {None: _step_recompute, "dynamic": _step_dynamic, "static": _step_static}
+
+_COMPILED_STEPS: "weakref.WeakKeyDictionary[TinyLM, dict]" = weakref.WeakKeyDictionary()
+"""Each model's compiled decode steps, by key (see :func:`_compiled_step`); dropped with the model."""
+
+
+def _check_compile(compile: Union[bool, str, Callable]) -> None:
+    if compile is not True and compile is not False and not isinstance(compile, str) and not callable(compile):
+        raise TypeError(f"compile must be True, False or a torch.compile backend (a name such as 'inductor' or "
+                        f"'aot_eager', or a backend function), got {compile!r}")
+
+
+def _compiled_step(model: TinyLM, cache: Optional[str], compile: Union[bool, str, Callable], idx: Tensor,
+                   size: int) -> Callable:
+    """The compiled decode step of ``model`` for this call, ``step(model, idx, caches, positions)``: made on the
+    first call with its key, compiled on its first use, then reused (see ``compile`` in :meth:`TinyLM.generate`).
+
+    torch.compile keeps compiled code, and counts recompilations against ``recompile_limit``, per code object:
+    one step function shared by every model and shape would recompile for each and fail past the limit (under
+    ``fullgraph=True``). Each key gets a copy of the step with a code object of its own, so each compiles once."""
+    backend = "inductor" if compile is True else compile
+    key = (cache, backend, idx.device, model.head.weight.dtype)
+    if cache == "static":
+        key += (size, idx.shape[0])
+    steps = _COMPILED_STEPS.setdefault(model, {})
+    if key not in steps:
+        fn = _STEPS[cache]
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+        if cache == "static":  # fixed shapes: one graph
+            steps[key] = torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
+        else:  # lengths grow each token: symbolic shapes
+            steps[key] = torch.compile(own, backend=backend, dynamic=True)
+    return steps[key]
 
 
 def _check_cache(cache: Optional[str]) -> None:
@@ -373,19 +441,6 @@ def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: Optional[int]
         kth = scaled.topk(top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
-
-
-def _compiled(step, compile: Union[bool, str, Callable], cache: Optional[str]):
-    """``step`` as :meth:`TinyLM.generate` runs it: as it is, or compiled once (see its ``compile`` argument)."""
-    if compile is False:
-        return step
-    if compile is not True and not isinstance(compile, str) and not callable(compile):
-        raise TypeError(f"compile must be True, False or a torch.compile backend (a name such as 'inductor' or "
-                        f"'aot_eager', or a backend function), got {compile!r}")
-    backend = "inductor" if compile is True else compile
-    if cache == "static":  # fixed shapes: one graph, compiled once
-        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
-    return torch.compile(step, backend=backend, dynamic=True)  # lengths grow each token: symbolic shapes
 
 
 def _probe_layer(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor]) -> AttentionProbe:
@@ -448,5 +503,5 @@ def attention_costs(attention: str, *, d_model: int, n_heads: int, n_kv_heads: O
     return {"params": params, "proj_flops": proj, "attn_flops": attn, "kv_bytes": kv}
 
 
-__all__ = ["ATTENTIONS", "CACHES", "STATIC_CACHE_MULTIPLE", "LMConfig", "TinyLM", "next_token", "AttentionProbe",
-           "SwiGLU", "Block", "make_attention", "build_model", "parameter_counts", "attention_costs"]
+__all__ = ["ATTENTIONS", "CACHES", "STATIC_CACHE_MIN", "static_cache_size", "LMConfig", "TinyLM", "next_token",
+           "AttentionProbe", "SwiGLU", "Block", "make_attention", "build_model", "parameter_counts", "attention_costs"]
