@@ -12,16 +12,23 @@ strict nbval executes the solution. What remains to check here:
   defines (``check.function_name``).
 * Every relative link in an exercise or solution resolves, and each one ends with links back to its notebook
   and to its solution.
-* Execution (one kernel per notebook, cells in sequence, going on after errors): the exercise as shipped, where
-  each CHECK cell must fail with one clean line, ``NotAttempted`` (``TASK n not attempted yet: ...``, no
-  traceback), and no other cell may fail. (The solved run is the solution notebook itself, which strict nbval
-  executes: the generator makes the exercise with the solution's answers exactly that notebook.)
+* Execution (cells in sequence in one fresh namespace, going on after errors, in this process: a kernel start per
+  notebook would cost more than most exercises' cells; ``tests/test_scorecard.py`` runs exercises in a real
+  kernel, as ``diffattn-tutorial check`` does): the exercise as shipped, where each CHECK cell must fail with one
+  clean line, ``NotAttempted`` (``TASK n not attempted yet: ...``, which Jupyter shows without a traceback), and
+  no other cell may fail. (The solved run is the solution notebook itself, which strict nbval executes: the
+  generator makes the exercise with the solution's answers exactly that notebook.)
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
+import linecache
+import os
 import re
+import warnings
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -29,7 +36,7 @@ import nbformat
 import pytest
 
 from diffattn_tutorial import checks
-from diffattn_tutorial.course.scorecard import CHECK_RE, cell_error, execute, find_tasks, is_check_cell
+from diffattn_tutorial.course.scorecard import CHECK_RE, find_tasks, is_check_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
@@ -70,24 +77,52 @@ def test_structure(path):
     assert len([c for c in ex.cells if is_check_cell(c)]) == len(tasks), "a CHECK cell without its TASK"
 
 
+def run_cells(nb, folder: Path) -> list:
+    """Each code cell of ``nb`` run in order in one fresh namespace with ``folder`` as the working directory, an
+    error ending only its cell, as a kernel runs them; returns (cell index, exception or None) per code cell. The
+    process's torch threads, random state and figures are restored afterwards."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    ns: dict = {"__name__": "__main__"}
+    results, cwd, threads, rng = [], os.getcwd(), torch.get_num_threads(), torch.random.get_rng_state()
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, cell in enumerate(nb.cells):
+                if cell.cell_type != "code":
+                    continue
+                name = f"<{folder.name}-cell-{i}>"  # in linecache: Triton and inspect read a function's source
+                linecache.cache[name] = (len(cell.source), None, cell.source.splitlines(keepends=True), name)
+                try:
+                    exec(compile(cell.source, name, "exec"), ns)  # noqa: S102 - the course's own notebooks
+                    results.append((i, None))
+                except Exception as exc:  # noqa: BLE001 - recorded, and the next cell runs, as in Jupyter
+                    results.append((i, exc))
+    finally:
+        os.chdir(cwd)
+        plt.close("all")
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+    return results
+
+
 @pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
 def test_unsolved_fails_only_in_checks(path):
     ex = read(path)
-    execute(ex, path.parent, timeout=300)
-    for i, cell in enumerate(ex.cells):
-        if cell.cell_type != "code":
-            continue
-        err = cell_error(cell)
+    for i, err in run_cells(ex, path.parent):
+        cell = ex.cells[i]
         if CHECK_RE.match(cell.source):
-            assert err is not None and err[0] == "NotAttempted", \
-                f"unsolved {path.name} cell {i + 1} ({cell.source.splitlines()[0]}) gave {err}, " \
-                f"expected NotAttempted"
             task = int(cell.source.split()[2])
-            tb = [o["traceback"] for o in cell.outputs if o.get("output_type") == "error"][0]
-            assert len(tb) == 1 and f"TASK {task} not attempted yet: replace `raise NotImplementedError`" in tb[0], \
-                f"unsolved {path.name} cell {i + 1} shows {tb}"
+            assert isinstance(err, checks.NotAttempted), \
+                f"unsolved {path.name} cell {i + 1} ({cell.source.splitlines()[0]}) gave {err!r}, expected NotAttempted"
+            shown = err._render_traceback_()  # what Jupyter shows instead of a traceback
+            assert len(shown) == 1 and f"TASK {task} not attempted yet: replace `raise NotImplementedError`" in \
+                shown[0], f"unsolved {path.name} cell {i + 1} shows {shown}"
         else:
-            assert err is None, f"unsolved {path.name} cell {i + 1} raised {err}"
+            assert err is None, f"unsolved {path.name} cell {i + 1} raised {type(err).__name__}: {err}"
 
 
 @pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
@@ -126,3 +161,11 @@ def test_links_resolve_and_lead_back(path):
     targets = LINK.findall(last.source)
     assert f"../notebooks/{path.name}" in targets, "the last cell links back to the notebook"
     assert f"../solutions/{path.name}" in targets, "the last cell links to the solved notebook"
+
+
+def test_run_cells_reports_each_cells_error_and_goes_on(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
+        "x = 1", "raise ValueError('boom')", "import os; here = os.getcwd()", "y = x + 1")])
+    (a, ok), (b, boom), (c, ok2), (d, ok3) = run_cells(nb, tmp_path)
+    assert (a, b, c, d) == (0, 1, 2, 3) and ok is ok2 is ok3 is None
+    assert isinstance(boom, ValueError) and str(boom) == "boom" and Path.cwd() != tmp_path
