@@ -350,9 +350,9 @@ def resolve_backend(backend: str, device: Union[str, torch.device], *, dropout: 
     ``"auto"`` and ``"sdpa"`` mean ``sdpa_wide``.
 
     A particular call can do better: ``diff_attention`` resolves ``"auto"`` for the call itself, so on a CPU a
-    float32 call that needs no gradient (to q, k, v, lam or a learned mask) runs the fused CPU kernel
-    (``cpu_fused``, about 3x ``naive`` where ``sdpa_padded`` is under 2x, ``benchmarks/bench_cpu_auto.py``)
-    wherever it builds, also under ``torch.compile`` (:func:`describe_auto` says it in a sentence).
+    float32 call runs the fused CPU kernel (``cpu_fused``; ``benchmarks/bench_cpu_auto.py`` for inference,
+    ``benchmarks/bench_cpu_train.py`` for training) wherever it builds, also under ``torch.compile``, unless it
+    trains heads narrower than 32 or a learned mask (:func:`describe_auto` says it in a sentence).
     """
     return resolve(backend, device, ANY_CALL._replace(dropout=dropout))
 

@@ -367,7 +367,7 @@ def diff_attention(
             (a learned bias) gets its gradient (``cpu_fused`` and ``triton`` refuse it by name).
         scale: softmax scale, default ``1/sqrt(d)``.
         dropout_p: dropout on the attention maps (training only; ``naive``/``chunked``/``sdpa_wide``).
-            ``cpu_fused`` is forward-only and float32-or-narrower (it computes in float32).
+            ``cpu_fused`` is float32-or-narrower (it computes in float32).
         backend: one of ``BACKENDS`` or ``"auto"``.
 
     Returns:
