@@ -305,14 +305,15 @@ def test_a_hanging_compiler_is_stopped(tmp_path):
 
 
 def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch, fresh_state):
-    """A file-size limit stands in for a full disk: the source (13 kB) or the library (40 kB) cannot be written.
+    """A file-size limit stands in for a full disk: the source (32 kB) or the library (110 kB) cannot be written.
     The call falls back (the compiler, killed by SIGXFSZ, or Python's own write failing); nothing half-written
     is loaded later. In this process: nothing is built or loaded before the limit is lifted."""
     import resource  # POSIX only
 
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    for limit, words in ((5_000, "cannot be written"), (30_000, "did not compile")):
+    source = len(build._source_text().encode())
+    for limit, words in ((5_000, "cannot be written"), (source + 8_000, "did not compile")):  # between the two
         build._FAILED.clear()
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         try:

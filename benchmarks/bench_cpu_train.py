@@ -1,0 +1,227 @@
+"""Training and inference on a CPU, side by side: the project's ``MultiheadDiffAttn`` against the layers people
+would pick instead.
+
+The layers, at the issue's sizes (width 512, 4 differential heads of q/k dim 64, value width 128, B=1, float32):
+
+* ``ours``: :class:`diffattn_tutorial.layers.MultiheadDiffAttn` with ``backend="auto"`` (on a CPU with a C++
+  compiler the fused kernel, forward and backward; ``describe_auto("cpu")`` says the rule);
+* ``timm``: timm's ``DiffAttention`` on its fused path (two ``scaled_dot_product_attention`` calls);
+* ``hf``: transformers' ``DiffLlamaAttention`` with ``attn_implementation="sdpa"`` (its rotary embedding included).
+
+Cases: inference and inference causal (a forward under ``torch.no_grad()``), training step and training step
+causal (forward and backward of the layer, parameters included). Each N runs ``rounds`` rounds; a round times
+every layer once per case, so a burst of load from other programs hits all alike. The ratio is the peer's median
+time over ours (a ratio of medians, the project's one definition; above 1: ours is faster). A peer that is not
+importable is skipped, with the command that installs it.
+
+The kernel alone: its achieved GFLOP/s forward and backward at each N (FLOPs counted as
+``measure.flops.formulation_flops("naive", ...)``: naive's arithmetic, the backward at the FlashAttention
+convention of 2.5 times the forward), next to this CPU's float32 matmul peak measured in the same run (a 2048^3
+``torch.mm``). Memory: the peak extra memory of one training step of the attention call at N=2048, ``cpu_fused``
+against ``sdpa_padded`` (:func:`diffattn_tutorial.measure.timing.peak_extra_memory`). Writes
+``benchmarks/results_cpu_train_<cpu>.json``.
+
+    python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from diffattn_tutorial import backends
+from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.layers.attention import MultiheadDiffAttn
+from diffattn_tutorial.measure import flops, timing
+
+HERE = Path(__file__).resolve().parent
+WIDTH, HEADS = 512, 4  # 4 differential heads: q/k dim 64, value width 128
+CASES = ("inference", "inference causal", "training step", "training step causal")
+INSTALL = {"timm": "pip install 'timm>=1.0.31'", "hf": "pip install 'transformers>=5.24'"}
+
+
+def timm_layer() -> Optional[torch.nn.Module]:
+    try:
+        from timm.layers import DiffAttention
+    except ImportError:
+        return None
+    layer = DiffAttention(WIDTH, num_heads=HEADS)
+    assert layer.fused_attn, "timm's DiffAttention is not on its fused path (TIMM_FUSED_ATTN=0?)"
+    return layer
+
+
+def hf_layer() -> Optional[tuple]:
+    try:
+        from transformers import DiffLlamaConfig
+        from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, DiffLlamaRotaryEmbedding
+    except ImportError:
+        return None
+    config = DiffLlamaConfig(hidden_size=WIDTH, num_attention_heads=2 * HEADS, num_key_value_heads=2 * HEADS,
+                             attn_implementation="sdpa")
+    return DiffLlamaAttention(config, layer_idx=0), DiffLlamaRotaryEmbedding(config)
+
+
+def layers() -> dict[str, Callable[[torch.Tensor, bool], torch.Tensor]]:
+    """Label -> ``run(x, causal)``, for the layers importable here."""
+    ours = MultiheadDiffAttn(WIDTH, HEADS)
+    runs = {"ours": lambda x, causal: ours(x, causal=causal)}
+    timm = timm_layer()
+    if timm is not None:
+        runs["timm"] = lambda x, causal: timm(x, is_causal=causal)
+    hf = hf_layer()
+    if hf is not None:
+        attn, rope = hf
+
+        def run_hf(x, causal):
+            cos_sin = rope(x, torch.arange(x.shape[1])[None])
+            return attn(x, position_embeddings=cos_sin, attention_mask=None, is_causal=causal)[0]
+
+        runs["hf"] = run_hf
+    return runs
+
+
+def one_case(run: Callable, x: torch.Tensor, case: str) -> float:
+    causal = case.endswith("causal")
+    t0 = time.perf_counter()
+    if case.startswith("inference"):
+        with torch.no_grad():
+            run(x, causal)
+    else:
+        run(x.requires_grad_(), causal).backward(torch.ones(x.shape))
+    return time.perf_counter() - t0
+
+
+def layer_times(n: int, rounds: int) -> dict:
+    """``{case: {layer: [seconds per round]}}`` at sequence length ``n``."""
+    torch.manual_seed(0)
+    runs = layers()
+    x = torch.randn(1, n, WIDTH)
+    times = {case: {name: [] for name in runs} for case in CASES}
+    for case in CASES:  # warm-up: first calls build, load and allocate
+        for run in runs.values():
+            one_case(run, x.detach(), case)
+    for _ in range(rounds):
+        for case in CASES:
+            for name, run in runs.items():
+                times[case][name].append(one_case(run, x.detach(), case))
+    return times
+
+
+def kernel_rates(n: int, rounds: int) -> dict:
+    """The kernel alone (``cpu_fused_forward`` and ``cpu_fused_backward``), non-causal, and a 2048^3 float32
+    ``torch.mm`` (this CPU's matmul peak) in the same rounds: median seconds and GFLOP/s."""
+    q, k, v, lam = timing.make_inputs(1, HEADS, n, WIDTH // HEADS // 2)
+    scale, grad_out = q.shape[-1] ** -0.5, torch.randn(1, HEADS, n, v.shape[-1])
+    fwd = lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, scale)  # noqa: E731
+    bwd = lambda: torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam, None, False, scale)  # noqa: E731
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    mm = lambda: a @ b  # noqa: E731
+    fwd(), bwd(), mm()
+    ts = {"forward": [], "backward": [], "matmul": []}
+    for _ in range(rounds):
+        for name, fn in (("forward", fwd), ("backward", bwd), ("matmul", mm)):
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+    d = q.shape[-1]
+    count = {"forward": flops.formulation_flops("naive", 1, HEADS, n, d, pass_="fwd"),
+             "backward": flops.formulation_flops("naive", 1, HEADS, n, d, pass_="bwd"), "matmul": 2 * 2048 ** 3}
+    return {name: {"median_s": statistics.median(t), "gflop_per_s": count[name] / statistics.median(t) / 1e9}
+            for name, t in ts.items()}
+
+
+def train_step(q, k, v, lam, causal=False, backend="auto"):
+    """One training step of the attention call: forward, and the gradients of q, k, v."""
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = diff_attention(*ins, lam, causal=causal, backend=backend)
+        torch.autograd.grad(out, ins, torch.ones_like(out))
+    return out.detach()
+
+
+def memory(n: int) -> dict:
+    fns = {name: functools.partial(train_step, backend=name) for name in ("cpu_fused", "sdpa_padded")}
+    return timing.peak_extra_memory(fns, b=1, h=HEADS, n=n, d=WIDTH // HEADS // 2, include_output=True)
+
+
+def ratios(times: dict) -> dict:
+    """``{case: {peer: peer median / our median}}``."""
+    return {case: {name: statistics.median(ts) / statistics.median(by_layer["ours"])
+                   for name, ts in by_layer.items() if name != "ours"} for case, by_layer in times.items()}
+
+
+def table(results: dict) -> str:
+    peers = sorted({p for r in results.values() for case in r["ratio"].values() for p in case})
+    head = "| N | case | ours ms | " + " | ".join(f"{p} ms | vs {p}" for p in peers) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(peers))]
+    for n, r in results.items():
+        for case, by_layer in r["times_s"].items():
+            cells = [f"{statistics.median(by_layer[p]) * 1e3:.0f} | {r['ratio'][case][p]:.2f}x" for p in peers]
+            lines.append(f"| {n} | {case} | {statistics.median(by_layer['ours']) * 1e3:.0f} | " + " | ".join(cells)
+                         + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[512, 2048, 4096])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    ap.add_argument("--out", type=Path, default=None, help="results file (default "
+                                                           "benchmarks/results_cpu_train_<cpu>.json)")
+    args = ap.parse_args(argv)
+    device = timing.device_name("cpu")
+    missing = [f"{name}: {INSTALL[name]}" for name, layer in (("timm", timm_layer), ("hf", hf_layer))
+               if layer() is None]
+    for line in missing:
+        print(f"skipped (not importable), install with {line}")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results = {}
+    for n in args.n:
+        times = layer_times(n, args.rounds)
+        results[n] = {"times_s": times, "ratio": ratios(times), "kernel": kernel_rates(n, args.rounds)}
+    mem = None if args.no_memory else memory(2048)
+    print(f"{device}, torch {torch.__version__}, width {WIDTH}, {HEADS} differential heads, B=1, float32, "
+          f"{args.rounds} rounds, load average before {load}")
+    print(backends.describe_auto("cpu"))
+    print(table(results))
+    for n, r in results.items():
+        k = r["kernel"]
+        print(f"N={n}: kernel forward {k['forward']['gflop_per_s']:.0f} GFLOP/s, backward "
+              f"{k['backward']['gflop_per_s']:.0f} GFLOP/s; float32 matmul in the same rounds "
+              f"{k['matmul']['gflop_per_s']:.0f} GFLOP/s")
+    if mem is not None:
+        print("training step peak extra MiB at N=2048: " + ", ".join(
+            f"{name} {b / 2**20:.1f}" for name, b in mem.items() if b is not None))
+    out = args.out or HERE / f"results_cpu_train_{timing.slug(device)}.json"
+    command = "python benchmarks/bench_cpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    versions = {"timm": _version("timm"), "transformers": _version("transformers")}
+    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                               "peers": versions, "date": datetime.date.today().isoformat(),
+                               "command": command.strip(), "load_average_before": load,
+                               "auto_rule": backends.describe_auto("cpu"),
+                               "results": results, "train_step_peak_extra_bytes_n2048": mem}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
