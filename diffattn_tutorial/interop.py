@@ -490,7 +490,7 @@ def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
 
 def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     """A baseline :class:`~diffattn_tutorial.training.model.TinyLM` computing what Hugging Face's
-    ``LlamaForCausalLM`` computes, from its ``state_dict`` (``model.embed_tokens.weight``,
+    ``LlamaForCausalLM`` computes, from its ``state_dict`` (``'model.embed_tokens.weight'``,
     ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``) and config (``config=model.config``,
     its dict, or ``LlamaConfig`` keys loose; see :func:`llama_lm_config`).
 

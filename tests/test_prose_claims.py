@@ -171,12 +171,7 @@ def _library_sources() -> list[Path]:
 
 # Known failures in library files another change owns, "<file> | <start of the sentence>": the fix they need. The
 # test fails when a listed item no longer fails: remove it then.
-EXPECTED_AUTO = {
-    "diffattn_tutorial/kernels/cpu/cpu_fused.py | (``fullgraph=True`` included) keeps it as one node and ``backend=":
-        "say that the kernel runs under torch.compile; what auto runs is describe_auto's",
-    "diffattn_tutorial/kernels/cpu/cpu_fused.py | Where any step fails (no compiler, as on most Windows machines;":
-        "say that the kernel is unavailable then; what auto runs instead is describe_auto's",
-}
+EXPECTED_AUTO: dict[str, str] = {}
 
 
 def test_no_hand_written_description_of_auto():
