@@ -261,6 +261,28 @@ def test_the_operator_refuses_a_mask_that_requires_grad_by_name():
 
 @needs_compiler
 @needs_dynamo
+def test_the_operator_keeps_lengths_symbolic_under_dynamic_compile():
+    """A compiled step whose length grows every call (decoding without a cache) compiles once: the operator's input
+    checks compare symbolic sizes instead of turning them into ints, which pinned each graph to one length (a
+    recompile per token until torch's recompile limit)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v, lam: diff_attention(q, k, v, lam, causal=True, backend="cpu_fused"),
+                         backend=counting, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for n in (33, 34, 35, 41):
+            q, k, v, lam = inputs(1, 2, 1, n, n, 32)
+            assert torch.equal(step(q, k, v, lam), diff_attention(q, k, v, lam, causal=True, backend="cpu_fused"))
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 4 lengths"
+
+
+@needs_compiler
+@needs_dynamo
 @pytest.mark.parametrize("compiler", ["counting", pytest.param("inductor", marks=pytest.mark.slow)])  # ~7 s
 def test_auto_runs_the_operator_under_torch_compile_fullgraph(compiler, monkeypatch):
     """Under torch.compile, auto fell back to sdpa_padded (a ctypes call would break the graph). Now the kernel is an

@@ -212,7 +212,9 @@ _INT_MAX = 2 ** 31 - 1  # the kernel's sizes are C ints
 
 
 def _shape(t: Tensor) -> tuple:
-    return tuple(int(n) for n in t.shape)
+    """``t``'s shape as a tuple; no ``int()``: under ``torch.compile`` the sizes stay symbolic, so a check does not
+    specialize a compiled graph to one length."""
+    return tuple(t.shape)
 
 
 def _check_tensor(name: str, t: object, device: torch.device, *, optional: bool = False) -> None:
