@@ -10,11 +10,13 @@ The modules are layers, each importing only from the lines above its own (import
     backend_table   every diff_attention backend declared once (kernels loaded lazily), and "auto"'s order per device
     backends        the rules that read the table: "auto" and "sdpa" resolved, refusals, status, the prose about them
     functional      the formulas as functions: diff_attention, softmax_attention, diff_attention_v2, lambda, rms_norm
-    layers/         attention layers (MultiheadDiffAttn, DiffAttnV2, MultiheadAttention), KV caches, RMSNorm, RoPE
+    layers/         attention layers (MultiheadDiffAttn, DiffAttnV2, MultiheadAttention), KV caches, RMSNorm, RoPE,
+                    and the conversion of a trained baseline layer or model to DIFF V2 or V1 (convert)
     __init__        this file: the public names below and __version__
     measure/        FLOP and byte models, timing and peak memory, CPU threads, GPU benchmark helpers, attention statistics
     course/         notebook set-up, the opening notebooks' toys, plotting, the exercise scorecard
-    training/       the tiny LM and its data, the toy study, the torchrun loop (DDP, FSDP2, checkpoints), the run log
+    training/       the tiny LM and its data, the toy study, fine-tuning after conversion, the torchrun loop (DDP,
+                    FSDP2, checkpoints), the run log
     interop         from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2, from_diffllama /
                     to_diffllama, from_llama (a Hugging Face Llama into training's TinyLM)
     checks/         the exercise checks

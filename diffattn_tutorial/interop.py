@@ -96,9 +96,12 @@ def _detached(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def _check_no_warmup(module: torch.nn.Module) -> None:
-    """Refuse a converted layer still in its negative-branch warm-up (``layers.convert``): no reference has the
-    factor ``lambda_mix`` on its lambda, so its export would compute another function."""
+def _check_exportable(module: object, cls: type, exporter: str) -> None:
+    """Refuse what ``exporter`` cannot export: another class than ``cls``, or a converted layer still in its
+    negative-branch warm-up (``layers.convert``): no reference has the factor ``lambda_mix`` on its lambda, so its
+    export would compute another function."""
+    if not isinstance(module, cls):
+        raise TypeError(f"{exporter} expects a {cls.__name__}, got {type(module).__name__}")
     if hasattr(module, "lambda_mix"):
         raise ValueError(f"this {type(module).__name__} is in its negative-branch warm-up (lambda_mix = "
                          f"{float(module.lambda_mix):g}); export it after diffattn_tutorial.layers.convert."
@@ -121,9 +124,7 @@ def from_unilm(state_dict: StateDict, *, embed_dim: int, num_heads: int, depth: 
 
 def to_unilm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     """unilm's state_dict for a layer that unilm can express (no biases, no qk-norm, paper lambda)."""
-    if not isinstance(module, MultiheadDiffAttn):
-        raise TypeError(f"to_unilm expects a MultiheadDiffAttn, got {type(module).__name__}")
-    _check_no_warmup(module)
+    _check_exportable(module, MultiheadDiffAttn, "to_unilm")
     problems = [what for what, bad in [
         ("head_dim other than embed_dim // (2 * num_heads)", module.q_proj.out_features != module.embed_dim),
         ("projection biases", module.q_proj.bias is not None or module.out_proj.bias is not None),
@@ -185,9 +186,7 @@ def _split_timm_qkv(t: Tensor, suffix: str, layer: MultiheadDiffAttn, dim: int, 
 
 def to_timm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     """timm ``DiffAttention``'s state_dict for a compatible layer (MHA self-attention, affine sub-norm)."""
-    if not isinstance(module, MultiheadDiffAttn):
-        raise TypeError(f"to_timm expects a MultiheadDiffAttn, got {type(module).__name__}")
-    _check_no_warmup(module)
+    _check_exportable(module, MultiheadDiffAttn, "to_timm")
     problems = [what for what, bad in [
         ("GQA (num_kv_heads < num_heads)", module.num_kv_heads != module.num_heads),
         ("head_dim other than dim // (2 * num_heads)", module.q_proj.out_features != module.embed_dim),
@@ -229,9 +228,7 @@ def from_unilm_v2(state_dict: StateDict, *, d_model: int, num_heads: int, num_kv
 
 def to_unilm_v2(module: DiffAttnV2) -> dict[str, Tensor]:
     """unilm ``MultiheadFlashDiffV2``'s state_dict for a :class:`DiffAttnV2`."""
-    if not isinstance(module, DiffAttnV2):
-        raise TypeError(f"to_unilm_v2 expects a DiffAttnV2, got {type(module).__name__}")
-    _check_no_warmup(module)
+    _check_exportable(module, DiffAttnV2, "to_unilm_v2")
     return _detached(module.state_dict())
 
 
@@ -391,9 +388,7 @@ def to_diffllama(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     with interleaved (GPT-J) RoPE is exported with the rows of each q/k map permuted so that DiffLlama's
     half-split RoPE computes the same attention (for RoPE over the full head width).
     """
-    if not isinstance(module, MultiheadDiffAttn):
-        raise TypeError(f"to_diffllama expects a MultiheadDiffAttn, got {type(module).__name__}")
-    _check_no_warmup(module)
+    _check_exportable(module, MultiheadDiffAttn, "to_diffllama")
     has_bias = [p.bias is not None for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj)]
     problems = [what for what, bad in [
         ("lambda_mode='dual'", module.lambda_mode != "paper"),

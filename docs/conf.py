@@ -41,7 +41,7 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|einops|matplotlib|plt|triton|tl|nbformat|ipywidgets|tqdm|argparse|pathlib|"
                r"collections|dataclasses|enum|types|typing|typing_extensions|contextlib|concurrent|subprocess|"
-               r"json|os|io|re|random|threading|multiprocessing|datetime|functools|itertools|importlib|warnings)(\..*)?"),
+               r"json|os|io|re|random|threading|multiprocessing|datetime|functools|itertools|importlib|warnings|ctypes)(\..*)?"),
 ]
 autodoc_member_order = "bysource"
 toc_object_entries = False  # each API page opens with its own list of names; a toctree of every object costs ~3 s

@@ -173,7 +173,7 @@ def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_
                   ["check", str(tmp_path / "no_tasks.ipynb")], ["check", str(tmp_path)],
                   ["check", str(text), "--timeout", "0"]],
         "train": [[*train, "--out", str(a_file / "x")], [*train, "--out", str(a_file)],
-                  [*train, *out, "--attn-backend", "triton"], [*train, *out, "--attn-backend", "cpu_fused"],
+                  [*train, *out, "--attn-backend", "triton"],
                   [*train, *out, "--compile", "--compile-backend", "foo"], [*train, *out, "--lr", "1e30"],
                   [*train, *out, "--lr", "nan"], [*train, *out, "--lr", "inf"], [*train, *out, "--lr", "-1"],
                   [*train, *out, "--weight-decay", "nan"], [*train, *out, "--weight-decay", "-1"],

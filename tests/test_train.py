@@ -217,7 +217,6 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     (["--clip", "0"], "clip (the gradient-norm limit) must be > 0"),
     (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
     (["--weight-decay", "1e9"], "below 1/lr"),
-    (["--attn-backend", "cpu_fused"], "'cpu_fused' is forward-only"),
     (["--compile", "--compile-backend", "foo"], "compile_backend 'foo' is not a torch.compile backend"),
     (["--resume", "--overwrite"], "give one of the two"),
 ])

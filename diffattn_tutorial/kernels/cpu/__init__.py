@@ -1,1 +1,1 @@
-"""The fused C++ CPU kernel of differential attention (forward), its build cache and operator."""
+"""The fused C++ CPU kernel of differential attention (forward and backward), its build machinery and its operators."""

@@ -13,8 +13,8 @@ The calls are the torch operators :data:`OP_NAME` and :data:`BACKWARD_OP_NAME` (
 ``register_autograd`` and fake implementations that check their inputs as the operators do), so
 ``torch.compile(fullgraph=True)`` trains through them. The library
 is built, cached and loaded by :mod:`diffattn_tutorial.kernels.cpu.build` and checked here against the naive
-formula before it is used; where any step fails, :func:`kernel_status` says why and ``backend="auto"`` uses
-``sdpa_padded`` instead.
+formula before it is used; where any step fails, :func:`kernel_status` says why (and
+:func:`~diffattn_tutorial.backends.describe_auto` what runs instead).
 
 >>> ok, why = kernel_status()
 >>> isinstance(ok, bool) and isinstance(why, str)

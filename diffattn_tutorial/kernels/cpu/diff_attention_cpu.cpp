@@ -267,23 +267,14 @@ inline void mul_tile(const float* p, int ldp, int j0, int j1, const float* x, in
     for (int u = 0; u < NV; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
 }
 
-// rows x (width, multiple of 32) += P (rows x [j0, j1)) . X: 12-row tiles of 32 columns, 6-row tiles of 64.
-template <int ROWS>
+// rows x (width, multiple of 16 NV) += P (rows x [j0, j1)) . X in tiles of ROWS rows and 16 NV columns (the
+// backward uses 12 x 32 for dq and dk, 6 x 64 for dv).
+template <int ROWS, int NV>
 inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const float* x, int ldx, int width, float* o,
-                     bool first);
-template <>
-inline void mul_rows<12>(const float* p, int ldp, int rows, int j0, int j1, const float* x, int ldx, int width,
-                         float* o, bool first) {
-  for (int r = 0; r < rows; r += 12)
-    for (int c0 = 0; c0 < width; c0 += 32)
-      mul_tile<12, 2>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + (size_t)r * width, width, first);
-}
-template <>
-inline void mul_rows<6>(const float* p, int ldp, int rows, int j0, int j1, const float* x, int ldx, int width,
-                        float* o, bool first) {
-  for (int r = 0; r < rows; r += 6)
-    for (int c0 = 0; c0 < width; c0 += 64)
-      mul_tile<6, 4>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + (size_t)r * width, width, first);
+                     bool first) {
+  for (int r = 0; r < rows; r += ROWS)
+    for (int c0 = 0; c0 < width; c0 += 16 * NV)
+      mul_tile<ROWS, NV>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + (size_t)r * width, width, first);
 }
 
 struct Grad {
@@ -395,8 +386,8 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w) {
   float* dq2 = rows < BQ ? w.dq2.data() : G.gq + (head1 * G.nq + r0) * G.d + nqd;
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK) {
     const int j1 = std::min({kpad, G.nk, j0 + KEY_CHUNK});  // dS is 0 beyond nk: k's rows there are never read
-    mul_rows<12>(s1, ld, BQ, j0, j1, k1, G.d, G.d, dq1, j0 == 0);
-    mul_rows<12>(s2, ld, BQ, j0, j1, k2, G.d, G.d, dq2, j0 == 0);
+    mul_rows<12, 2>(s1, ld, BQ, j0, j1, k1, G.d, G.d, dq1, j0 == 0);
+    mul_rows<12, 2>(s2, ld, BQ, j0, j1, k2, G.d, G.d, dq2, j0 == 0);
   }
   if (rows < BQ) {
     std::copy(dq1, dq1 + (size_t)rows * G.d, G.gq + (head1 * G.nq + r0) * G.d);
@@ -460,9 +451,9 @@ void grad_keys(const Grad& G, int b, int g, int c0, GradScratch& w) {
           store(up + x, a1 - lv * a2);
         }
       }
-      mul_rows<6>(tp, QUERY_CHUNK, BK, 0, rows, dout + (size_t)i0 * G.dv, G.dv, G.dv, w.dv.data(), false);
-      mul_rows<12>(t1, QUERY_CHUNK, BK, 0, rows, q1 + (size_t)i0 * G.d, G.d, G.d, w.dk1.data(), false);
-      mul_rows<12>(t2, QUERY_CHUNK, BK, 0, rows, q2 + (size_t)i0 * G.d, G.d, G.d, w.dk2.data(), false);
+      mul_rows<6, 4>(tp, QUERY_CHUNK, BK, 0, rows, dout + (size_t)i0 * G.dv, G.dv, G.dv, w.dv.data(), false);
+      mul_rows<12, 2>(t1, QUERY_CHUNK, BK, 0, rows, q1 + (size_t)i0 * G.d, G.d, G.d, w.dk1.data(), false);
+      mul_rows<12, 2>(t2, QUERY_CHUNK, BK, 0, rows, q2 + (size_t)i0 * G.d, G.d, G.d, w.dk2.data(), false);
     }
   }
   std::copy(w.dk1.begin(), w.dk1.begin() + (size_t)keys * G.d, G.gk + (kmap * G.nk + c0) * G.d);
