@@ -3,6 +3,10 @@ formula in float64, independent of the thread count and of input strides, chosen
 applies, and refused with a message that names the fix where it does not. Its speed is measured by
 ``benchmarks/bench_cpu_auto.py``, not here."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -10,6 +14,7 @@ from diffattn_tutorial import backend_table
 from diffattn_tutorial.functional import backend_status, diff_attention
 from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.measure.cpu_threads import threads
+from diffattn_tutorial.paths import package_root
 
 NO_COMPILER = cpu_fused.compiler() is None
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler here: backend='auto' uses sdpa_padded "
@@ -314,3 +319,30 @@ def test_auto_runs_the_operator_under_torch_compile_fullgraph(compiler, monkeypa
         (graph,) = graphs
         ops = [n.target for n in graph.graph.nodes if n.op == "call_function" and "diffattn" in str(n.target)]
         assert ops == [torch.ops.diffattn.cpu_fused_forward.default]
+
+
+@needs_compiler
+def test_the_operator_called_first_in_a_process_loads_a_working_kernel():
+    """The kernel's first use may be a direct operator call, where autograd is off for the thread: the self-check
+    of its backward used to fail there and leave the kernel unusable for the whole process."""
+    code = ("import torch, diffattn_tutorial.kernels.cpu.cpu_fused as cf\n"
+            "from diffattn_tutorial.functional import diff_attention\n"
+            "q, k, v, lam = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 16), torch.tensor(0.5)\n"
+            "out = torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, 8 ** -0.5)\n"
+            "ref = diff_attention(q, k, v, lam, backend='naive')\n"
+            "print(cf.kernel_status()[0], bool(torch.allclose(out, ref, atol=1e-5)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(package_root())})
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]
+
+
+@needs_compiler
+def test_a_nan_query_gives_a_nan_gradient_not_a_hidden_one():
+    """The kernel turns a NaN query row into numbers and the output gets its NaN back; the gradient must too."""
+    q, k, v, lam = inputs(1, 2, 1, 5, 5, 8)
+    q[0, 0, 2, 0] = float("nan")
+    q.requires_grad_()
+    out = diff_attention(q, k, v, lam, backend="cpu_fused")
+    out.sum().backward()
+    assert out[0, 0, 2].isnan().all() and out[0, 0, [0, 1, 3, 4]].isfinite().all()
+    assert q.grad[0, 0, 2, 0].isnan() and q.grad[0, 1:].isfinite().all()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -107,16 +108,35 @@ def _self_check(lib: ctypes.CDLL) -> None:
                                     f"causal={causal}, mask={m is not None}); it is not used")
     for causal, m in ((True, None), (False, mask)):
         grad_out = torch.randn(2, 2, 29, 48, generator=g)
-        with torch.enable_grad():  # the first use may come under torch.no_grad()
-            ins = [t.double().requires_grad_() for t in (q, k, v, lam)]
-            ref = naive_reference(*ins, causal=causal, attn_mask=None if m is None else m.double())
-            expected = torch.autograd.grad(ref, ins, grad_out.double())
+        expected = _reference_gradients(naive_reference, (q, k, v, lam), m, causal, grad_out)
         dq, dk, dv, dlam = _backward(lib, grad_out, q, k, v, lam, m, causal, 24 ** -0.5)
         got = (dq, dk, dv, dlam.unsqueeze(-1))
         err = max((a.double() - b).abs().max().item() for a, b in zip(got, expected))
         if not err < 1e-4:
             raise KernelUnavailable(f"the compiled kernel's gradients disagree with the naive formula's (max error "
                                     f"{err:.3g}, causal={causal}, mask={m is not None}); it is not used")
+
+
+def _reference_gradients(reference, inputs, mask, causal, grad_out) -> tuple[Tensor, ...]:
+    """The float64 reference's gradients, computed in a thread of its own: the first use of the kernel may come from
+    inside an operator call (``torch.ops.diffattn.cpu_fused_forward``), where autograd is switched off for the
+    calling thread whatever ``torch.enable_grad`` says; a new thread starts with autograd on."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            ins = [t.double().requires_grad_() for t in inputs]
+            ref = reference(*ins, causal=causal, attn_mask=None if mask is None else mask.double())
+            result.append(torch.autograd.grad(ref, ins, grad_out.double()))
+        except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
+            result.append(e)
+
+    worker = threading.Thread(target=run, name="cpu_fused self-check")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]
 
 
 def _round_up(n: int, multiple: int) -> int:
