@@ -5,8 +5,8 @@
 * **Two workers when pytest-xdist is installed** (the ``dev`` extra) and the machine has two or more cores:
   ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order. ``-n 0`` runs
   everything in this process; ``-n N`` chooses N workers.
-* **A fast set**: ``pytest tests -m "not slow"`` leaves out the tests marked ``slow`` (training, notebooks run
-  from a built wheel, kernel compiles, the mutation test) and the notebooks.
+* **A fast set**: ``pytest tests -m "not slow"`` leaves out the tests marked ``slow`` (training, the wheel
+  build, kernel compiles, the mutation test) and the notebooks.
 * **Without Triton** (``pip install -e ".[notebooks,test]"``, which leaves out its 1 GB), the tests that execute
   notebook 09, its solution or its exercise are skipped with the reason; the Triton tests skip themselves.
 * **Every notebook runs once, and that run checks two things**: its stored outputs (strict nbval) and that it runs
