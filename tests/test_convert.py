@@ -112,6 +112,9 @@ def test_warmup_goes_from_the_baseline_to_the_plain_layer_and_exports_after():
     back = interop.from_unilm_v2(interop.to_unilm_v2(holder[0]), d_model=32, num_heads=4, num_kv_heads=2)
     torch.testing.assert_close(back(x, rope=rope, causal=True), plain(x, rope=rope, causal=True))
     assert [warmup_mix(s, 4) for s in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0] and warmup_mix(3, 0) == 1.0
+    for bad in ((-5, 10), (1, -2)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            warmup_mix(*bad)
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2])

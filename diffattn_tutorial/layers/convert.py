@@ -238,8 +238,12 @@ def finish_warmup(model: nn.Module) -> nn.Module:
 
 
 def warmup_mix(step: int, warmup_steps: int) -> float:
-    """Linear warm-up of the negative branch: ``min(1, step / warmup_steps)`` (1 when ``warmup_steps`` is 0)."""
-    return 1.0 if warmup_steps <= 0 else min(1.0, step / warmup_steps)
+    """Linear warm-up of the negative branch: ``min(1, step / warmup_steps)`` (1 when ``warmup_steps`` is 0), in
+    ``[0, 1]``: a negative ``step`` or ``warmup_steps`` is refused."""
+    if step < 0 or warmup_steps < 0:
+        raise ValueError(f"step and warmup_steps must be >= 0 (the fine-tune's step count and its warm-up length), "
+                         f"got step={step}, warmup_steps={warmup_steps}")
+    return 1.0 if warmup_steps == 0 else min(1.0, step / warmup_steps)
 
 
 __all__ = ["NEGATIVES", "V1_HEADS", "V2_LAMBDA_AT_CONVERSION", "WarmupDiffAttnV2", "WarmupDiffAttn", "why_not_exact",
