@@ -3,8 +3,9 @@
 * **Notebooks run under strict nbval when nbval is installed** (the ``dev`` extra). Without nbval, ``pytest``
   still runs every unit test; the notebooks are simply not collected. ``--nbval-lax`` keeps its meaning.
 * **Two workers when pytest-xdist is installed** (the ``dev`` extra) and the machine has two or more cores:
-  ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order. ``-n 0`` runs
-  everything in this process; ``-n N`` chooses N workers.
+  ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order, and each worker
+  runs torch with its share of the cores (``OMP_NUM_THREADS``, unless you set it). ``-n 0`` runs everything in
+  this process; ``-n N`` chooses N workers.
 * **A fast set**: ``pytest tests -m "not slow"`` leaves out the tests marked ``slow`` (training, the wheel
   build, kernel compiles, the mutation test) and the notebooks.
 * **Without Triton** (``pip install -e ".[notebooks,test]"``, which leaves out its 1 GB), the tests that execute
@@ -55,6 +56,9 @@ def pytest_cmdline_main(config) -> None:
         opt.numprocesses = 2
         if opt.dist == "no":
             opt.dist = "loadscope"
+        # each worker (and the notebook kernels and child processes it starts) gets its share of the cores, so
+        # that two workers do not run four threads on two cores; a test that needs a thread count sets it
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opt.numprocesses)))
 
 
 def pytest_configure(config) -> None:

@@ -164,7 +164,7 @@ def test_finetune_config_refuses_contradictions():
 @pytest.mark.slow
 def test_finetune_on_a_tiny_base_records_lambda_warms_up_and_caches(tmp_path):
     from diffattn_tutorial.training.finetune import finetune_study
-    from diffattn_tutorial.training.study import StudyConfig
+    from diffattn_tutorial.training.study import StudyConfig, deterministic, measure
 
     base = StudyConfig("baseline", steps=4, n_eval=8, d_model=16, n_layers=1, n_heads=2, batch_size=4)
     kw = dict(cache=tmp_path, progress=False, steps=4, base=base)
@@ -176,5 +176,9 @@ def test_finetune_on_a_tiny_base_records_lambda_warms_up_and_caches(tmp_path):
     assert type(warm.model.blocks[0].attn) is DiffAttnV2  # the warm-up finished
     again = finetune_study("diff_v2", negative="zero", warmup=True, warmup_steps=2, **kw)
     assert again.cached and not warm.cached and again.losses == warm.losses and again.metrics == warm.metrics
+    with deterministic(base.num_threads):  # the metrics the entry keeps are those of the loaded model
+        assert again.metrics == measure(again.model, base.task, base.settings, base.n_eval)[0]
+    for p, q in zip(again.model.parameters(), warm.model.parameters(), strict=True):
+        assert torch.equal(p, q)
     v1 = finetune_study("diff", **kw)
     assert v1.conversion_logit_error > 1e-3 and v1.metrics.lambdas is not None

@@ -21,6 +21,7 @@ from diffattn_tutorial.training.study import (
     deterministic,
     disagreements,
     logit_outliers,
+    measure,
     retrieval_study,
 )
 
@@ -267,3 +268,28 @@ def test_kept_claim_lines_hold_for_every_recorded_seed():
                           for kind in ("baseline", "diff"))
         lines = claim_lines(baseline, diff)
         assert lines and all(line.startswith("holds: ") for line in lines), (seed, lines)
+
+
+def test_a_cached_run_keeps_the_metrics_it_was_measured_with(tmp_path, monkeypatch):
+    """A cache hit does not measure again: the entry holds the metrics measured when the run was trained (the key
+    names the measuring code and torch), equal to what measuring the loaded model gives. An entry written without
+    them (an older version's) is measured once and completed."""
+    from diffattn_tutorial.training import study
+
+    a = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    (entry,) = tmp_path.glob("*.pt")
+    assert torch.load(entry, weights_only=True)["metrics"]["accuracy"] == a.metrics.accuracy
+    calls = []
+    monkeypatch.setattr(study, "measure", lambda *args: calls.append(1) or measure(*args))
+    b = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    assert b.cached and calls == [] and b.metrics == a.metrics
+    with deterministic(1):
+        assert b.metrics == measure(b.model, b.config.task, b.config.settings, b.config.n_eval)[0]
+    torch.testing.assert_close(b.eval_batch.tokens, a.eval_batch.tokens)
+    old = torch.load(entry, weights_only=True)
+    del old["metrics"]
+    torch.save(old, entry)
+    c = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    assert c.cached and calls == [1] and c.metrics == a.metrics
+    d = retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
+    assert d.cached and calls == [1] and d.metrics == a.metrics

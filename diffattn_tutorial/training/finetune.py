@@ -10,8 +10,8 @@ result with the study's :func:`~diffattn_tutorial.training.study.measure`.
 While it trains, forward hooks record every layer's lambda at every step (V1: the scalar; V2: the mean of the
 per-token lambda over the batch), and, for a conversion with ``warmup=True``, raise the negative branch's factor
 ``lambda_mix`` linearly from 0 to 1 over ``warmup_steps`` (:func:`~diffattn_tutorial.layers.convert.warmup_mix`).
-With ``cache=True`` the fine-tuned weights, losses and lambdas are saved like notebook 07's models (the key holds
-the config, the base run's key and this module's and the conversion's source), so a second run loads them.
+With ``cache=True`` the fine-tuned weights, losses, lambdas and metrics are saved like notebook 07's models (the key
+holds the config, the base run's key and this module's and the conversion's source), so a second run loads them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Union
 
@@ -175,14 +175,18 @@ def run_finetune(config: FinetuneConfig, *, cache: Union[bool, str] = False, pro
                 for h in handles:
                     h.remove()
             seconds = time.perf_counter() - t0
-            if path is not None:
-                _write_cached(path, {"state_dict": model.state_dict(), "losses": losses, "seconds": seconds,
-                                     "lambdas": lambdas})
+        entry = saved or {"state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},  # warm-up
+                          "losses": losses, "seconds": seconds, "lambdas": lambdas}                       # layers
         if warmup_layers(model):
             set_warmup(model, 1.0)
             finish_warmup(model)
         model.eval()
-        metrics, _ = measure(model, config.base.task, config.base.settings, config.base.n_eval, config.base.device)
+        if "metrics" in entry:  # measured by this code when it was fine-tuned (the cache key says so)
+            metrics = StudyMetrics(**entry["metrics"])
+        else:
+            metrics, _ = measure(model, config.base.task, config.base.settings, config.base.n_eval, config.base.device)
+            if path is not None:
+                _write_cached(path, {**entry, "metrics": asdict(metrics)})
     return FinetuneResult(config=config, metrics=metrics, losses=losses,
                           lambdas=lambdas if config.attention != "baseline" else None,
                           conversion_logit_error=gap, conversion_loss=conv_loss, base_loss=base_loss,

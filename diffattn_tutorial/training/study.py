@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
@@ -187,6 +187,13 @@ class StudyMetrics:
     lambdas: Optional[list[float]]
 
 
+def _eval_batches(task: NeedleTask, settings: Sequence[tuple[int, int]] = SETTINGS, n_eval: int = 256,
+                 device: Union[str, torch.device] = "cpu") -> list[NeedleBatch]:
+    """The fixed evaluation data, one batch per setting: drawn from ``EVAL_SEED``, the same for every seed and kind."""
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    return [_to(task.sample(n_eval, n, r, generator=gen), torch.device(device)) for n, r in settings]
+
+
 @torch.no_grad()
 def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]] = SETTINGS, n_eval: int = 256,
             device: Union[str, torch.device] = "cpu") -> tuple[StudyMetrics, NeedleBatch]:
@@ -195,10 +202,8 @@ def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]]
     Returns the metrics and the evaluation batch of the last (hardest) setting, on which the attention and
     logit metrics are measured.
     """
-    eval_gen = torch.Generator().manual_seed(EVAL_SEED)
     acc, batch = {}, None
-    for n, r in settings:
-        batch = _to(task.sample(n_eval, n, r, generator=eval_gen), torch.device(device))
+    for (n, r), batch in zip(settings, _eval_batches(task, settings, n_eval, device)):
         acc[f"{n}/{r}"] = accuracy(model, batch)
     probes = model.probe(batch.tokens)
     by_layer = [attention_scores(probes, batch, layer=i) for i in range(len(probes))]
@@ -209,7 +214,8 @@ def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]]
     for i, name in enumerate(DEPTH_BINS):
         sel = (bins == i)[:, None].expand_as(shares["answer"])
         by_depth[name] = (shares["answer"][sel].mean().item(), shares["noise"][sel].mean().item())
-    logits = _finite_logits(probes).abs()
+    finite = _finite_logits(probes)
+    logits = finite.abs()
     lambdas = [b.attn.lambda_full().item() for b in model.blocks] if model.cfg.attention == "diff" else None
     metrics = StudyMetrics(
         accuracy=sum(acc.values()) / len(acc), accuracy_by_setting=acc, attn_layer=layer,
@@ -218,7 +224,7 @@ def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]]
         attn_to_noise_by_head=shares["noise"].mean((0, 2)).tolist(),
         attn_by_layer=[(s["answer"].mean().item(), s["noise"].mean().item()) for s in by_layer],
         attn_by_depth=by_depth, logit_top1=logits.max().item(), logit_median=logits.median().item(),
-        logit_top1_over_median=logit_outliers(probes),
+        logit_top1_over_median=top1_over_median(finite).item(),  # logit_outliers(probes), its logits found once
         hidden_top1_over_median=top1_over_median(probes[-1].hidden).item(), lambdas=lambdas)
     return metrics, batch
 
@@ -356,8 +362,18 @@ class StudyResult:
         return row
 
 
-def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) -> tuple[TinyLM, list[float], float, bool]:
-    """The trained model of ``config``: from the cache file ``path`` when it exists, else trained (and saved)."""
+def _measured(saved: Mapping, model: TinyLM, config: StudyConfig) -> tuple[StudyMetrics, NeedleBatch]:
+    """:func:`measure`'s answer for a run: the metrics its cache entry keeps (measured by this code, this torch and
+    thread count when the run was trained: the cache key names them), else measured now."""
+    if "metrics" in saved:
+        return StudyMetrics(**saved["metrics"]), _eval_batches(config.task, config.settings, config.n_eval,
+                                                               config.device)[-1]
+    return measure(model, config.task, config.settings, config.n_eval, config.device)
+
+
+def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) -> tuple[TinyLM, dict, bool]:
+    """The model of ``config`` and its cache entry's contents (``losses``, ``seconds``, maybe ``metrics``): from the
+    cache file ``path`` when it exists, else trained now (``run_study`` saves it with its metrics)."""
     torch.manual_seed(config.seed)
     model = TinyLM(config.lm_config()).to(config.device)
     saved = _read_cached(path)
@@ -367,14 +383,11 @@ def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) ->
         if progress:
             print(f"{config.attention}: loaded from the cache, trained earlier on this machine "
                   f"({config.steps} steps, seed {config.seed}; DIFFATTN_CACHE=0 retrains)")
-        return model, saved["losses"], saved["seconds"], True
+        return model, saved, True
     t0 = time.perf_counter()
     losses = train_toy_model(model, config.task, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
                              settings=config.settings, seed=config.seed, progress=progress, desc=config.attention)
-    seconds = time.perf_counter() - t0
-    if path is not None:
-        _write_cached(path, {"state_dict": model.state_dict(), "losses": losses, "seconds": seconds})
-    return model, losses, seconds, False
+    return model, {"losses": losses, "seconds": time.perf_counter() - t0}, False
 
 
 def _read_cached(path: Optional[Path]) -> Optional[dict]:
@@ -414,14 +427,17 @@ def run_study(config: StudyConfig, *, cache: Union[bool, str, os.PathLike] = Fal
 
     Args:
         cache: ``True`` (the folder :func:`cache_dir` names; ``DIFFATTN_CACHE=0`` switches it off) or a folder:
-            reuse the weights and losses of an identical earlier run (same config, torch version and library
-            source), else train and save.
+            reuse the weights, losses and metrics of an identical earlier run (same config, torch version and
+            library source, so the same measurements), else train, measure and save.
         progress: show a tqdm bar while training.
     """
     path = _cache_file(cache, config.cache_key()) if cache else None
     with deterministic(config.num_threads), _cache_lock(path):
-        model, losses, seconds, cached = _load_or_train(config, path, progress)
-        metrics, batch = measure(model, config.task, config.settings, config.n_eval, config.device)
+        model, saved, cached = _load_or_train(config, path, progress)
+        losses, seconds = saved["losses"], saved["seconds"]
+        metrics, batch = _measured(saved, model, config)
+        if path is not None and "metrics" not in saved:  # trained now (or an entry written without them)
+            _write_cached(path, {**saved, "state_dict": model.state_dict(), "metrics": asdict(metrics)})
     return StudyResult(config=config, params=model.num_parameters(), metrics=metrics, losses=losses,
                        seconds=seconds, cached=cached, model=model, eval_batch=batch)
 
