@@ -147,10 +147,10 @@ def test_runs_in_its_own_folder_times_out_and_goes_on(tmp_path, capsys, monkeypa
     ])
     nbformat.write(nb, folder / "mine.ipynb")
     monkeypatch.chdir(tmp_path)
-    assert main(["check", str(folder / "mine.ipynb"), "--timeout", "5"]) == 1
+    assert main(["check", str(folder / "mine.ipynb"), "--timeout", "2"]) == 1
     lines = task_lines(capsys.readouterr().out)
     assert lines[0].endswith(PASSED)
-    assert FAILED in lines[1] and "timed out after 5 s" in lines[1]
+    assert FAILED in lines[1] and "timed out after 2 s" in lines[1]
     assert NOT_ATTEMPTED in lines[2]
 
 
