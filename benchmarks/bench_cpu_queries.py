@@ -3,9 +3,8 @@
 For a key count ``Nk`` (a KV cache) and query counts ``Nq`` from 1 (one new token) up, times ``naive``,
 ``sdpa_padded`` and ``cpu_fused`` on the same float32 inputs (B=1, H=8 differential heads, d=64, no mask,
 inference), ``--rounds`` rounds each timing every candidate once in turn; reports the median milliseconds and
-which is fastest, next to what ``backend="auto"`` runs for that call. The fused kernel and the SDPA forms pay a
-cost in the keys on every call (the kernel transposes K; SDPA pads q and k) that only many query rows repay: for
-one new token over a long cache, ``naive`` is the fastest here.
+which is fastest, next to what ``backend="auto"`` runs for that call. The SDPA forms pad q and k on every call;
+the fused kernel takes calls of at most 16 query rows without transposing K, one dot product per score.
 
     python benchmarks/bench_cpu_queries.py [--keys 512 4096] [--queries 1 4 16 64 256] [--rounds 7] [--threads 1]
 
@@ -60,7 +59,7 @@ def run(keys: list[int], queries: list[int], rounds: int) -> list[dict]:
     for (nk, nq), per in times.items():
         ms = {name: 1e3 * statistics.median(t) for name, t in per.items()}
         rows.append({"keys": nk, "queries": nq, "ms": {n: round(m, 4) for n, m in ms.items()},
-                     "fastest": min(ms, key=ms.get), "auto": resolve("auto", "cpu", Needs(torch.float32))})
+                     "fastest": min(ms, key=ms.get), "auto": resolve("auto", "cpu", Needs(torch.float32, queries=nq, head_dim=D))})
     return rows
 
 

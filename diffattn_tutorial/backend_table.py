@@ -262,9 +262,10 @@ TABLE: tuple[Backend, ...] = (
 """Every backend, in the order the lists of names show them."""
 
 DECODE_QUERIES = 1
-"""On a CPU ``"auto"`` runs ``naive`` for calls with at most this many query rows: decoding one token, where the
-fused kernel's per-call cost in the keys (it transposes all of K) and SDPA's padding are not repaid
-(``benchmarks/bench_cpu_queries.py`` measures it)."""
+"""On a CPU ``"auto"`` runs ``naive`` for calls with at most this many query rows: decoding one token. At the small
+heads of the course's models the fused kernel's cost per call (heads padded to a width of 32, the call itself) is
+not repaid there; at a head dim of 64 the kernel is the faster from one row (``benchmarks/bench_cpu_queries.py``),
+and no head-dim rule for decoding is made yet."""
 
 CPU_FUSED_TRAIN_MIN_HEAD_DIM = 32
 """On a CPU ``"auto"`` trains with the fused kernel only where the head dim is at least this: narrower heads are

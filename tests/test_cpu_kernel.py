@@ -151,6 +151,25 @@ def test_the_same_numbers_on_any_thread_count_and_for_any_strides():
 
 
 @needs_compiler
+@pytest.mark.parametrize("Nq", [1, 3, 16, 17])  # 17: one row past the few-rows path, through the tiles
+@pytest.mark.parametrize("causal", [False, True])
+def test_few_query_rows_over_a_long_cache(Nq, causal):
+    """At most 16 query rows (decoding, a draft to verify, a chunk of a prompt): the kernel takes each score as a dot
+    product along d without transposing k, and computes only the rows there are. Masks, GQA, a row that sees no key
+    and thread counts behave as on the tiled path."""
+    B, H, Hkv, Nk = 2, 4, 2, 333
+    q, k, v, lam = inputs(B, H, Hkv, Nq, Nk, 64, seed=3, lam_kind="token")
+    mask = torch.rand(B, 1, Nq, Nk, generator=torch.Generator().manual_seed(4)) > 0.2
+    mask[1, :, 0] = False  # a query that may attend to nothing
+    for kw in ({}, {"attn_mask": mask}):
+        out = fused(q, k, v, lam, causal=causal, **kw)
+        torch.testing.assert_close(out.double(), reference(q, k, v, lam, causal=causal, **kw), rtol=1e-5, atol=2e-6)
+    assert out[1, :, 0].abs().max() == 0
+    with threads(3):
+        assert torch.equal(fused(q, k, v, lam, causal=causal, attn_mask=mask), out)
+
+
+@needs_compiler
 def test_half_precision_inputs_are_computed_in_float32():
     q, k, v, lam = inputs(1, 2, 1, 30, 30, 32)
     for dtype in (torch.float16, torch.bfloat16):

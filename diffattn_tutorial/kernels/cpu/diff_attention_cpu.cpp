@@ -21,7 +21,10 @@
 //
 // The Python side (diffattn_tutorial/kernels/cpu/cpu_fused.py) passes contiguous float32 q, k, v (a head width that is
 // a multiple of 32, zero-padded there if need be), lam expanded to (B, H, Nq), the mask (if any) as float32
-// with element strides. The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles.
+// with element strides. The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles;
+// a call of at most FEW_ROWS query rows (decoding a few tokens, a draft to verify, a chunk of a prompt over a long
+// cache) skips that pass, which costs as much as its scores, and takes each score as one dot product along d,
+// and its tiles hold only the rows there are.
 // Build: c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread (no PyTorch headers; called through ctypes).
 
 #include <algorithm>
@@ -46,6 +49,7 @@ constexpr int SCORE_COLS = 32;
 constexpr int OUT_ROWS = 6;      // output tile: 6 query rows x 64 value columns = 24 vector accumulators
 constexpr int OUT_COLS = 64;
 constexpr int KEY_CHUNK = 256;   // keys per pass of P . V (a 256 x 64 slice of V stays in L1/L2)
+constexpr int FEW_ROWS = 16;     // calls of at most this many query rows: row-major scores, tiles of the rows there are
 
 inline v16 splat(float x) { return v16{} + x; }
 inline v16 load(const float* p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
@@ -88,15 +92,34 @@ inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, 
   }
 }
 
-// O[r][c0 : c0 + 64] (+)= sum_{j0 <= j < j1} P[r][j] * V[j][c0 : c0 + 64] for OUT_ROWS rows.
+// S[r][j] = scale * q[r] . k[j] for j in [0, nk) and `rows` rows of q, with k row-major (no transposed copy):
+// one dot product along d (a multiple of 32) per score, FEW_ROWS rows at most.
+inline void score_rows(const float* q, int rows, int d, const float* k, int nk, float* s, int lds, float scale) {
+  for (int j = 0; j < nk; ++j) {
+    const float* kr = k + (size_t)j * d;
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + (size_t)r * d;
+      v16 acc0 = load(qr) * load(kr), acc1 = load(qr + VL) * load(kr + VL);
+      for (int c = 2 * VL; c < d; c += 2 * VL) {
+        acc0 += load(qr + c) * load(kr + c);
+        acc1 += load(qr + c + VL) * load(kr + c + VL);
+      }
+      s[(size_t)r * lds + j] = hsum(acc0 + acc1) * scale;
+    }
+  }
+}
+
+// O[r][c0 : c0 + 64] (+)= sum_{j0 <= j < j1} P[r][j] * V[j][c0 : c0 + 64] for R rows (OUT_ROWS, or fewer at the
+// end of a few-rows call).
+template <int R = OUT_ROWS>
 inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, int dv, int c0, float* o, bool first) {
-  v16 acc[OUT_ROWS][4];
-  for (int r = 0; r < OUT_ROWS; ++r)
+  v16 acc[R][4];
+  for (int r = 0; r < R; ++r)
     for (int x = 0; x < 4; ++x) acc[r][x] = first ? v16{} : load(o + (size_t)r * dv + c0 + VL * x);
   for (int j = j0; j < j1; ++j) {
     const float* vr = v + (size_t)j * dv + c0;
     const v16 v0 = load(vr), v1 = load(vr + VL), v2 = load(vr + 2 * VL), v3 = load(vr + 3 * VL);
-    for (int r = 0; r < OUT_ROWS; ++r) {
+    for (int r = 0; r < R; ++r) {
       const v16 a = splat(p[(size_t)r * ldp + j]);
       acc[r][0] += a * v0;
       acc[r][1] += a * v1;
@@ -104,8 +127,20 @@ inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, in
       acc[r][3] += a * v3;
     }
   }
-  for (int r = 0; r < OUT_ROWS; ++r)
+  for (int r = 0; r < R; ++r)
     for (int x = 0; x < 4; ++x) store(o + (size_t)r * dv + c0 + VL * x, acc[r][x]);
+}
+
+// out_tile for the last n < OUT_ROWS rows.
+inline void out_tail(int n, const float* p, int ldp, int j0, int j1, const float* v, int dv, int c0, float* o,
+                     bool first) {
+  switch (n) {
+    case 1: return out_tile<1>(p, ldp, j0, j1, v, dv, c0, o, first);
+    case 2: return out_tile<2>(p, ldp, j0, j1, v, dv, c0, o, first);
+    case 3: return out_tile<3>(p, ldp, j0, j1, v, dv, c0, o, first);
+    case 4: return out_tile<4>(p, ldp, j0, j1, v, dv, c0, o, first);
+    default: return out_tile<5>(p, ldp, j0, j1, v, dv, c0, o, first);
+  }
 }
 
 // One row of scores: add the mask row (key stride 0 or 1), replace s[j] by exp2((s[j] - max) * exp_scale)
@@ -138,7 +173,7 @@ inline float softmax_numerators(float* s, int nvis, int npad, const float* mask,
 
 struct Problem {
   const float *q, *k, *v, *lam, *mask;
-  float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys
+  float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: few rows)
   float* out;
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
   float qk_scale;                       // the softmax scale: scores in natural units, as naive's
@@ -178,8 +213,10 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
     q2 = w.q2.data();
   }
   float *s1 = w.s1.data(), *s2 = w.s2.data();
-  const float* k1 = P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
-  const float* k2 = k1 + (size_t)P.d * P.nk_pad;
+  const bool few = P.kt == nullptr;  // at most FEW_ROWS rows: k row-major, only the rows there are
+  const float* k1 = few ? P.k + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.nk * P.d
+                        : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
+  const float* k2 = k1 + (size_t)P.d * (few ? P.nk : P.nk_pad);
   const float* vg = P.v + ((size_t)b * P.kv_heads + g) * P.nk * P.dv;
   const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq + r0;
   float* o_rows = P.out + (((size_t)b * P.heads + h) * P.nq + r0) * P.dv;
@@ -187,12 +224,18 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   const int shift = P.nk - P.nq;  // causal: row i sees keys j < i + 1 + shift
   const int kmax = P.causal ? std::clamp(r0 + BQ + shift, 0, P.nk) : P.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
-  for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
-    for (int r = 0; r < BQ; r += SCORE_ROWS) {
-      score_tile(q1 + (size_t)r * P.d, P.d, k1, P.nk_pad, j0, s1 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
-      score_tile(q2 + (size_t)r * P.d, P.d, k2, P.nk_pad, j0, s2 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
-    }
-  for (int r = 0; r < BQ; ++r) {
+  const int used = few ? rows : BQ;  // rows computed: the tiles' padding rows only where tiles are full
+  if (few) {
+    score_rows(q1, rows, P.d, k1, kmax, s1, P.nk_pad, P.qk_scale);
+    score_rows(q2, rows, P.d, k2, kmax, s2, P.nk_pad, P.qk_scale);
+  } else {
+    for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
+      for (int r = 0; r < BQ; r += SCORE_ROWS) {
+        score_tile(q1 + (size_t)r * P.d, P.d, k1, P.nk_pad, j0, s1 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
+        score_tile(q2 + (size_t)r * P.d, P.d, k2, P.nk_pad, j0, s2 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
+      }
+  }
+  for (int r = 0; r < used; ++r) {
     const int row = r0 + r;
     const int nvis = P.causal ? std::clamp(row + 1 + shift, 0, kmax) : kmax;
     const float* mrow = P.mask && row < P.nq ? P.mask + b * P.mask_b + h * P.mask_h + row * P.mask_q : nullptr;
@@ -206,9 +249,13 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   }
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK)
     for (int c0 = 0; c0 < P.dv; c0 += OUT_COLS)
-      for (int r = 0; r < BQ; r += OUT_ROWS)
-        out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, std::min({kpad, P.nk, j0 + KEY_CHUNK}), vg, P.dv, c0,
-                 o + (size_t)r * P.dv, j0 == 0);  // P is 0 beyond nk: V's rows there are never read
+      for (int r = 0; r < used; r += OUT_ROWS) {
+        const int j1 = std::min({kpad, P.nk, j0 + KEY_CHUNK});  // P is 0 beyond nk: V's rows there are never read
+        if (used - r >= OUT_ROWS)
+          out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.dv, c0, o + (size_t)r * P.dv, j0 == 0);
+        else
+          out_tail(used - r, s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.dv, c0, o + (size_t)r * P.dv, j0 == 0);
+      }
   if (rows < BQ) std::copy(o, o + (size_t)rows * P.dv, o_rows);
 }
 
@@ -482,17 +529,20 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
   const long key_maps = (long)P.batch * 2 * P.kv_heads, key_tiles = P.nk_pad / SCORE_COLS;
   const long blocks = (P.nq + BQ - 1) / BQ, items = (long)P.batch * P.heads * blocks;
   const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max(items, key_maps * key_tiles)));
+  const bool few = P.nq <= FEW_ROWS;
   std::vector<float> kt;
   std::vector<Scratch> scratch;  // allocated here, so that running out of memory is an error code, not a crash
   try {
-    kt.resize((size_t)key_maps * P.d * P.nk_pad);
+    if (!few) kt.resize((size_t)key_maps * P.d * P.nk_pad);
     for (int t = 0; t < n_workers; ++t) scratch.emplace_back(P);
   } catch (const std::bad_alloc&) {
     return -2;
   }
-  P.kt = kt.data();
-  run_items(key_maps * key_tiles, n_workers,
-            [&](int, long i) { transpose_keys(P, i / key_tiles, (int)(i % key_tiles) * SCORE_COLS); });
+  if (!few) {
+    P.kt = kt.data();
+    run_items(key_maps * key_tiles, n_workers,
+              [&](int, long i) { transpose_keys(P, i / key_tiles, (int)(i % key_tiles) * SCORE_COLS); });
+  }
   run_items(items, n_workers, [&](int t, long i) {
     block(P, (int)(i / blocks / P.heads), (int)(i / blocks % P.heads), (int)(i % blocks) * BQ, scratch[t]);
   });
