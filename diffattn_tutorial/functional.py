@@ -160,6 +160,8 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     its :class:`~diffattn_tutorial.backend_table.Call`. Empty problems go to the reference backend."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {('auto',) + BACKENDS}")
+    if isinstance(causal, str) or causal not in (True, False):  # "no" would be truthy: causal, silently
+        raise TypeError(f"causal must be True or False, got {causal!r}")
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),

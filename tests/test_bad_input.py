@@ -206,3 +206,11 @@ def test_strided_inputs_triton(kinds, causal, seed):
 def test_every_layout_on_every_backend(backend, kinds):
     """The layouts that crashed the process (strided last dims under the interpreter), each on every backend."""
     check_layouts(backend, 2, 2, 1, 6, 6, 4, kinds, True, 0)
+
+
+@pytest.mark.parametrize("causal", ["no", "False", None, 2])
+def test_causal_that_is_not_a_bool_is_refused(causal):
+    """``causal="no"`` is truthy: it used to run a causal attention without a word (a red-team finding)."""
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 16)
+    with pytest.raises(TypeError, match=f"causal must be True or False, got {causal!r}"):
+        diff_attention(q, k, v, 0.5, causal=causal)

@@ -161,6 +161,35 @@ def test_finetune_config_refuses_contradictions():
         FinetuneConfig("diff", base=StudyConfig("diff"))
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(steps=-5), "steps must be a whole number of at least 1, got -5"),
+    (dict(steps=2.5), "steps must be a whole number"), (dict(batch_size=0), "batch_size must be"),
+    (dict(warmup_steps=-1), "warmup_steps must be a whole number of at least 0"),
+    (dict(lr=float("nan")), "lr must be a positive finite number, got nan"), (dict(lr=-1e-3), "lr must be"),
+    (dict(lr=True), "lr must be"),
+])
+def test_finetune_config_refuses_a_bad_budget_by_name(kw, message):
+    """Before any training: a negative or fractional step count, a NaN learning rate (red-team findings)."""
+    from diffattn_tutorial.training.finetune import FinetuneConfig
+
+    with pytest.raises(ValueError, match=message):
+        FinetuneConfig("diff_v2", **kw)
+
+
+def test_unknown_conversion_options_are_refused_by_name():
+    from diffattn_tutorial.training.finetune import FinetuneConfig, finetune_study
+
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['heads'\] for attention='diff_v2': it takes "
+                                        r"negative, warmup"):
+        FinetuneConfig("diff_v2", (("heads", "split"),))
+    with pytest.raises(TypeError, match=r"\['negatve'\] for attention='diff'"):
+        finetune_study("diff", negatve="zero", cache=False, progress=False)  # refused before the base run trains
+    with pytest.raises(ValueError, match="heads must be one of"):
+        why_not_exact("diff", heads="triple")
+    with pytest.raises(ValueError, match="negative must be one of"):
+        why_not_exact("diff_v2", negative="ones")
+
+
 @pytest.mark.slow
 def test_finetune_on_a_tiny_base_records_lambda_warms_up_and_caches(tmp_path):
     from diffattn_tutorial.training.finetune import finetune_study

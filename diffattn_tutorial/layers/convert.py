@@ -69,6 +69,10 @@ class WarmupDiffAttn(MultiheadDiffAttn):
 def why_not_exact(attention: str, *, heads: str = "split", negative: Optional[str] = "mirror", subln: bool = True,
                   warmup: bool = False) -> Optional[str]:
     """None when the conversion computes the baseline's function at conversion, else the reason in one sentence."""
+    if attention == "diff" and heads not in V1_HEADS:
+        raise ValueError(f"heads must be one of {V1_HEADS}, got {heads!r}")
+    if negative is not None:
+        _check_negative(negative)
     if attention == "diff_v2":
         if negative == "mirror" or warmup:
             return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -49,6 +50,10 @@ LR_WARMUP = 10
 """Learning-rate warm-up steps of a fine-tune (the study's schedule, shortened: the weights are trained already)."""
 
 
+_OPTIONS: dict[str, tuple[str, ...]] = {"diff_v2": ("negative", "warmup"), "diff": ("heads", "negative", "subln", "warmup")}
+"""The conversion options each target takes (``layers.convert.to_diff_v2`` and ``to_diff_v1``)."""
+
+
 @dataclass(frozen=True)
 class FinetuneConfig:
     """One fine-tune: the base run, the conversion and the budget.
@@ -75,6 +80,16 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         if self.attention not in ("baseline", "diff", "diff_v2"):
             raise ValueError(f"attention must be 'baseline', 'diff' or 'diff_v2', got {self.attention!r}")
+        for name, least in (("steps", 1), ("batch_size", 1), ("warmup_steps", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        unknown = sorted(set(dict(self.options)) - set(_OPTIONS.get(self.attention, ())))
+        if unknown and self.attention != "baseline":
+            raise TypeError(f"unknown option(s) {unknown} for attention={self.attention!r}: it takes "
+                            f"{', '.join(_OPTIONS[self.attention])} (layers.convert)")
         if self.base.attention != "baseline":
             raise ValueError(f"base must be a baseline run, got attention={self.base.attention!r}")
         if self.attention == "baseline" and self.options:
