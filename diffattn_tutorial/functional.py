@@ -160,8 +160,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     its :class:`~diffattn_tutorial.backend_table.Call`. Empty problems go to the reference backend."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {('auto',) + BACKENDS}")
-    if isinstance(causal, str) or causal not in (True, False):  # "no" would be truthy: causal, silently
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    _check_causal(causal)
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
@@ -172,6 +171,15 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     scale = d ** -0.5 if scale is None else float(scale)
     call = Call(q, k, v, lam_t, mask, causal, None, is_causal, scale, dropout_p)
     return b, call if b.raw_mask else call._replace(mask=_mask_with_causal(call))
+
+
+def _check_causal(causal) -> None:
+    """A bool (or a traced one, or 0/1): ``causal="no"`` would be truthy and run causal attention without a word."""
+    if isinstance(causal, (bool, torch.SymBool)) or type(causal).__name__ == "bool_":  # numpy's bool too
+        return
+    if isinstance(causal, int) and causal in (0, 1):
+        return
+    raise TypeError(f"causal must be True or False, got {causal!r}")
 
 
 def _mask_with_causal(call: Call) -> Optional[Tensor]:
