@@ -325,6 +325,12 @@ def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: O
     """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new contiguous
     ``(B, H, Nq, 2d)`` tensor in q's dtype. Gradients flow to q, k, v and lam (:data:`BACKWARD_OP_NAME`); an
     ``attn_mask`` that requires grad is refused."""
+    return _forward_checked(q, k, v, lam, attn_mask, causal, scale)
+
+
+def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                     scale: float) -> Tensor:
+    """The operator's body: its checks, then the kernel."""
     check_operator_inputs(q, k, v, lam, attn_mask)
     _check_scale(scale)
     return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype).contiguous()
@@ -414,9 +420,16 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype, with gradients
     to q, k, v and lam. Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
     one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
-    for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient)."""
+    for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient).
+
+    An eager call with nothing to differentiate runs the operator's body without the dispatcher: the same checks
+    and kernel, without torch importing ``torch._dynamo`` on the operator's first call (about a second, in every
+    new process)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))
     if torch.is_grad_enabled():
         _refuse_mask_grad(attn_mask)
+    if not grad and not torch.compiler.is_compiling():
+        return _forward_checked(q, k, v, lam, attn_mask, bool(causal), float(scale))
     return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
 
 
