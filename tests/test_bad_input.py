@@ -3,25 +3,33 @@ precision, and q/k/v that are strided views (slices of one fused projection, tra
 
 Each gives the ``naive`` answer (computed on contiguous float64 copies) or a ``ValueError``/``TypeError``;
 none crashes the process or hides a NaN. The Triton backend runs in Triton's interpreter on a CPU
-(``TRITON_INTERPRET=1`` set before ``triton`` is imported, as ``test_triton.py`` does), on small shapes.
+(``TRITON_INTERPRET=1``, which ``tests/conftest.py`` sets before ``triton`` is imported), on small shapes.
 """
 
-import os
+import functools
 
+import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from diffattn_tutorial.functional import BACKENDS, FORWARD_ONLY, backend_status, causal_mask, diff_attention
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from diffattn_tutorial.functional import BACKENDS, FORWARD_ONLY, backend_status, causal_mask, diff_attention  # noqa: E402
-
-TRITON_OK = backend_status("cpu")["triton"][0]
-ALL = [b for b in BACKENDS if b != "triton" or TRITON_OK] + ["auto"]
+ALL = [*BACKENDS, "auto"]  # "triton" where Triton cannot run here is skipped, saying why (runs_here)
 FAST = [b for b in ALL if b != "triton"]  # Triton's interpreter is slow: it gets fewer, smaller cases
+
+
+@functools.cache
+def _triton_status() -> tuple[bool, str]:
+    """Whether the Triton backend runs here: asked when a test first needs it, not while pytest imports this file
+    (``backend_status`` also builds the C++ kernel)."""
+    return backend_status("cpu")["triton"]
+
+
+def runs_here(backend: str) -> str:
+    if backend == "triton" and not _triton_status()[0]:
+        pytest.skip(f"Triton unavailable: {_triton_status()[1]}")
+    return backend
 
 
 def reference(q, k, v, lam, *, causal=False, attn_mask=None):
@@ -74,6 +82,7 @@ def rows_reading(q, k, v, mask, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_kind", MASKS)
 def test_nan_reaches_exactly_the_rows_that_read_it(backend, where, causal, mask_kind):
+    runs_here(backend)
     q, k, v = inputs(H=2, Hkv=2, Nq=8, Nk=8)
     poisoned = {"q": q, "k": k, "v": v}[where]
     poisoned[0, 2 if where != "v" else 1, 3, 1] = float("nan")  # head 1 (map 1 of q/k), position 3
@@ -96,6 +105,7 @@ def test_an_infinity_makes_exactly_the_rows_that_read_it_nan(backend, value, mas
     """Masked keys never influence the output, whatever they hold: a hidden key holding +-inf in k and in v
     gave NaN everywhere with auto, cpu_fused and the SDPA forms (naive too, for v). A visible one makes the rows
     that read it NaN (as a NaN does), in every backend alike, and the other rows are the finite answer."""
+    runs_here(backend)
     q, k, v = inputs(H=2, Hkv=2, Nq=8, Nk=8)
     k[0, 0, 5, 0] = v[0, 1, 5, 2] = value  # key 5: hidden from every row by the masks, from rows < 5 by causal
     q[0, 3, 6, 1] = value  # head 1 (map 2), row 6
@@ -113,6 +123,7 @@ def test_an_infinity_makes_exactly_the_rows_that_read_it_nan(backend, value, mas
 @pytest.mark.parametrize("backend", FAST)
 def test_nan_query_row_under_gqa_and_grad(backend):
     """GQA (two heads per KV group) and autograd: the NaN query row is NaN, the other rows keep finite grads."""
+    runs_here(backend)
     q, k, v = inputs(B=2, H=4, Hkv=2, Nq=6, Nk=9)
     q[1, 5, 2, 0] = float("nan")  # batch 1, head 2 (map 2), row 2
     q.requires_grad_(backend not in FORWARD_ONLY)
@@ -134,6 +145,7 @@ def test_nan_query_row_under_gqa_and_grad(backend):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_finfo_min_mask_in_half_precision(backend, dtype):
     """An additive mask filled with ``finfo(dtype).min`` (one row fully masked) equals the -inf mask."""
+    runs_here(backend)
     q, k, v = inputs(B=1, H=2, Hkv=1, Nq=6, Nk=7, d=8, dtype=dtype)
     allowed = causal_mask(6, 7) & (torch.arange(7) != 4)
     allowed[2] = False  # a fully masked row: zeros
@@ -170,6 +182,7 @@ def layout(t: torch.Tensor, kind: str, other_heads: int) -> torch.Tensor:
 
 
 def check_layouts(backend, B, H, Hkv, Nq, Nk, d, kinds, causal, seed):
+    runs_here(backend)
     q, k, v = inputs(B=B, H=H, Hkv=Hkv, Nq=Nq, Nk=Nk, d=d, seed=seed)
     q, k, v = (layout(t, kind, other) for t, kind, other in zip((q, k, v), kinds, (2 * Hkv, 3 * Hkv, 0)))
     try:
@@ -193,7 +206,6 @@ def test_strided_inputs_give_the_naive_answer(backend, sizes, kinds, causal, see
     check_layouts(backend, B, H, Hkv, Nq, Nk, d, kinds, causal, seed)
 
 
-@pytest.mark.skipif(not TRITON_OK, reason=f"Triton unavailable: {backend_status('cpu')['triton'][1]}")
 @settings(max_examples=6, deadline=None)
 @given(kinds=KINDS, causal=st.booleans(), seed=st.integers(0, 2**16))
 def test_strided_inputs_triton(kinds, causal, seed):
