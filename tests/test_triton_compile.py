@@ -87,10 +87,25 @@ def test_targets_and_what_runs_on_them():
     assert tc.case_on(tc.Case(128, "bfloat16"), "sm_86") == tc.Case(128, "bfloat16")
 
 
+DECODE_T4 = tc.Case(128, "float16", causal=True, grad=False, decode=True)  # the decode kernels' T4 launch
+
+
+@pytest.fixture(scope="module")
+def pinned() -> dict[str, list]:
+    """The facts of the compiles below, by target (``"decode"``: the decode kernels' T4 launch), from one compiler
+    subprocess (each start of one imports torch and Triton again)."""
+    t0 = time.perf_counter()
+    facts = tc.compile_check(archs=("sm_75", "sm_90a"), jobs=2, also=tc.plan_work([(DECODE_T4, False)], ["sm_75"]))
+    print(f"{len(facts)} compiles in {time.perf_counter() - t0:.0f} s")
+    decode = [f for f in facts if f.kernel.startswith("_decode")]
+    return {"decode": decode, **{arch: [f for f in facts if f.arch == arch and f not in decode]
+                                 for arch in ("sm_75", "sm_90a")}}
+
+
 @needs_nvidia
-def test_pinned_launches_compile_clean_for_turing():
+def test_pinned_launches_compile_clean_for_turing(pinned):
     """Colab's free T4: fp16, 64 KiB of shared memory, FMA dots (this Triton has no tensor-core path there)."""
-    facts = tc.compile_check(archs=("sm_75",), jobs=2)
+    facts = pinned["sm_75"]
     assert {(64, "map"), (64, "dv"), (64, "dk_map"), (64, "dq_map"), (64, "pre"), (128, "map")} <= {
         (f.head_dim, f.form) for f in facts}
     assert {f.dtype for f in facts} == {"float16"} and {f.arch for f in facts} == {"sm_75"}
@@ -100,10 +115,8 @@ def test_pinned_launches_compile_clean_for_turing():
 
 
 @needs_nvidia
-def test_pinned_launches_compile_clean_for_hopper():
-    t0 = time.perf_counter()
-    facts = tc.compile_check(jobs=2)
-    seconds = time.perf_counter() - t0
+def test_pinned_launches_compile_clean_for_hopper(pinned):
+    facts = pinned["sm_90a"]
     forms = {(f.head_dim, f.form) for f in facts}
     assert {(64, "fused"), (64, "dv"), (64, "dk"), (64, "dq"), (128, "map"), (128, "dv"), (128, "dk_map"),
             (128, "dq_map"), (64, "pre"), (128, "pre")} <= forms, forms
@@ -112,7 +125,6 @@ def test_pinned_launches_compile_clean_for_hopper():
     for f in facts:
         if f.form != "pre":
             assert f.wgmma_shapes and all(s.startswith("m64") for s in f.wgmma_shapes), f
-    print(f"{len(facts)} compiles in {seconds:.0f} s")
 
 
 def test_recorded_facts_cover_every_config_and_are_current():
@@ -144,10 +156,10 @@ def test_recorded_facts_cover_every_config_and_are_current():
 
 
 @needs_nvidia
-def test_decode_launches_compile_clean_for_turing():
+def test_decode_launches_compile_clean_for_turing(pinned):
     """The decode kernels on a T4 at d = 128: 16-key tiles (:data:`~diffattn_tutorial.kernels.triton.decode.BLOCK_KEYS_TURING`;
     64 spilled and needed 80 KiB of shared memory there), 8 warps, and the combine over 64 splits."""
-    facts = tc.compile_check([(tc.Case(128, "float16", causal=True, grad=False, decode=True), False)], ("sm_75",))
+    facts = pinned["decode"]
     assert [(f.kernel, f.block_n, f.num_warps) for f in facts] == [("_decode_partial", 16, 8),
                                                                    ("_decode_combine", 0, 4)], facts
     bad = {f"{f.kernel} {f.config}": f.problems() for f in facts if f.problems()}

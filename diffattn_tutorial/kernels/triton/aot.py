@@ -489,15 +489,18 @@ def _run_here(planned: Sequence[tuple[Case, bool, str]], jobs: int, progress=Non
 
 
 def compile_check(cases: Optional[Sequence[tuple[Case, bool]]] = None, archs: Sequence[str] = ("sm_90a",), *,
-                  every_config: Optional[bool] = None, jobs: int = 1) -> list[Facts]:
+                  every_config: Optional[bool] = None, jobs: int = 1,
+                  also: Sequence[tuple[Case, bool, str]] = ()) -> list[Facts]:
     """Compile the launches of ``cases`` (``(case, every_config)`` pairs, default each target's
     :func:`subset_cases`) for ``archs``, each case as it runs there (:func:`case_on`): the pinned configuration
-    of each launch, or every configuration its autotuner may pick. Runs in a subprocess when this process's
-    triton is in interpreter mode. Returns one :class:`Facts` per distinct compile."""
+    of each launch, or every configuration its autotuner may pick, then ``also`` (more :func:`plan_work` triples,
+    compiled in the same run). Runs in a subprocess when this process's triton is in interpreter mode. Returns one
+    :class:`Facts` per distinct compile."""
     if cases is None:
         planned = [p for a in archs for p in plan_work(subset_cases(a), [a], every_config)]
     else:
         planned = plan_work(cases, archs, every_config)
+    planned += list(also)
     if not _interpreted():
         return _run_here(planned, jobs)
     spec = json.dumps({"planned": [[dataclasses.asdict(c), e, a] for c, e, a in planned], "jobs": jobs})
