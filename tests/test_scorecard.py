@@ -182,12 +182,12 @@ def test_a_cell_that_swallows_the_interrupt_is_stopped_and_later_tasks_fail(tmp_
         new_code_cell("# CHECK 3\nassert y == 2"),
     ])
     nbformat.write(nb, tmp_path / "stubborn.ipynb")
-    done = subprocess.run([sys.executable, "-m", "diffattn_tutorial.cli", "check", "stubborn.ipynb", "--timeout", "2"],
+    done = subprocess.run([sys.executable, "-m", "diffattn_tutorial.cli", "check", "stubborn.ipynb", "--timeout", "1"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = task_lines(done.stdout)
     assert lines[0].endswith(PASSED)
-    assert f"{FAILED}: the check timed out after 2 s and ignored the interrupt" in lines[1]
+    assert f"{FAILED}: the check timed out after 1 s and ignored the interrupt" in lines[1]
     assert f"{FAILED}: not run: the kernel stopped at cell 4" in lines[2]
     assert "1/3 tasks passed" in done.stdout
 
