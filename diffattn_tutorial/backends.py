@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch
+from torch import Tensor
 
 from diffattn_tutorial.backend_table import (
     ALIASES,
@@ -46,15 +47,49 @@ _REGISTRY: dict[str, Backend] = {b.name: b for b in TABLE}
 _AUTO: dict[str, tuple[Choice, ...]] = dict(AUTO)
 
 
+_BUILT_IN = frozenset(_REGISTRY)
+"""The table's backends; the output of a backend registered later is checked on every call (:func:`checked_output`)."""
+
+
 def _check_choices(registry: Mapping[str, Backend], auto: Mapping[str, tuple[Choice, ...]]) -> None:
-    """Every choice of ``"auto"`` names a registered backend and some of its dtypes."""
+    """Every key of ``"auto"`` is a device type (or :data:`OTHER_DEVICES`), and every choice names a registered
+    backend and some of its dtypes."""
     for device, choices in auto.items():
+        if device != OTHER_DEVICES and (not isinstance(device, str) or _device_type(device) != device):
+            raise ValueError(f"auto's key {device!r} is not a device type: auto's order is per type ('cpu', 'cuda', "
+                             f"'mps', ...; {OTHER_DEVICES!r} for the types it does not name)")
+        if isinstance(choices, (str, Choice)) or not choices or not all(isinstance(c, Choice) for c in choices):
+            raise TypeError(f"auto[{device!r}] must be a non-empty tuple of Choice, e.g. "
+                            f"(Choice('mine'), *auto_order({device!r})), got {choices!r}")
         for c in choices:
             if c.backend not in registry:
                 raise ValueError(f"auto's list for {device!r} names {c.backend!r}, which is not registered")
             if not set(c.dtypes or ()) <= set(registry[c.backend].dtypes):
                 raise ValueError(f"auto's choice of {c.backend!r} on {device!r}: dtypes must be some of its dtypes "
                                  f"{registry[c.backend].dtypes}")
+
+
+def _device_type(device: str) -> Optional[str]:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return None
+
+
+def checked_output(b: Backend, call: Call, out: object) -> Tensor:
+    """``out``, the result of ``b.run(call)``, when it is what ``diff_attention`` returns: a tensor
+    ``(B, H, Nq, 2d)`` in q's dtype on q's device. Only a backend registered after the table's is checked (the
+    table's are tested); a wrong result raises, naming the backend, instead of flowing on."""
+    if b.name in _BUILT_IN:
+        return out
+    B, H2, Nq, _ = call.q.shape
+    want = (B, H2 // 2, Nq, call.v.shape[-1])
+    if not isinstance(out, Tensor) or tuple(out.shape) != want or out.dtype != call.q.dtype or \
+            out.device != call.q.device:
+        got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, Tensor) else type(out).__name__)
+        raise RuntimeError(f"backend {b.name!r} returned {got}; its run must return (B, H, Nq, 2d) = {want} "
+                           f"{call.q.dtype} on {call.q.device}, as diff_attention does")
+    return out
 
 
 _check_choices(_REGISTRY, _AUTO)
@@ -101,9 +136,18 @@ def registry() -> tuple[Backend, ...]:
     return tuple(_REGISTRY.values())
 
 
+def as_device(device: Union[str, torch.device]) -> torch.device:
+    """``torch.device(device)``, or a ``ValueError`` that names the device strings there are (``"gpu"`` is none)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device: give 'cpu', 'cuda' (or 'cuda:1', ...), 'mps' "
+                         f"or a torch.device") from None
+
+
 def auto_order(device: Union[str, torch.device]) -> tuple[Choice, ...]:
     """``"auto"``'s order on ``device``'s type (:data:`~diffattn_tutorial.backend_table.AUTO`)."""
-    return _AUTO.get(torch.device(device).type, _AUTO[OTHER_DEVICES])
+    return _AUTO.get(as_device(device).type, _AUTO[OTHER_DEVICES])
 
 
 def names(select: Callable[[Backend], bool] = lambda b: True, *, aliases: bool = True) -> tuple[str, ...]:
@@ -219,7 +263,7 @@ def resolve(backend: str, device: Union[str, torch.device], needs: Needs = ANY_C
     """The backend ``backend`` means for a call with ``needs`` on ``device``: an alias resolved (the backend
     chosen works here); a name checked to exist and, with ``check``, to take the call and work here. Every
     refusal names the fix (what ``"auto"`` would run instead)."""
-    device = torch.device(device)
+    device = as_device(device)
     if backend in ALIASES:
         chosen = _choose(backend, device, needs, _works_here(device))
         if chosen is None:
@@ -314,14 +358,14 @@ def describe_auto(device: Union[str, torch.device]) -> str:
     """One sentence on what ``backend="auto"`` runs on ``device``'s type, from the registry alone (what the
     machine at hand has is :func:`backend_status`'s), e.g. for a CPU: "On a CPU, ``backend="auto"`` runs
     `cpu_fused` for float32 inference (needs a C++ compiler), else `sdpa_padded` (`sdpa_wide` with dropout)."."""
-    device = torch.device(device)
+    device = as_device(device)
     where = _DEVICE_WORDS.get(device.type, f"{device.type} devices")
     return f'On {where}, `backend="auto"` runs {_auto_rule(device, lambda b: True, notes=True, tick="`")}.'
 
 
 def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[bool, str]]:
     """For each name in :data:`BACKENDS`, then ``"auto"``: ``(usable here, why / note)`` on ``device``."""
-    device = torch.device(device)
+    device = as_device(device)
     status = {}
     for name in BACKENDS:
         if name in ALIASES:

@@ -193,9 +193,9 @@ def _mask_with_causal(call: Call) -> Optional[Tensor]:
 def _run(b: Backend, call: Call) -> Tensor:
     """Backend ``b`` on a prepared call; fully masked rows come back as zeros."""
     if b.raw_mask:  # its own causal masking and zero rows
-        return b.run(call)
+        return backends.checked_output(b, call, b.run(call))
     mask, valid = _fix_fully_masked(call.mask)
-    out = b.run(call._replace(mask=mask))
+    out = backends.checked_output(b, call, b.run(call._replace(mask=mask)))
     return out if valid is None else out.masked_fill(~valid, 0.0)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -456,6 +457,9 @@ def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
     """The keys of a ``LlamaConfig`` (an object with ``to_dict()``, its dict, or keys given loose) that shape the
     model's function, with transformers' defaults filled in; refuses the Llama features TinyLM does not have
     (RoPE scaling, biases, another activation, a head width other than ``hidden_size // num_attention_heads``)."""
+    if not (config is None or hasattr(config, "to_dict") or isinstance(config, Mapping)):
+        raise TypeError(f"config must be a LlamaConfig (model.config), its dict or None, got {type(config).__name__} "
+                        f"{config!r}; for a model's name use transformers.AutoConfig.from_pretrained(name)")
     whole = dict(config.to_dict()) if hasattr(config, "to_dict") else dict(config or {})
     merged = {**whole, **kwargs}
     if merged.get("model_type", "llama") != "llama":
@@ -479,6 +483,9 @@ def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
          cfg["head_dim"] not in (None, width))] if bad]
     if problems:
         raise ValueError(f"TinyLM has no {', '.join(problems)}: this Llama cannot be loaded exactly")
+    for k in ("rope_theta", "rms_norm_eps"):  # named as the caller named them (LMConfig checks them again)
+        if isinstance(cfg[k], bool) or not (isinstance(cfg[k], (int, float)) and 0 < cfg[k] < math.inf):
+            raise ValueError(f"{k} must be a number > 0, got {cfg[k]!r}")
     cfg["head_dim"] = width
     return cfg
 
@@ -493,7 +500,9 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     rotates dims ``j`` and ``j + d/2`` of a head (half-split RoPE), TinyLM dims ``2j`` and ``2j + 1``, so the
     rows of every q and k projection are reordered per head (the scores ``q.k`` are sums over the same pairs);
     and TinyLM's head is a parameter of its own, so a checkpoint with ``tie_word_embeddings`` gets a copy of the
-    embedding there (the same function; fine-tuning then moves them apart).
+    embedding there (the same function; fine-tuning then moves them apart). The model is float32 whatever the
+    checkpoint's dtype (float16 and bfloat16 weights convert exactly); ``.to(torch.bfloat16)`` gives the
+    checkpoint's precision back.
     """
     from diffattn_tutorial.training.model import LMConfig, TinyLM
 

@@ -159,7 +159,8 @@ def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], 
                          f"(B, H, Nq, Nk) (padding masks: (B, 1, 1, Nk))")
     attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
     if attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
-        attn_mask = attn_mask.to(q.dtype)
+        low = attn_mask <= torch.finfo(attn_mask.dtype).min  # masked in its own dtype (a float16 model's fill value)
+        attn_mask = attn_mask.to(q.dtype).masked_fill(low, float("-inf"))  # stays masked in q's
     return attn_mask
 
 

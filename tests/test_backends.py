@@ -256,6 +256,9 @@ def test_the_prose_comes_from_the_registry():
                                              'with a head dim of at least 32 and no learned mask (needs a C++ '
                                              'compiler), else `sdpa_padded` (`sdpa_wide` with dropout).')
     assert backends.describe_auto("cuda") == 'On a GPU, `backend="auto"` runs `sdpa_split` (`sdpa_wide` with dropout).'
+    for ask in (backends.describe_auto, backends.backend_status, backends.auto_order):
+        with pytest.raises(ValueError, match="device 'gpu' is not a torch device: give 'cpu', 'cuda'"):
+            ask("gpu")
     table = backends.backend_table().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [f"| `{n}`" for n in (*BACKENDS, "auto")]
     assert "| float32, float16, bfloat16 (computed in float32) | yes | no | no | yes |" in table[2 + BACKENDS.index(
@@ -334,9 +337,27 @@ def test_registering_refuses_what_would_be_ambiguous():
         backends.register_backend(fake_backend(), auto={"cpu": (Choice("fake", dtypes=(torch.float32,)),)})
     with pytest.raises(ValueError, match="names 'missing', which is not registered"):
         backends.register_backend(fake_backend(), auto={"cpu": (Choice("missing"),)})
+    for key in ("gpu", "cuda:0", 0):  # never a call's device type: auto's order for it would never be read
+        with pytest.raises(ValueError, match=f"auto's key {key!r} is not a device type"):
+            backends.register_backend(fake_backend(), auto={key: (Choice("fake"),)})
+    for order in ("fake", Choice("fake"), (), ("fake",)):
+        with pytest.raises(TypeError, match="auto\\['cpu'\\] must be a non-empty tuple of Choice"):
+            backends.register_backend(fake_backend(), auto={"cpu": order})
     assert "fake" not in BACKENDS and auto_order("cpu") == backends.AUTO["cpu"]  # nothing half-registered
     with pytest.raises(TypeError, match="takes a Backend"):
         backends.register_backend("naive")
+
+
+@pytest.mark.parametrize("wrong", ["shape", "dtype", "not a tensor"])
+def test_a_registered_backend_that_returns_the_wrong_result_is_named(wrong):
+    """diff_attention checks a registered backend's result (the table's are tested): a wrong shape or dtype raises,
+    naming the backend and what it must return, instead of flowing into the caller's model."""
+    bad = {"shape": lambda call: torch.zeros(1, 1, 1, 1, dtype=call.q.dtype),
+           "dtype": lambda call: ENTRIES["naive"].run(call).float(),
+           "not a tensor": lambda call: None}[wrong]
+    with registered(fake_backend(run=bad)):
+        with pytest.raises(RuntimeError, match="backend 'fake' returned .*; its run must return \\(B, H, Nq, 2d\\)"):
+            diff_attention(*inputs(torch.float64), backend="fake")
 
 
 def test_importing_the_library_does_not_import_the_compiler():

@@ -158,6 +158,21 @@ def test_finfo_min_mask_in_half_precision(backend, dtype):
     assert err < 1e-2, f"relative error {err:.2e} in {dtype}"
 
 
+@pytest.mark.parametrize("backend", ALL)
+def test_a_half_precision_finfo_min_mask_stays_masked_with_float32_inputs(backend):
+    """A float16 model's mask (``finfo(float16).min = -65504``) given with float32 q, k, v (an upcast model):
+    the entries were masked in the mask's own dtype and stay masked, a row of them gives zero (before: -65504 in
+    float32 was a number, and that row averaged every value)."""
+    runs_here(backend)
+    q, k, v = inputs(B=1, H=2, Hkv=1, Nq=6, Nk=7, d=8, dtype=torch.float32)
+    allowed = causal_mask(6, 7) & (torch.arange(7) != 4)
+    allowed[2] = False
+    hf = torch.zeros(6, 7, dtype=torch.float16).masked_fill(~allowed, torch.finfo(torch.float16).min)
+    out = diff_attention(q, k, v, 0.5, attn_mask=hf, backend=backend)
+    assert out[:, :, 2].abs().max() == 0
+    torch.testing.assert_close(out.double(), reference(q, k, v, 0.5, attn_mask=allowed), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # strided inputs: a property test over layouts, every backend
 # ---------------------------------------------------------------------------------------------------------

@@ -5,15 +5,10 @@ timings are asserted."""
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (see tests/test_triton.py)
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

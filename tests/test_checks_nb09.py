@@ -2,7 +2,6 @@
 Triton's interpreter; plausible wrong kernels fail with the hint that names the mistake, a right one passes,
 a stub counts as not attempted and a crash becomes a hint."""
 
-import os
 
 import pytest  # noqa: E402
 import torch
@@ -10,7 +9,6 @@ import torch
 if torch.cuda.is_available():  # interpreter mode is process-wide; on a GPU the session tests compiled kernels
     pytest.skip("the notebook-09 checks run kernels in Triton's interpreter; the CPU run covers them",
                 allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (see tests/test_triton.py)
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402

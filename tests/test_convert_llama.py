@@ -56,6 +56,12 @@ def test_what_tinylm_lacks_is_refused_by_name():
         interop.from_llama(case["state_dict"], config={**cfg, "intermediate_size": 40})
     with pytest.raises(TypeError, match="'vocab_size'"):
         interop.from_llama(case["state_dict"], hidden_size=32)
+    for bad in (-1.0, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rope_theta must be a number > 0"):
+            interop.from_llama(case["state_dict"], config={**cfg, "rope_theta": bad, "rope_parameters": None})
+    with pytest.raises(TypeError, match="config must be a LlamaConfig .* got str 'meta-llama/Llama-3.2-1B'; .*"
+                                        "AutoConfig.from_pretrained"):
+        interop.from_llama(case["state_dict"], config="meta-llama/Llama-3.2-1B")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
@@ -75,6 +81,8 @@ def test_live_against_transformers():
 def test_norm_eps_is_checked():
     from diffattn_tutorial.training.model import LMConfig
 
-    for bad in (0, -1e-6, True, "1e-6"):
+    for bad in (0, -1e-6, True, "1e-6", float("nan")):
         with pytest.raises(ValueError, match="norm_eps must be a number > 0"):
             LMConfig(vocab_size=4, norm_eps=bad)
+        with pytest.raises(ValueError, match="rope_base must be a number > 0"):
+            LMConfig(vocab_size=4, rope_base=bad)

@@ -150,6 +150,16 @@ def test_the_operators_pass_opcheck_with_autograd():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_a_second_derivative_is_refused_with_the_fix():
+    """``create_graph=True`` builds the first gradients as usual; differentiating them again (a gradient penalty)
+    names what to use instead, not torch's "no autograd formula was registered"."""
+    q, k, v, lam = (t.requires_grad_() for t in inputs(1, 2, 1, 9, 9, 32))
+    out = diff_attention(q, k, v, lam, backend="cpu_fused")
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative .* backend='naive'"):
+        gq.sum().backward()
+
+
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
 def test_torch_compile_fullgraph_trains_through_the_operators():
     """A training step compiled with fullgraph=True (auto's choice: the kernel): the graph holds the forward

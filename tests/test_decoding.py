@@ -264,6 +264,8 @@ def test_generate_refusals_name_the_fix():
         m.generate(p, 3, cache="paged")
     with pytest.raises(TypeError, match="compile must be True, False or a torch.compile backend"):
         m.generate(p, 3, compile=3)
+    with pytest.raises(ValueError, match="compile 'aot_eagre' is not a torch.compile backend; choose one of .*aot_eager"):
+        m.generate(p, 3, compile="aot_eagre")
     with pytest.raises(TypeError, match="torch.Generator"):
         m.generate(p, 3, temperature=1.0, generator=0)
     with pytest.raises(ValueError, match="positions="):

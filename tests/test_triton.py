@@ -3,8 +3,8 @@ backward (dq, dk, dv, dlambda), on ragged lengths, causal and not, Nq != Nk, GQA
 masks and fully masked rows.
 
 On a CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be in the environment
-before ``triton`` is first imported (Triton decorates its own library functions at import), so this module
-sets it at collection time, before any test runs. With a CUDA GPU the same kernels are compiled, and the
+before ``triton`` is first imported (Triton decorates its own library functions at import), which
+``tests/conftest.py`` sets for the whole session. With a CUDA GPU the same kernels are compiled, and the
 GPU-only tests at the end check float16/bfloat16 at realistic head dims (both plans: fused at d = 64, split
 maps at d = 128) against a float64 reference by norm-relative error.
 
@@ -19,8 +19,6 @@ import os
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DIFFATTN_TRITON_POISON", "1")
 os.environ.setdefault("DIFFATTN_TRITON_AUTOTUNE", "0")
 
@@ -42,9 +40,15 @@ from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402
 
 pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
 
-OK, WHY = triton_available()
-if not OK:  # loud, not skipped: a silently skipped kernel test would hide a broken CI set-up
-    pytest.fail(f"the Triton kernels cannot run in this test session: {WHY}", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_run_here():
+    """Loud, not skipped: a silently skipped kernel test would hide a broken CI set-up."""
+    ok, why = triton_available()
+    if not ok:
+        pytest.fail(f"the Triton kernels cannot run in this test session: {why}", pytrace=False)
+
 
 DEVICE = "cuda" if CUDA else "cpu"
 CAPABILITY = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1] if CUDA else 90

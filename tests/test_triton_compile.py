@@ -18,15 +18,9 @@ sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 
   where a 64-key tile spilled) is compiled here.
 """
 
-import os
 import time
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (see tests/test_triton.py)
-
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 

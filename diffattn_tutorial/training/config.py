@@ -20,7 +20,7 @@ from diffattn_tutorial.layers.attention import (
 )
 from diffattn_tutorial.training import distributed
 from diffattn_tutorial.training.corpus import TextTask, next_character_loss
-from diffattn_tutorial.training.model import ATTENTIONS, TinyLM, build_model
+from diffattn_tutorial.training.model import ATTENTIONS, TinyLM, build_model, check_compile_backend
 from diffattn_tutorial.training.needle import NeedleTask
 from diffattn_tutorial.training.study import SETTINGS, retrieval_loss
 
@@ -112,7 +112,7 @@ class RunConfig:
             raise ValueError(f"attn_backend {self.attn_backend!r} is forward-only (inference, no gradients); to "
                              f"train use 'auto', 'naive', 'chunked' or an sdpa formulation")
         if self.compile or self.compile_backend != "inductor":
-            _check_compile_backend(self.compile_backend)
+            check_compile_backend(self.compile_backend, what="compile_backend")
 
     def _check_floats(self) -> None:
         """``lr``, ``weight_decay`` and ``clip``: finite, in the ranges where AdamW and clipping mean something."""
@@ -141,15 +141,6 @@ class RunConfig:
 
 MAX_LR = 1.0
 """The largest learning rate :class:`RunConfig` accepts."""
-
-
-def _check_compile_backend(name: str) -> None:
-    import torch._dynamo
-
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if name not in known:
-        raise ValueError(f"compile_backend {name!r} is not a torch.compile backend; choose one of "
-                         f"{', '.join(torch._dynamo.list_backends())} or 'eager' (trace only)")
 
 
 def check_backend_here(backend: str, device: torch.device) -> None:

@@ -105,8 +105,10 @@ class LMConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive whole number, got {value!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
-            raise ValueError(f"LMConfig.norm_eps must be a number > 0, got {self.norm_eps!r}")
+        for name in ("norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"LMConfig.{name} must be a number > 0, got {value!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.d_model % self.n_heads:
@@ -385,6 +387,19 @@ def _check_compile(compile: Union[bool, str, Callable]) -> None:
     if compile is not True and compile is not False and not isinstance(compile, str) and not callable(compile):
         raise TypeError(f"compile must be True, False or a torch.compile backend (a name such as 'inductor' or "
                         f"'aot_eager', or a backend function), got {compile!r}")
+    if isinstance(compile, str):
+        check_compile_backend(compile, what="compile")
+
+
+def check_compile_backend(name: str, what: str) -> None:
+    """Refuse a name that is not a ``torch.compile`` backend, listing every one there is (``what``: the option's
+    name in the message)."""
+    import torch._dynamo
+
+    known = sorted(torch._dynamo.list_backends(exclude_tags=()))  # with the debugging ones, such as aot_eager
+    if name not in known:
+        raise ValueError(f"{what} {name!r} is not a torch.compile backend; choose one of {', '.join(known)} "
+                         f"('eager' traces only)")
 
 
 def _compiled_step(model: TinyLM, cache: Optional[str], compile: Union[bool, str, Callable], idx: Tensor,

@@ -144,10 +144,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _float_mask(mask: Tensor) -> Tensor:
-    """An additive float32 mask from a bool (True = may attend) or additive one, any broadcastable shape."""
+    """An additive float32 mask from a bool (True = may attend) or additive one, any broadcastable shape. An
+    additive entry ``<= finfo(dtype).min`` becomes ``-inf``: masked, as ``diff_attention`` and the Triton kernel
+    count it (a row of them sees no key and gives zero, not a uniform average)."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return mask.float()
+    low = mask <= torch.finfo(mask.dtype).min
+    return mask.float().masked_fill(low, float("-inf")) if low.any() else mask.float()
 
 
 def _kernel_layout(t: Tensor, width: int) -> Tensor:
@@ -256,8 +259,8 @@ def _broadcasts(shape: tuple, target: tuple) -> bool:
 
 
 def _check_scale(scale: float) -> None:
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number (the softmax scale, usually d ** -0.5), got {scale}")
+    if not (math.isfinite(scale) and scale > 0):  # as diff_attention's (a negative scale inverts the softmax)
+        raise ValueError(f"scale must be a positive finite number (the softmax scale, usually d ** -0.5), got {scale}")
 
 
 def check_operator_inputs(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
@@ -395,6 +398,14 @@ def _autograd_backward(ctx, grad_out: Tensor) -> tuple:
 cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _no_second_derivative(ctx, *grads) -> tuple:
+    raise RuntimeError("the fused CPU kernel has no second derivative (a gradient of its gradients, as a gradient "
+                       "penalty takes): use diff_attention(..., backend='naive') or backend='sdpa_padded' there")
+
+
+cpu_fused_backward.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
+
+
 def _refuse_layout(q, k, v, lam, attn_mask, *rest):
     check_operator_inputs(q, k, v, lam, attn_mask)  # raises: some argument is not dense
     raise ValueError("the fused CPU kernel reads dense (strided) tensors only; pass t.to_dense() for each")
@@ -425,7 +436,7 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     An eager call with nothing to differentiate runs the operator's body without the dispatcher: the same checks
     and kernel, without torch importing ``torch._dynamo`` on the operator's first call (about a second, in every
     new process)."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))
+    grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, lam))
     if torch.is_grad_enabled():
         _refuse_mask_grad(attn_mask)
     if not grad and not torch.compiler.is_compiling():
