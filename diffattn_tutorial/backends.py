@@ -58,7 +58,7 @@ def _check_choices(registry: Mapping[str, Backend], auto: Mapping[str, tuple[Cho
         if device != OTHER_DEVICES and (not isinstance(device, str) or _device_type(device) != device):
             raise ValueError(f"auto's key {device!r} is not a device type: auto's order is per type ('cpu', 'cuda', "
                              f"'mps', ...; {OTHER_DEVICES!r} for the types it does not name)")
-        if isinstance(choices, (str, Choice)) or not choices or not all(isinstance(c, Choice) for c in choices):
+        if not isinstance(choices, (tuple, list)) or not choices or not all(isinstance(c, Choice) for c in choices):
             raise TypeError(f"auto[{device!r}] must be a non-empty tuple of Choice, e.g. "
                             f"(Choice('mine'), *auto_order({device!r})), got {choices!r}")
         for c in choices:
@@ -98,7 +98,8 @@ _check_choices(_REGISTRY, _AUTO)
 def register_backend(backend: Backend, *, auto: Optional[Mapping[str, tuple[Choice, ...]]] = None) -> Backend:
     """Add ``backend`` to the registry (listed last); ``auto`` replaces the order of ``"auto"`` for the device types
     it names (``{"cpu": (Choice(backend.name), *auto_order("cpu"))}`` tries it first on a CPU). Raises ValueError
-    for a name already taken or a choice that does not fit."""
+    for a name already taken or a choice that does not fit, TypeError for an order that is not a tuple of
+    :class:`Choice`."""
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend takes a Backend, got {type(backend).__name__}")
     if backend.name in _REGISTRY:

@@ -456,7 +456,9 @@ def _half_split_to_interleaved(w: Tensor, head_dim: int) -> Tensor:
 def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
     """The keys of a ``LlamaConfig`` (an object with ``to_dict()``, its dict, or keys given loose) that shape the
     model's function, with transformers' defaults filled in; refuses the Llama features TinyLM does not have
-    (RoPE scaling, biases, another activation, a head width other than ``hidden_size // num_attention_heads``)."""
+    (RoPE scaling, biases, another activation, a head width other than ``hidden_size // num_attention_heads``), a
+    ``config`` that is no config (a model's name: load it with ``transformers.AutoConfig``) and a ``rope_theta`` or
+    ``rms_norm_eps`` that is not a number > 0."""
     if not (config is None or hasattr(config, "to_dict") or isinstance(config, Mapping)):
         raise TypeError(f"config must be a LlamaConfig (model.config), its dict or None, got {type(config).__name__} "
                         f"{config!r}; for a model's name use transformers.AutoConfig.from_pretrained(name)")
@@ -501,8 +503,8 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     rows of every q and k projection are reordered per head (the scores ``q.k`` are sums over the same pairs);
     and TinyLM's head is a parameter of its own, so a checkpoint with ``tie_word_embeddings`` gets a copy of the
     embedding there (the same function; fine-tuning then moves them apart). The model is float32 whatever the
-    checkpoint's dtype (float16 and bfloat16 weights convert exactly); ``.to(torch.bfloat16)`` gives the
-    checkpoint's precision back.
+    checkpoint's dtype (float16 and bfloat16 weights convert exactly); ``.to(dtype)`` with the checkpoint's
+    dtype gives its precision back.
     """
     from diffattn_tutorial.training.model import LMConfig, TinyLM
 

@@ -142,7 +142,8 @@ def _broadcasts_to(t: Tensor, target: tuple[int, ...]) -> bool:
 
 
 def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:
-    """Validate ``attn_mask`` against ``target = (B, H, Nq, Nk)``; return it as a 4-D view."""
+    """Validate ``attn_mask`` against ``target = (B, H, Nq, Nk)``; return it as a 4-D view, or, for a float mask of
+    another dtype than q's, a 4-D copy in q's dtype with its entries ``<= finfo(its dtype).min`` as ``-inf``."""
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, Tensor):

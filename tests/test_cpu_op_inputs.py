@@ -126,10 +126,11 @@ def test_scale_lam_and_finfo_min_rows_as_diff_attention_takes_them():
                 fused_diff_attention(q, k, v, lam, scale=scale)
             except ValueError as e:
                 print("SCALE", e)
-        try:
-            fused_diff_attention(q, k, v, 0.4, scale=0.3)
-        except TypeError as e:
-            print("LAM", e)
+        for grad in (False, True):  # the eager body, and the operator's dispatch
+            try:
+                fused_diff_attention(q.clone().requires_grad_(grad), k, v, 0.4, scale=0.3)
+            except TypeError as e:
+                print("LAM", e)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             mask = torch.zeros(9, 9, dtype=dtype)
             mask[3] = torch.finfo(dtype).min
@@ -144,5 +145,5 @@ def test_scale_lam_and_finfo_min_rows_as_diff_attention_takes_them():
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stderr[-2000:]}"
     out = proc.stdout
     assert out.count("SCALE scale must be a positive finite number") == 2, out
-    assert "LAM lam must be a torch.Tensor, got float" in out, out
+    assert out.count("LAM lam must be a torch.Tensor, got float") == 2, out
     assert [line.split()[2:] for line in out.splitlines() if line.startswith("ROW")] == [["0.0", "0.0", "True"]] * 3, out

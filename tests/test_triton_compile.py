@@ -92,6 +92,7 @@ def pinned() -> dict[str, list]:
     facts = tc.compile_check(archs=("sm_75", "sm_90a"), jobs=2, also=tc.plan_work([(DECODE_T4, False)], ["sm_75"]))
     print(f"{len(facts)} compiles in {time.perf_counter() - t0:.0f} s")
     decode = [f for f in facts if f.kernel.startswith("_decode")]
+    assert {f.arch for f in facts} == {"sm_75", "sm_90a"} and {f.arch for f in decode} == {"sm_75"}
     return {"decode": decode, **{arch: [f for f in facts if f.arch == arch and f not in decode]
                                  for arch in ("sm_75", "sm_90a")}}
 
@@ -102,7 +103,7 @@ def test_pinned_launches_compile_clean_for_turing(pinned):
     facts = pinned["sm_75"]
     assert {(64, "map"), (64, "dv"), (64, "dk_map"), (64, "dq_map"), (64, "pre"), (128, "map")} <= {
         (f.head_dim, f.form) for f in facts}
-    assert {f.dtype for f in facts} == {"float16"} and {f.arch for f in facts} == {"sm_75"}
+    assert {f.dtype for f in facts} == {"float16"}
     bad = {f"{f.kernel} {f.form} d{f.head_dim} {f.config}": f.problems() for f in facts if f.problems()}
     assert not bad, bad
     assert all(f.shared <= 65536 for f in facts)

@@ -427,8 +427,9 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
                          causal: bool = False, scale: float) -> Tensor:
     """Differential attention by the fused CPU kernel, on inputs :func:`~diffattn_tutorial.functional.diff_attention`
     has validated: q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam broadcastable to
-    ``(B, H, Nq, 1)``, ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` with no fully masked
-    row, ``causal`` bottom-right aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype, with gradients
+    ``(B, H, Nq, 1)`` (a tensor), ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` (entries
+    ``<= finfo(dtype).min`` masked; a fully masked row gives zero output and gradients), ``causal`` bottom-right
+    aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype, with gradients
     to q, k, v and lam. Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
     one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
     for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient).
@@ -436,6 +437,8 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     An eager call with nothing to differentiate runs the operator's body without the dispatcher: the same checks
     and kernel, without torch importing ``torch._dynamo`` on the operator's first call (about a second, in every
     new process)."""
+    if not isinstance(lam, Tensor):  # on every path (the dispatcher's own message would not name the fix)
+        raise TypeError(f"lam must be a torch.Tensor, got {type(lam).__name__}: pass torch.tensor(lam)")
     grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, lam))
     if torch.is_grad_enabled():
         _refuse_mask_grad(attn_mask)
