@@ -5,11 +5,10 @@ up in every list, status and ranking with nothing else edited."""
 
 import dataclasses
 import functools
-import subprocess
-import sys
 
 import pytest
 import torch
+from forked import run_python
 
 from diffattn_tutorial import backends
 from diffattn_tutorial.backends import (
@@ -366,8 +365,8 @@ def test_importing_the_library_does_not_import_the_compiler():
     test_cpu's peak-memory figures). The mark is set without it, and is the one the decorator sets."""
     code = ("import sys; import diffattn_tutorial, diffattn_tutorial.kernels.cpu.cpu_fused, diffattn_tutorial.cli; "
             "print('torch._dynamo' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    done = run_python(code)  # forked from a process that imported torch only
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
     marked = backends.constant_under_compile(lambda: 0)
     assert vars(torch.compiler.assume_constant_result(lambda: 0)) == vars(marked) == {"_dynamo_marked_constant": True}
 

@@ -127,11 +127,10 @@ print(json.dumps(results))
 def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_path):
     """Each subcommand of ``diffattn-tutorial --help`` with bad values: a non-zero exit and one line on stderr.
 
-    The cases run through the CLI's ``main`` in one fresh Python process (without ``TRITON_INTERPRET``, as a
+    The cases run through the CLI's ``main`` in one child process (``forked.run_python``, without ``TRITON_INTERPRET``, as a
     learner's shell has it), each as the console script runs it: an exception escaping ``main`` is the traceback
     the user would see."""
-    import subprocess
-    import sys
+    from forked import run_python
 
     from diffattn_tutorial.cli import build_parser
 
@@ -195,8 +194,7 @@ def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     argvs = [argv for group in cases.values() for argv in group]
-    proc = subprocess.run([sys.executable, "-c", SWEEP_DRIVER, json.dumps(argvs)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=600)
+    proc = run_python(SWEEP_DRIVER, [json.dumps(argvs)], env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     problems = []
     for argv, code, err in json.loads(proc.stdout.strip().splitlines()[-1]):

@@ -6,11 +6,10 @@ test runs in a child process (the kernel reads raw pointers: a crash fails one t
 measured by ``benchmarks/bench_cpu_train.py``, not here."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from forked import run_python
 
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.kernels.cpu import cpu_fused
@@ -115,8 +114,7 @@ print("PROPERTY OK")
 
 def test_gradients_equal_naives_in_float64_on_any_thread_count():
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run([sys.executable, "-c", "MAX_EXAMPLES = 60\n" + PROPERTY], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = run_python("MAX_EXAMPLES = 60\n" + PROPERTY, env=env, timeout=900)
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "PROPERTY OK" in proc.stdout
 

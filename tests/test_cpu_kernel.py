@@ -4,11 +4,10 @@ applies, and refused with a message that names the fix where it does not. Its sp
 ``benchmarks/bench_cpu_auto.py``, not here."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from forked import run_python
 
 from diffattn_tutorial import backend_table
 from diffattn_tutorial.functional import backend_status, diff_attention
@@ -350,8 +349,7 @@ def test_the_operator_called_first_in_a_process_loads_a_working_kernel():
             "out = torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, 8 ** -0.5)\n"
             "ref = diff_attention(q, k, v, lam, backend='naive')\n"
             "print(cf.kernel_status()[0], bool(torch.allclose(out, ref, atol=1e-5)))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(package_root())})
+    done = run_python(code, env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
     assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]
 
 

@@ -5,10 +5,10 @@ implementation. Every call that could crash runs in a child process, so a crash 
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from forked import run_python
 
 from diffattn_tutorial.kernels.cpu import cpu_fused
 
@@ -17,8 +17,7 @@ pytestmark = pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ com
 
 def child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_python(textwrap.dedent(code), env=env, timeout=timeout)
 
 
 def test_the_issues_segfault_is_a_named_error():

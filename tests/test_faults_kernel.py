@@ -11,13 +11,12 @@ the thread and process races use the real one.
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 
 import pytest
 import torch
+from forked import Child, run_python
 
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.kernels.cpu import build, cpu_fused
@@ -45,18 +44,11 @@ print("STATUS", ok, why.splitlines()[0])
 """
 
 
-def child(code, cache, timeout=120, limit_bytes=None, **env):
-    """Run ``code`` in a fresh Python with ``DIFFATTN_CACHE=cache`` (and ``env``); optionally with a file-size
-    limit (a full disk). Returns the CompletedProcess."""
+def child(code, cache, timeout=120, **env):
+    """Run ``code`` in a child process (``forked.run_python``) with ``DIFFATTN_CACHE=cache`` (and ``env``).
+    Returns the CompletedProcess."""
     full_env = {**os.environ, "DIFFATTN_CACHE": str(cache), "OMP_NUM_THREADS": "1", **env}
-
-    def limit():
-        import resource  # POSIX only
-
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limit if limit_bytes else None)
+    return run_python(code, env=full_env, timeout=timeout)
 
 
 def status_line(proc):
@@ -227,10 +219,9 @@ def test_first_use_from_two_processes_builds_once(tmp_path, copying_cxx):
     """Two processes of six threads each, on one empty cache: the file lock lets one of them build."""
     cxx, log = copying_cxx
     env = {**os.environ, "DIFFATTN_CACHE": str(tmp_path / "cache"), "CXX": str(cxx), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", THREADS], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    procs = [Child(THREADS, env=env) for _ in range(2)]  # both running before either is waited for
+    done = [p.wait(timeout=180) for p in procs]
+    assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
     assert builds(log) == 1
 
 

@@ -13,12 +13,11 @@ registered operator ``diffattn::triton_decode`` passes ``torch.library.opcheck``
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from forked import run_python
 
 pytest.importorskip("triton")
 
@@ -102,8 +101,7 @@ def interpreted():
     """Every case through the kernel in one interpreter subprocess: ``{case: errors}``."""
     cases = {name: {**BASE, **c} for name, c in CASES.items()}
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps(cases), capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = run_python(SCRIPT, input=json.dumps(cases), env=env, timeout=600)
     assert run.returncode == 0, f"the interpreter run failed (exit {run.returncode}):\n{run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -200,8 +198,7 @@ def test_the_operator_passes_opcheck_and_compiles_to_one_node():
     scalar lambda, 3 splits and 1; a function calling :func:`decode_attention` under ``torch.compile(fullgraph=True)``
     (a graph break raises) holds the operator as its one diffattn node and gives eager's output bit for bit."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", OPERATOR_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=600)
+    run = run_python(OPERATOR_SCRIPT, env=env, timeout=600)
     assert run.returncode == 0 and "OK" in run.stdout, (run.stdout + run.stderr)[-4000:]
 
 

@@ -176,6 +176,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
+from forked import run_python  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -285,7 +286,6 @@ def test_a_mask_that_requires_grad_is_refused_with_the_fix():
             "bias = torch.zeros(4, 4, requires_grad=True)\n"
             "try:\n    diff_attention(q, k, v, 0.5, attn_mask=bias, backend='triton')\n"
             "except ValueError as e:\n    print('refused:', e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    proc = run_python(code, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused:" in proc.stdout and "detach()" in proc.stdout and "naive" in proc.stdout, proc.stdout

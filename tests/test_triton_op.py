@@ -8,11 +8,10 @@ Each check runs the kernels in Triton's CPU interpreter (tiny shapes, a few seco
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from forked import run_python
 
 pytest.importorskip("triton")
 
@@ -36,10 +35,9 @@ def inputs(nq=9, nk=11, d=8, group=1, lam_kind="scalar", dtype=torch.float32, gr
 
 
 def run_script(body: str, timeout: int = 300) -> str:
-    """Run ``PRELUDE + body`` in a fresh interpreter; fail with its output unless it exits 0 and prints ``OK``."""
+    """Run ``PRELUDE + body`` in a child process (``forked.run_python``); fail with its output unless it exits 0 and prints ``OK``."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "DIFFATTN_TRITON_POISON": "1"}
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
+    proc = run_python(PRELUDE + textwrap.dedent(body), env=env, timeout=timeout)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "OK" in proc.stdout, output[-4000:]
     return proc.stdout

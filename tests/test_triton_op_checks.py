@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -167,6 +166,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
+from forked import run_python  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_triton_layouts import Worker  # noqa: E402
@@ -185,8 +185,7 @@ def test_the_decode_operator_refuses_k_and_v_of_different_lengths():
             "    try:\n        out = getattr(torch.ops.diffattn, op)(*args)\n"
             "        print(op, 'returned, finite:', bool(out[0].isfinite().all()))\n"
             "    except ValueError as e:\n        print(op, 'refused:', e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = run_python(code, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for op in ("triton_decode", "triton_forward"):
         assert f"{op} refused: diffattn::{op}: v has shape (1, 1, 1, 16)" in proc.stdout, proc.stdout

@@ -13,6 +13,7 @@ over ``training.study.retrieval_loss`` with ``layers.convert.set_warmup`` (task 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Callable
 
@@ -166,15 +167,36 @@ def _tiny_converted():
     return model, batches
 
 
+_WRONG_FINETUNES = [
+    ("none", "the warm-up is missing: lambda_mix must be set before every step's forward, from 0 at step 0 to 1 at "
+             "step warmup_steps, so the model starts as the baseline"),
+    ("late", "the warm-up is one step ahead (mix = (t + 1) / warmup_steps): at step 0 the negative branch must be "
+             "off, mix = t / warmup_steps"),
+    ("after", "lambda_mix is set after the step: set it before the forward of the step it belongs to"),
+    ("accumulate", "the gradients are never zeroed: call opt.zero_grad() every step, or they add up")]
+
+
+@functools.lru_cache(maxsize=1)
+def _finetune_case() -> tuple:
+    """The model, its batches, the right losses and final weights, and the losses of each mistake: computed once
+    per process (every call of the check, a mutation run's too, would train the same five runs again); callers
+    get copies of the model and the batches."""
+    model, batches = _tiny_converted()
+    want, want_params = _reference(copy.deepcopy(model), batches, lr=_FT_LR, warmup_steps=_FT_WARMUP)
+    wrong = {hint: torch.tensor(_reference(copy.deepcopy(model), batches, lr=_FT_LR, warmup_steps=_FT_WARMUP,
+                                           variant=variant)[0], dtype=torch.float64)
+             for variant, hint in _WRONG_FINETUNES}
+    return model, batches, torch.tensor(want, dtype=torch.float64), want_params, wrong
+
+
 @exercise_check(task=3, name="finetune")
 def check_finetune(fn: Callable) -> None:
     """``fn(model, batches, *, lr, warmup_steps)``: plain SGD on ``retrieval_loss``, one step per batch, with
     ``set_warmup(model, min(1, t / warmup_steps))`` before step ``t``'s forward; returns the loss of every step."""
     what = f"finetune (SGD, {_FT_STEPS} steps, warmup_steps={_FT_WARMUP})"
-    model, batches = _tiny_converted()
-    want, want_params = _reference(copy.deepcopy(model), batches, lr=_FT_LR, warmup_steps=_FT_WARMUP)
+    model, batches, want, want_params, wrong = _finetune_case()
     learner = copy.deepcopy(model)
-    got = call(fn, learner, batches, lr=_FT_LR, warmup_steps=_FT_WARMUP, what=what)
+    got = call(fn, learner, copy.deepcopy(batches), lr=_FT_LR, warmup_steps=_FT_WARMUP, what=what)
     if not isinstance(got, (list, tuple)) or len(got) != _FT_STEPS:
         fail(f"{what} should return a list of {_FT_STEPS} losses, one per batch, got {type(got).__name__}"
              + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""))
@@ -182,17 +204,7 @@ def check_finetune(fn: Callable) -> None:
         got_t = torch.tensor([float(x) for x in got], dtype=torch.float64)
     except (TypeError, ValueError):
         fail(f"{what} should return numbers (loss.item()), got {[type(x).__name__ for x in got][:2]}")
-    wrong = {}
-    for variant, hint in [
-            ("none", "the warm-up is missing: lambda_mix must be set before every step's forward, from 0 at step 0 "
-                     "to 1 at step warmup_steps, so the model starts as the baseline"),
-            ("late", "the warm-up is one step ahead (mix = (t + 1) / warmup_steps): at step 0 the negative branch "
-                     "must be off, mix = t / warmup_steps"),
-            ("after", "lambda_mix is set after the step: set it before the forward of the step it belongs to"),
-            ("accumulate", "the gradients are never zeroed: call opt.zero_grad() every step, or they add up")]:
-        wrong[hint] = torch.tensor(_reference(copy.deepcopy(model), batches, lr=_FT_LR, warmup_steps=_FT_WARMUP,
-                                              variant=variant)[0], dtype=torch.float64)
-    expect(got_t, torch.tensor(want, dtype=torch.float64), what=f"{what}: the losses", wrong=wrong,
+    expect(got_t, want, what=f"{what}: the losses", wrong=wrong,
            default_hint="One SGD step per batch on retrieval_loss, set_warmup(model, min(1, t / warmup_steps)) "
                         "before each forward.")
     params = torch.cat([p.detach().flatten() for p in learner.parameters()])
