@@ -6,8 +6,8 @@ import os
 import subprocess
 import time
 
-import pytest
 import forked as forked_module
+import pytest
 from forked import Child, run_python
 
 FALLBACK = {"FORKED_TEST_FALLBACK": "1"}  # not in forked.FORK_SAFE: a changed one means a real interpreter
