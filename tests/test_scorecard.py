@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
+from forked import run_python
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from diffattn_tutorial.cli import main
@@ -147,10 +146,10 @@ def test_runs_in_its_own_folder_times_out_and_goes_on(tmp_path, capsys, monkeypa
     ])
     nbformat.write(nb, folder / "mine.ipynb")
     monkeypatch.chdir(tmp_path)
-    assert main(["check", str(folder / "mine.ipynb"), "--timeout", "2"]) == 1
+    assert main(["check", str(folder / "mine.ipynb"), "--timeout", "1"]) == 1
     lines = task_lines(capsys.readouterr().out)
     assert lines[0].endswith(PASSED)
-    assert FAILED in lines[1] and "timed out after 2 s" in lines[1]
+    assert FAILED in lines[1] and "timed out after 1 s" in lines[1]
     assert NOT_ATTEMPTED in lines[2]
 
 
@@ -182,8 +181,8 @@ def test_a_cell_that_swallows_the_interrupt_is_stopped_and_later_tasks_fail(tmp_
         new_code_cell("# CHECK 3\nassert y == 2"),
     ])
     nbformat.write(nb, tmp_path / "stubborn.ipynb")
-    done = subprocess.run([sys.executable, "-m", "diffattn_tutorial.cli", "check", "stubborn.ipynb", "--timeout", "1"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    done = run_python("import sys\nfrom diffattn_tutorial.cli import main\nsys.exit(main(sys.argv[1:]))",
+                      ["check", "stubborn.ipynb", "--timeout", "1"], cwd=tmp_path, timeout=180)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = task_lines(done.stdout)
     assert lines[0].endswith(PASSED)
