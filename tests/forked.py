@@ -3,86 +3,120 @@
 Crash-prone checks (a kernel, ctypes, Triton's interpreter) run in a child process, so that a crash fails one test
 instead of the run. A fresh ``python -c`` spends about 1.5 s of CPU importing torch and half a second more leaving
 it. Here the child is forked from a server that imported torch once per pytest process (multiprocessing's
-``forkserver``), and leaves through ``os._exit`` after the steps an interpreter takes at exit (joining non-daemon
-threads, ``atexit`` handlers, flushing). It is still a process of its own: a segfault, an abort or a hang ends only
-it, and the test sees the exit status ``subprocess`` would give (``-11`` for a segfault).
+``forkserver``). It is still a process of its own: a segfault, an abort or a hang ends only it, and the test sees
+the exit status ``subprocess`` would give (``-11`` for a segfault, ``-2`` for an uncaught ``KeyboardInterrupt``).
 
 The child gets the environment it is given (``os.environ`` by default), the working folder, ``sys.argv``
-(``["-c", *args]``), stdin and a ``__main__`` module of its own. Torch was imported with the server's environment,
-so an environment that differs from it in a variable other than ``FORK_SAFE`` (variables read when used, not when
-torch is imported) runs in a real ``python -c`` instead, as it does where there is no forkserver (Windows).
+(``["-c", *args]``), ``sys.path`` (a fresh ``python -c``'s, after ``PYTHONPATH``), stdin, freshly seeded random
+generators and a ``__main__`` module of its own. It leaves as an interpreter does, in that order: non-daemon threads
+joined, ``atexit`` handlers run, ``__main__``'s globals released, Python's and C's output buffers flushed; then
+``os._exit`` skips the rest of the teardown (what costs half a second after ``import torch``). Torch was imported
+with the server's environment and interpreter flags, so a child whose environment differs in a variable other than
+``FORK_SAFE``, or a pytest started with flags (``python -O``, ``-W error``), runs a real ``python -c`` instead, as
+everything does where there is no forkserver (Windows).
+
+A ``Child`` that is never waited for is killed when pytest exits.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import multiprocessing
+import multiprocessing.process
 import os
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Optional, Sequence
 
-FORK_SAFE = ("DIFFATTN_", "TRITON_", "CXX", "CC", "TMPDIR", "OMP_NUM_THREADS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
+FORK_SAFE = ("DIFFATTN_", "TRITON_", "TORCHINDUCTOR_", "CXX", "CC", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
              "PYTEST_CURRENT_TEST")
-"""Variables (or prefixes) a forked child may see changed: read when used (TMPDIR: ``tempfile`` is reset in the
-child), or applied in the child (``OMP_NUM_THREADS`` through ``torch.set_num_threads``, ``PYTHONPATH`` put first on
-``sys.path``). Triton is not imported by the server, so ``TRITON_INTERPRET`` takes effect in the child. pytest
-changes ``PYTEST_CURRENT_TEST`` for every test."""
+"""Variables (or prefixes) a forked child may see changed: read when used, not when torch is imported (TMPDIR:
+``tempfile`` is reset in the child; PYTHONPATH: ``sys.path`` is built in the child). Triton is not imported by the
+server, so ``TRITON_INTERPRET`` takes effect in the child; nor is inductor, which sets ``TORCHINDUCTOR_CACHE_DIR``
+in the process that first compiles. pytest changes ``PYTEST_CURRENT_TEST`` for every test.
+Thread counts (``OMP_NUM_THREADS``) are not here: torch and numpy's BLAS read them when they are loaded."""
 
 _server: dict = {}
+_BASE_ENV = dict(os.environ)  # at import (test collection), before a test changes the environment: the server's
 
 
 def _context():
-    """The forkserver context, its server importing torch, started on first use; None where there is none."""
+    """The forkserver context, its server importing torch, started on first use; None where there is none or
+    where this interpreter runs with flags (``-O``, ``-W``) a fresh ``python -c`` would not have."""
     if "ctx" not in _server:
+        from multiprocessing import forkserver, util
+
+        _server["ctx"] = None
         if "forkserver" not in multiprocessing.get_all_start_methods():
-            _server["ctx"] = None
-        else:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch"])
-            _server["ctx"], _server["env"] = ctx, dict(os.environ)  # the server starts with this environment
+            return None
+        probe = "import json, sys; from multiprocessing import util; print(json.dumps([sys.path, " \
+                "util._args_from_interpreter_flags()]))"
+        fresh = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                               env={k: v for k, v in _BASE_ENV.items() if k != "PYTHONPATH"})
+        path, flags = json.loads(fresh.stdout)
+        if util._args_from_interpreter_flags() != flags:  # -O, -W ...: the server would inherit them
+            return None
+        _server["path"] = path[1:]  # after '' (the working folder), and after PYTHONPATH in the child
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch"])
+        now = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_BASE_ENV)
+        try:
+            forkserver.ensure_running()  # the server inherits the environment of the moment it starts
+        finally:
+            os.environ.clear()
+            os.environ.update(now)
+        _server["env"], _server["ctx"] = _BASE_ENV, ctx
     return _server["ctx"]
 
 
 def _forkable(env: dict) -> bool:
     base = _server["env"]
-    changed = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
-    threads = env.get("OMP_NUM_THREADS", "")  # set in the child; beyond the cores torch's own reading differs
-    return all(k.startswith(FORK_SAFE) for k in changed) and (
-        "OMP_NUM_THREADS" not in changed or threads.isdigit() and 1 <= int(threads) <= (os.cpu_count() or 1))
+    return all(k.startswith(FORK_SAFE) for k in env.keys() | base.keys() if env.get(k) != base.get(k))
 
 
-def _child(code: str, args: Sequence[str], env: dict, cwd: str, files: tuple[str, str, str]) -> None:
-    """In the forked child: set up what a fresh ``python -c code *args`` would have, run it, leave with its status."""
-    import atexit
+def _child(code: str, args: Sequence[str], env: dict, cwd: str, files: tuple[str, str, str], path: list) -> None:
+    """In the forked child: set up what a fresh ``python -c code *args`` would have, run it, leave as it would."""
     import builtins
+    import ctypes
+    import gc
+    import random
+    import signal
     import threading
     import traceback
     import types
 
-    for fd, path, flags in zip((0, 1, 2), files, (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY)):
-        opened = os.open(path, flags)
+    import numpy
+    import torch
+
+    sys.modules.pop(__name__, None)  # imported to unpickle this function: a fresh interpreter has not
+    for fd, name, flags in zip((0, 1, 2), files, (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY)):
+        opened = os.open(name, flags)
         os.dup2(opened, fd)
         os.close(opened)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: what was printed before a crash stays
-    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-    new_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # line-buffered, and written through:
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    for stream in (sys.stdout, sys.stderr):  # what was printed before a crash is kept
+        stream.reconfigure(write_through=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.path[1:1] = new_paths  # after the script's folder, as the interpreter puts PYTHONPATH
+    sys.path[:] = ["", *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], *path]
     tempfile.tempdir = None  # read TMPDIR again
-    if "OMP_NUM_THREADS" in env:
-        import torch
-
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    random.seed()
+    numpy.random.seed()
+    torch.seed()
     sys.argv = ["-c", *args]
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
-    status = 0
+    status, interrupted = 0, False
     try:
         exec(compile(code, "<string>", "exec"), main.__dict__)
     except SystemExit as e:
@@ -91,63 +125,90 @@ def _child(code: str, args: Sequence[str], env: dict, cwd: str, files: tuple[str
             print(e.code, file=sys.stderr)
     except BaseException as e:
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the snippet's frame, as python -c
-        status = 1
-    threading._shutdown()  # what the interpreter does at exit: join non-daemon threads, then run atexit
+        status, interrupted = 1, isinstance(e, KeyboardInterrupt)
+    threading._shutdown()  # what the interpreter does at exit: join non-daemon threads, run atexit, tear down
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    main.__dict__.clear()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    ctypes.CDLL(None).fflush(None)  # C's stdio buffers (printf from a library)
+    if interrupted:  # an uncaught KeyboardInterrupt ends python by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(status)
+
+
+def _kill(proc) -> None:
+    """At exit: a child nobody waited for (a test that failed between start and wait) is killed, not waited for."""
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
 
 
 class Child:
     """A running snippet: ``wait(timeout)`` returns a ``subprocess.CompletedProcess``, as ``subprocess.run`` would
-    (``subprocess.TimeoutExpired`` after killing it when it runs longer)."""
+    (``subprocess.TimeoutExpired`` after killing it when it runs longer); ``kill()`` stops it."""
 
     def __init__(self, code: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
                  input: Optional[str] = None):
         self.args = [sys.executable, "-c", code, *args]
         env = dict(os.environ if env is None else env)
         cwd = str(cwd or os.getcwd())
+        if not os.path.isdir(cwd):  # what subprocess raises, here rather than in the child
+            raise FileNotFoundError(2, "No such directory", cwd)
         ctx = _context()
+        self._result: Optional[subprocess.CompletedProcess] = None
         self._folder = tempfile.TemporaryDirectory(prefix="forked-")
         folder = Path(self._folder.name)
         self._files = tuple(str(folder / name) for name in ("stdin", "stdout", "stderr"))
         Path(self._files[0]).write_text(input or "")
+        self._proc = self._popen = None
         if ctx is not None and _forkable(env):
             for name in self._files[1:]:
                 Path(name).touch()
-            self._proc = ctx.Process(target=_child, args=(code, list(args), env, cwd, self._files))
+            self._proc = ctx.Process(target=_child, args=(code, list(args), env, cwd, self._files, _server["path"]))
             self._proc.start()
-            self._popen = None
+            multiprocessing.process._children.discard(self._proc)  # not joined by multiprocessing at exit ...
+            weakref.finalize(self, _kill, self._proc)                # ... but killed then, if still running
         else:
             with open(self._files[0]) as stdin, open(self._files[1], "w") as out, open(self._files[2], "w") as err:
-                self._popen = subprocess.Popen(self.args, env=env, cwd=cwd, stdin=stdin, stdout=out,
-                                               stderr=err)
-            self._proc = None
+                self._popen = subprocess.Popen(self.args, env=env, cwd=cwd, stdin=stdin, stdout=out, stderr=err)
+
+    @property
+    def forked(self) -> bool:
+        return self._proc is not None
 
     @property
     def pid(self) -> int:
-        return self._proc.pid if self._proc is not None else self._popen.pid
+        return self._proc.pid if self.forked else self._popen.pid
+
+    def kill(self) -> None:
+        if self.forked:
+            _kill(self._proc)
+        elif self._popen.poll() is None:
+            self._popen.kill()
+            self._popen.wait()
 
     def wait(self, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
-        try:
-            if self._proc is not None:
-                self._proc.join(timeout)
-                if self._proc.exitcode is None:
-                    self._proc.kill()
-                    self._proc.join()
-                    raise subprocess.TimeoutExpired(self.args, timeout, *self._read())
-                status = self._proc.exitcode
-            else:
-                try:
-                    status = self._popen.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self._popen.kill()
-                    self._popen.wait()
-                    raise subprocess.TimeoutExpired(self.args, timeout, *self._read()) from None
-            return subprocess.CompletedProcess(self.args, status, *self._read())
-        finally:
+        if self._result is not None:
+            return self._result
+        if self.forked:
+            self._proc.join(timeout)
+            status = self._proc.exitcode
+        else:
+            try:
+                status = self._popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                status = None
+        if status is None:
+            self.kill()
+            out, err = self._read()
             self._folder.cleanup()
+            raise subprocess.TimeoutExpired(self.args, timeout, out, err)
+        self._result = subprocess.CompletedProcess(self.args, status, *self._read())
+        self._folder.cleanup()
+        return self._result
 
     def _read(self) -> tuple[str, str]:
         return tuple(Path(name).read_text(encoding="utf-8", errors="replace") for name in self._files[1:])

@@ -220,7 +220,11 @@ def test_first_use_from_two_processes_builds_once(tmp_path, copying_cxx):
     cxx, log = copying_cxx
     env = {**os.environ, "DIFFATTN_CACHE": str(tmp_path / "cache"), "CXX": str(cxx), "OMP_NUM_THREADS": "1"}
     procs = [Child(THREADS, env=env) for _ in range(2)]  # both running before either is waited for
-    done = [p.wait(timeout=180) for p in procs]
+    try:
+        done = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
     assert builds(log) == 1
 

@@ -1,14 +1,17 @@
 """``forked.run_python``, the child processes of the crash-prone tests, behaves as ``subprocess.run([python, "-c",
-...])`` does: exit status (a crash's signal too), output, arguments, stdin, folder, environment, timeout. Each
-check runs forked and through the fallback (a real ``python -c``), and both must give the same answer."""
+...])`` does: exit status (a crash's signal too), output, arguments, stdin, folder, environment, path, exit steps,
+timeout. Each check runs forked and through the fallback (a real ``python -c``), and both must give the same answer."""
 
 import os
 import subprocess
 import time
 
-import forked as forked_module
+import forked
 import pytest
-from forked import Child, run_python
+from forked import Child, _context, run_python
+
+pytestmark = pytest.mark.skipif(_context() is None, reason="no forkserver here (or python runs with flags): "
+                                                          "every child is a real python -c")
 
 FALLBACK = {"FORKED_TEST_FALLBACK": "1"}  # not in forked.FORK_SAFE: a changed one means a real interpreter
 
@@ -18,52 +21,75 @@ def env(request) -> dict:
     return {**os.environ, **(FALLBACK if request.param == "fallback" else {})}
 
 
-def test_the_fork_path_is_taken_and_the_fallback_is_a_fresh_interpreter():
+def run(code, env, args=(), **kw) -> subprocess.CompletedProcess:
+    """``run_python``, checking that the path taken is the one ``env`` asks for."""
+    child = Child(code, args, env=env, **kw)
+    base = forked._server["env"]
+    assert child.forked == ("FORKED_TEST_FALLBACK" not in env), \
+        sorted(k for k in env.keys() | base.keys() if env.get(k) != base.get(k))  # what made it fall back
+    return child.wait(timeout=120)
+
+
+def test_the_fork_path_starts_with_torch_imported_and_the_fallback_without():
     code = "import sys; print('torch' in sys.modules)"
-    forked = run_python(code)
-    base = forked_module._server["env"]
-    changed = {k for k in os.environ.keys() | base.keys() if os.environ.get(k) != base.get(k)}
-    assert forked.stdout == "True\n", changed  # forked from the server that imported torch
+    assert run_python(code).stdout == "True\n"
     assert run_python(code, env={**os.environ, **FALLBACK}).stdout == "False\n"
 
 
 def test_statuses_output_and_tracebacks(env):
-    done = run_python("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)", env=env)
+    done = run("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)", env)
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
-    done = run_python("print('before')\nraise ValueError('boom')", env=env)
+    done = run("print('before')\nraise ValueError('boom')", env)
     assert done.returncode == 1 and done.stdout == "before\n"
     assert done.stderr.startswith("Traceback") and 'File "<string>", line 2' in done.stderr
     assert done.stderr.strip().endswith("ValueError: boom") and "forked.py" not in done.stderr
-    assert run_python("raise SystemExit('a message')", env=env).stderr == "a message\n"
+    assert run("raise SystemExit('a message')", env).stderr == "a message\n"
+    assert run("raise KeyboardInterrupt", env).returncode == -2
 
 
 def test_a_segfault_is_the_childs_signal_not_a_crash_here(env):
-    done = run_python("import ctypes; print('reached', flush=True); ctypes.string_at(0)", env=env)
+    done = run("import ctypes; print('reached', flush=True); ctypes.string_at(0)", env)
     assert done.returncode == -11 and done.stdout == "reached\n"
 
 
-def test_arguments_stdin_folder_and_environment(env, tmp_path):
-    code = ("import os, sys, tempfile\nprint(sys.argv, input(), os.getcwd(), os.environ['DIFFATTN_PROBE'],"
-            " tempfile.gettempdir(), __name__)")
-    env = {**env, "DIFFATTN_PROBE": "seen", "TMPDIR": str(tmp_path)}
-    done = run_python(code, ["a", "b c"], env=env, cwd=tmp_path, input="typed\n")
+def test_arguments_stdin_folder_environment_and_path(env, tmp_path):
+    (tmp_path / "here_module.py").write_text("WHERE = 'here'\n")  # found through '' (the working folder)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "lib_module.py").write_text("WHERE = 'lib'\n")  # found through PYTHONPATH
+    code = ("import os, sys, tempfile, here_module, lib_module\n"
+            "print(sys.argv, input(), os.getcwd(), os.environ['DIFFATTN_PROBE'], 'TRITON_INTERPRET' in os.environ,"
+            " tempfile.gettempdir(), __name__, here_module.WHERE, lib_module.WHERE)")
+    env = {**{k: v for k, v in env.items() if k != "TRITON_INTERPRET"}, "DIFFATTN_PROBE": "seen",
+           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path / "lib")}
+    done = run(code, env, ["a", "b c"], cwd=tmp_path, input="typed\n")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["['-c',", "'a',", "'b", "c']", "typed", str(tmp_path), "seen", str(tmp_path),
-                                   "__main__"]
+    assert done.stdout.split() == ["['-c',", "'a',", "'b", "c']", "typed", str(tmp_path), "seen", "False",
+                                   str(tmp_path), "__main__", "here", "lib"]
+    assert "No module named 'forked'" in run("import forked", env).stderr  # the tests' folder is not on the path
 
 
-def test_the_thread_count_and_the_path_are_what_a_fresh_interpreter_gets(tmp_path):
-    (tmp_path / "probe_module.py").write_text("WHERE = 'found'\n")
-    for threads in {"1", str(min(2, os.cpu_count()))}:  # the tests' counts (the server's is one of them)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(tmp_path)}  # forked: set in the child
-        done = run_python("import torch, probe_module; print(torch.get_num_threads(), probe_module.WHERE)", env=env)
-        assert (done.returncode, done.stdout) == (0, f"{threads} found\n"), done.stderr
+def test_a_changed_thread_count_gets_a_fresh_interpreter():
+    """Thread counts are read when torch and numpy's BLAS load: a child asking for another runs python -c."""
+    threads = "2" if os.environ.get("OMP_NUM_THREADS") == "1" else "1"
+    child = Child("import torch; print(torch.get_num_threads())", env={**os.environ, "OMP_NUM_THREADS": threads})
+    assert not child.forked and child.wait(timeout=120).stdout == f"{threads}\n"
 
 
-def test_exit_joins_threads_and_runs_atexit(env):
-    code = ("import atexit, threading, time\natexit.register(print, 'atexit')\n"
-            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()")
-    assert run_python(code, env=env).stdout == "thread\natexit\n"
+def test_random_generators_differ_from_child_to_child(env):
+    code = "import random, numpy, torch; print(random.random(), numpy.random.rand(), torch.rand(1).item())"
+    assert run(code, env).stdout != run(code, env).stdout
+
+
+def test_exit_joins_threads_runs_atexit_releases_globals_and_flushes(env, tmp_path):
+    code = ("import atexit, ctypes, threading, time\natexit.register(print, 'atexit')\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+            "class Last:\n    def __del__(self): print('released')\nlast = Last()\n"
+            "f = open('unflushed.txt', 'w'); f.write('data')\n"
+            "ctypes.CDLL(None).printf(b'from C\\n')")
+    done = run(code, env, cwd=tmp_path)
+    lines = done.stdout.splitlines()  # C's buffer is flushed on its own terms: where it lands may vary
+    assert [line for line in lines if line != "from C"] == ["thread", "atexit", "released"] and "from C" in lines
+    assert (tmp_path / "unflushed.txt").read_text() == "data"
 
 
 def test_a_timeout_kills_the_child_and_raises(env):
@@ -73,6 +99,11 @@ def test_a_timeout_kills_the_child_and_raises(env):
     assert time.perf_counter() - t0 < 10
 
 
+def test_a_missing_folder_raises_here():
+    with pytest.raises(FileNotFoundError):
+        run_python("pass", cwd="/no/such/folder")
+
+
 def test_two_children_run_at_once(env, tmp_path):
     """Each waits for a file the other writes: only possible when both run before either is waited for."""
     code = ("import os, sys, time\nme, other = sys.argv[1:]\nopen(me, 'w').close()\n"
@@ -80,4 +111,8 @@ def test_two_children_run_at_once(env, tmp_path):
             "print(os.path.exists(other))")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     children = [Child(code, [a, b], env=env), Child(code, [b, a], env=env)]
-    assert [c.wait(timeout=60).stdout for c in children] == ["True\n", "True\n"]
+    try:
+        assert [c.wait(timeout=60).stdout for c in children] == ["True\n", "True\n"]
+    finally:
+        for c in children:
+            c.kill()
