@@ -32,12 +32,12 @@ import weakref
 from pathlib import Path
 from typing import Optional, Sequence
 
-FORK_SAFE = ("DIFFATTN_", "TRITON_", "TORCHINDUCTOR_", "CXX", "CC", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
-             "PYTEST_CURRENT_TEST")
+FORK_SAFE = ("DIFFATTN_", "TRITON_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "CXX", "CC", "TMPDIR", "PYTHONPATH",
+             "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST")
 """Variables (or prefixes) a forked child may see changed: read when used, not when torch is imported (TMPDIR:
 ``tempfile`` is reset in the child; PYTHONPATH: ``sys.path`` is built in the child). Triton is not imported by the
 server, so ``TRITON_INTERPRET`` takes effect in the child; nor is inductor, which sets ``TORCHINDUCTOR_CACHE_DIR``
-in the process that first compiles. pytest changes ``PYTEST_CURRENT_TEST`` for every test.
+and ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`` in the process that first compiles. pytest changes ``PYTEST_CURRENT_TEST`` for every test.
 Thread counts (``OMP_NUM_THREADS``) are not here: torch and numpy's BLAS read them when they are loaded."""
 
 _server: dict = {}
