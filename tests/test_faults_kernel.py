@@ -255,7 +255,8 @@ def test_a_failed_build_is_remembered_until_the_settings_change(tmp_path, monkey
     for _ in range(20):
         why = falls_back()
     assert "did not compile" in why and "always fails" in why
-    assert builds(log) == 3, "one --version and one build with and one without native flags, not one per call"
+    assert builds(log) == 5, ("one --version and one build with each of the native and OpenMP flags, either and "
+                              "neither, not one per call")
     monkeypatch.setenv("CXX", shutil.which("c++"))  # new settings: a new attempt, which succeeds
     assert cpu_fused.kernel_status()[0]
 
@@ -321,6 +322,21 @@ def test_a_full_disk_falls_back_and_a_later_attempt_builds(tmp_path, monkeypatch
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
     build._FAILED.clear()  # as a new process would
     assert cpu_fused.kernel_status()[0]
+
+
+def test_a_compiler_without_openmp_builds_a_kernel_on_threads_of_its_own(tmp_path):
+    """A compiler that refuses ``-fopenmp`` (Apple's clang does) still builds the kernel, which then starts threads
+    of its own per call."""
+    real, log = shutil.which("c++"), tmp_path / "flags.log"
+    cxx = script(tmp_path / "no-openmp-cxx", f"""
+        for a in "$@"; do [ "$a" = "-fopenmp" ] && {{ echo refused >> '{log}'; echo "unsupported option" >&2; exit 1; }}; done
+        exec '{real}' "$@"
+    """)
+    code = CALL + "print('THREADS', cpu_fused.kernel_threads())\n"
+    proc = child(code, tmp_path / "cache", CXX=str(cxx))
+    assert status_line(proc).startswith("STATUS True")
+    assert "THREADS own" in proc.stdout
+    assert log.read_text().split() == ["refused"]  # then the native flags alone build it
 
 
 def test_a_compiler_given_with_arguments(tmp_path, monkeypatch, fresh_state):

@@ -46,6 +46,7 @@ SOURCE = "diff_attention_cpu.cpp"
 
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
 NATIVE_FLAGS = ("-march=native",)  # tried first; a compiler that does not take it builds without it
+OPENMP_FLAGS = ("-fopenmp",)  # tried first too: the kernel can then run on torch's OpenMP threads (cpu_fused.py)
 
 TIMEOUT_S = 300.0
 """Seconds a compiler run may take (``--version``, or one build) before it is stopped, with what it started."""
@@ -152,9 +153,10 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def _compile(cxx: list[str], source: Path, target: Path) -> None:
-    """Build ``target`` from ``source``; native flags first, then without them. Raises KernelUnavailable."""
+    """Build ``target`` from ``source``: with the native and OpenMP flags, else without one of them, else with
+    neither. Raises KernelUnavailable."""
     errors = []
-    for extra in (NATIVE_FLAGS, ()):
+    for extra in (NATIVE_FLAGS + OPENMP_FLAGS, NATIVE_FLAGS, OPENMP_FLAGS, ()):
         cmd = [*cxx, *COMMON_FLAGS, *extra, str(source), "-o", str(target)]
         try:
             run = _run(cmd)
@@ -268,8 +270,8 @@ def library_path() -> Path:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"the C++ compiler {shlex.join(cxx)!r} could not be run ({e}); set CXX to a "
                                 f"working compiler, or use backend='sdpa_padded'") from e
-    key = hashlib.sha256("\0".join([text, *cxx, version, *COMMON_FLAGS, *NATIVE_FLAGS, platform.machine(),
-                                    _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([text, *cxx, version, *COMMON_FLAGS, *NATIVE_FLAGS, *OPENMP_FLAGS,
+                                    platform.machine(), _cpu_fingerprint()]).encode()).hexdigest()[:16]
     folder = _build_dir()
     target = folder / f"diff_attention_cpu_{key}.so"
     if not _intact(target):

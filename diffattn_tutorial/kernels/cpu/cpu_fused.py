@@ -9,6 +9,9 @@ and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_aut
 The backward (``diff_attention_cpu_backward``) recomputes the maps block by block from per-row statistics, as
 flash attention does, in two passes: dq and dlambda per block of query rows, then dk and dv per block of keys, each
 summed by one thread in a fixed order (the gradients do not depend on the thread count; no N x N tensor is kept).
+The threads are those of torch's OpenMP pool where the process has that one OpenMP runtime (:func:`kernel_threads`):
+its threads keep spinning for a while after each of torch's parallel calls, so threads of the kernel's own would
+share the cores with them.
 The calls are the torch operators :data:`OP_NAME` and :data:`BACKWARD_OP_NAME` (``torch.library.custom_op``, with
 ``register_autograd`` and fake implementations that check their inputs as the operators do), so
 ``torch.compile(fullgraph=True)`` trains through them. The library
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -59,19 +64,64 @@ def _load(path: Path) -> ctypes.CDLL:
     b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, c_int,
                   c_int]
     b.restype = c_int
+    lib.diff_attention_cpu_use_openmp.argtypes, lib.diff_attention_cpu_use_openmp.restype = [c_int], c_int
     return lib
 
 
+def _is_openmp_runtime(filename: str) -> bool:
+    """Whether a library file is an OpenMP runtime: GNU's ``libgomp``, Intel's ``libiomp5`` or LLVM's ``libomp``,
+    also under a wheel's renamed copy (``libgomp-a34b3233.so.1``)."""
+    return re.fullmatch(r"lib(gomp|iomp5|omp)([-.][^/]*)?\.(so|dylib)(\.[0-9.]+)?", filename) is not None
+
+
+def _openmp_runtimes() -> Optional[set[str]]:
+    """The files of the OpenMP runtimes mapped into this process, from Linux's ``/proc/self/maps``; None where the
+    process cannot list them."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    files = {fields[5] for fields in (line.split(None, 5) for line in lines) if len(fields) == 6}
+    return {f for f in files if _is_openmp_runtime(os.path.basename(f))}
+
+
+def _use_openmp(lib: ctypes.CDLL, wanted: bool) -> bool:
+    """Run the kernel on OpenMP's thread pool (``wanted``) or on threads it starts per call; returns whether it now
+    runs on OpenMP's (never where it was built without OpenMP)."""
+    return bool(lib.diff_attention_cpu_use_openmp(int(wanted))) and wanted
+
+
+def _choose_threads(lib: ctypes.CDLL) -> bool:
+    """OpenMP's pool where this process has exactly one OpenMP runtime, the kernel loaded: then it is torch's (or,
+    where torch uses none, the kernel's alone), and its threads, still spinning from torch's last parallel call,
+    take the kernel's work at once, where threads of the kernel's own would share the cores with them. Where the
+    kernel brought a second runtime, or the runtimes cannot be listed, it starts threads of its own per call."""
+    runtimes = _openmp_runtimes()
+    return _use_openmp(lib, runtimes is not None and len(runtimes) == 1)
+
+
 def _first_load() -> ctypes.CDLL:
-    """Build (or find), load and self-check the kernel. Raises KernelUnavailable."""
+    """Build (or find), load, choose the threads of, and self-check the kernel. Raises KernelUnavailable."""
     path = library_path()
     try:
         lib = _load(path)
     except (OSError, AttributeError) as e:
         raise KernelUnavailable(f"the compiled kernel {path} could not be loaded ({e}); delete it to rebuild, "
                                 f"or use backend='sdpa_padded'") from e
+    _THREADS.update(built=_use_openmp(lib, True), openmp=_choose_threads(lib))
     _self_check(lib)
     return lib
+
+
+_THREADS: dict[str, bool] = {}  # of the loaded kernel: "built" with OpenMP, runs on its pool ("openmp")
+
+
+def kernel_threads() -> str:
+    """Where the loaded kernel's work runs: ``"openmp"``, the OpenMP thread pool of torch's own parallel calls, or
+    ``"own"``, threads it starts per call (built without OpenMP, or the process has more than one OpenMP
+    runtime). The numbers are the same bit for bit. Raises KernelUnavailable where the kernel cannot be had."""
+    _kernel()
+    return "openmp" if _THREADS["openmp"] else "own"
 
 
 def _kernel() -> ctypes.CDLL:
@@ -448,5 +498,5 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "BLOCK_KEYS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
-           "library_path", "kernel_status", "check_operator_inputs", "cpu_fused_forward", "cpu_fused_backward",
+           "library_path", "kernel_status", "kernel_threads", "check_operator_inputs", "cpu_fused_forward", "cpu_fused_backward",
            "fused_diff_attention"]

@@ -13,7 +13,10 @@
 //
 // Work items go to threads through one atomic counter, so a core that another program keeps busy simply
 // takes fewer items (no thread waits for another at a barrier). Each row is computed by one thread in a
-// fixed order, so the output does not depend on the thread count.
+// fixed order, so the output does not depend on the thread count. The threads are torch's own where they can be:
+// built with OpenMP and loaded into a process whose one OpenMP runtime is torch's, the kernel runs on that
+// runtime's thread pool (diff_attention_cpu_use_openmp), whose threads are still spinning from torch's last
+// parallel call; threads of the kernel's own would share the cores with them. Otherwise it starts threads per call.
 //
 // The scores and the mask stay in natural units, as naive's (S + mask, then S - rowmax): an additive mask
 // anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
@@ -25,7 +28,8 @@
 // a call of at most FEW_ROWS query rows (decoding a few tokens, a draft to verify, a chunk of a prompt over a long
 // cache) skips that pass, which costs as much as its scores, and takes each score as one dot product along d,
 // and its tiles hold only the rows there are.
-// Build: c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread (no PyTorch headers; called through ctypes).
+// Build: c++ -O3 -march=native -fopenmp -std=c++17 -shared -fPIC -pthread (no PyTorch headers; called through
+// ctypes; without -fopenmp it starts threads of its own).
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +41,10 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#include <unistd.h>  // getpid
+#endif
 
 namespace {
 
@@ -259,14 +267,27 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   if (rows < BQ) std::copy(o, o + (size_t)rows * P.dv, o_rows);
 }
 
+bool use_openmp = false;  // set once at load by diff_attention_cpu_use_openmp
+long openmp_pid = 0;      // the process that set it: a child forked from it starts threads of its own, because
+                          // GNU OpenMP's pool does not survive fork (a parallel region there waits forever)
+
 // Runs item(t, i) for i in [0, items) on n_workers threads (t: the thread's index), handing items out through
-// one atomic counter. A thread that cannot be started leaves its share to the others.
+// one atomic counter: in an OpenMP parallel region where use_openmp is set (a team smaller than asked for just
+// takes more items each), else on threads started here (one that cannot be started leaves its share to the others).
 template <class Item>
 void run_items(long items, int n_workers, Item item) {
   std::atomic<long> next{0};
   auto worker = [&](int t) {
     for (long i; (i = next.fetch_add(1)) < items;) item(t, i);
   };
+  if (n_workers <= 1 || items <= 1) return worker(0);
+#ifdef _OPENMP
+  if (use_openmp && (long)getpid() == openmp_pid) {
+#pragma omp parallel num_threads(n_workers)
+    worker(omp_get_thread_num());
+    return;
+  }
+#endif
   std::vector<std::thread> threads;
   for (int t = 1; t < n_workers; ++t) {
     try {
@@ -510,6 +531,20 @@ void grad_keys(const Grad& G, int b, int g, int c0, GradScratch& w) {
 
 
 }  // namespace
+
+// Whether the kernel runs on OpenMP's thread pool (use != 0) or on threads of its own; returns whether it was built
+// with OpenMP (when not, it always starts threads of its own). The caller decides once, at load: OpenMP only where
+// the process has one OpenMP runtime, so that the pool is torch's (cpu_fused.py).
+extern "C" int diff_attention_cpu_use_openmp(int use) {
+#ifdef _OPENMP
+  use_openmp = use != 0;
+  openmp_pid = (long)getpid();
+  return 1;
+#else
+  (void)use;
+  return 0;
+#endif
+}
 
 // q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and lam (B, H, nq) contiguous float32; the mask
 // (if any) float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv).
