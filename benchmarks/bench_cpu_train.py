@@ -6,7 +6,9 @@ The layers, at the issue's sizes (width 512, 4 differential heads of q/k dim 64,
 * ``ours``: :class:`diffattn_tutorial.layers.MultiheadDiffAttn` with ``backend="auto"`` (on a CPU with a C++
   compiler the fused kernel, forward and backward; ``describe_auto("cpu")`` says the rule);
 * ``timm``: timm's ``DiffAttention`` on its fused path (two ``scaled_dot_product_attention`` calls);
-* ``hf``: transformers' ``DiffLlamaAttention`` with ``attn_implementation="sdpa"`` (its rotary embedding included).
+* ``hf``: transformers' ``DiffLlamaAttention`` with ``attn_implementation="sdpa"`` (its rotary embedding included);
+* with ``--own-threads``, also ``ours, own threads``: the same layer with the kernel starting threads of its own per
+  call instead of running on torch's OpenMP pool (``cpu_fused.kernel_threads()``), what the pool buys.
 
 Cases: inference and inference causal (a forward under ``torch.no_grad()``), training step and training step
 causal (forward and backward of the layer, parameters included). Each N runs ``rounds`` rounds; a round times
@@ -21,12 +23,13 @@ convention of 2.5 times the forward), next to this CPU's float32 matmul peak mea
 against ``sdpa_padded`` (:func:`diffattn_tutorial.measure.timing.peak_extra_memory`). Writes
 ``benchmarks/results_cpu_train_<cpu>.json``.
 
-    python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory]
+    python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory] [--own-threads]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -42,12 +45,14 @@ import torch
 
 from diffattn_tutorial import backends
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 from diffattn_tutorial.measure import flops, timing
 
 HERE = Path(__file__).resolve().parent
 WIDTH, HEADS = 512, 4  # 4 differential heads: q/k dim 64, value width 128
 CASES = ("inference", "inference causal", "training step", "training step causal")
+OWN = "ours, own threads"
 INSTALL = {"timm": "pip install 'timm>=1.0.31'", "hf": "pip install 'transformers>=5.24'"}
 
 
@@ -72,10 +77,12 @@ def hf_layer() -> Optional[tuple]:
     return DiffLlamaAttention(config, layer_idx=0), DiffLlamaRotaryEmbedding(config)
 
 
-def layers() -> dict[str, Callable[[torch.Tensor, bool], torch.Tensor]]:
-    """Label -> ``run(x, causal)``, for the layers importable here."""
+def layers(own_threads: bool = False) -> dict[str, Callable[[torch.Tensor, bool], torch.Tensor]]:
+    """Label -> ``run(x, causal)``, for the layers importable here (and ours on threads of its own)."""
     ours = MultiheadDiffAttn(WIDTH, HEADS)
     runs = {"ours": lambda x, causal: ours(x, causal=causal)}
+    if own_threads:
+        runs[OWN] = runs["ours"]  # timed under cpu_fused._own_threads(), forward and backward (layer_times)
     timm = timm_layer()
     if timm is not None:
         runs["timm"] = lambda x, causal: timm(x, is_causal=causal)
@@ -102,10 +109,10 @@ def one_case(run: Callable, x: torch.Tensor, case: str) -> float:
     return time.perf_counter() - t0
 
 
-def layer_times(n: int, rounds: int) -> dict:
+def layer_times(n: int, rounds: int, own_threads: bool = False) -> dict:
     """``{case: {layer: [seconds per round]}}`` at sequence length ``n``."""
     torch.manual_seed(0)
-    runs = layers()
+    runs = layers(own_threads)
     x = torch.randn(1, n, WIDTH)
     times = {case: {name: [] for name in runs} for case in CASES}
     for case in CASES:  # warm-up: first calls build, load and allocate
@@ -114,7 +121,8 @@ def layer_times(n: int, rounds: int) -> dict:
     for _ in range(rounds):
         for case in CASES:
             for name, run in runs.items():
-                times[case][name].append(one_case(run, x.detach(), case))
+                with cpu_fused._own_threads() if name == OWN else contextlib.nullcontext():
+                    times[case][name].append(one_case(run, x.detach(), case))
     return times
 
 
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    ap.add_argument("--own-threads", action="store_true", help="also time our layer with the kernel on threads of "
+                                                               "its own (not torch's OpenMP pool)")
     ap.add_argument("--out", type=Path, default=None, help="results file (default "
                                                            "benchmarks/results_cpu_train_<cpu>.json)")
     args = ap.parse_args(argv)
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     results = {}
     for n in args.n:
-        times = layer_times(n, args.rounds)
+        times = layer_times(n, args.rounds, args.own_threads)
         results[n] = {"times_s": times, "ratio": ratios(times), "kernel": kernel_rates(n, args.rounds)}
     mem = None if args.no_memory else memory(2048)
     print(f"{device}, torch {torch.__version__}, width {WIDTH}, {HEADS} differential heads, B=1, float32, "
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                                "peers": versions, "date": datetime.date.today().isoformat(),
                                "command": command.strip(), "load_average_before": load,
                                "auto_rule": backends.describe_auto("cpu"),
+                               "kernel_threads": cpu_fused.kernel_threads(),
                                "results": results, "train_step_peak_extra_bytes_n2048": mem}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -32,7 +32,7 @@ runtimes = cpu_fused._openmp_runtimes()
 print(where, cpu_fused._THREADS["built"], None if runtimes is None else len(runtimes),
       "ATen parallel backend: OpenMP" in torch.__config__.parallel_info())
 """
-    proc = run_python(code, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=120)
+    proc = run_python(code, env=dict(os.environ), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     where, built, count, torch_openmp = proc.stdout.split()
     assert where == ("openmp" if built == "True" and count == "1" else "own")
@@ -50,16 +50,12 @@ def test_the_pool_and_threads_of_its_own_give_the_same_bits_on_any_thread_count(
     q, k = torch.randn(2, 4, 70, 32, generator=g), torch.randn(2, 2, 70, 32, generator=g)
     v, lam, grad_out = torch.randn(2, 1, 70, 64, generator=g), torch.rand(2, 2, 70, 1, generator=g), \
         torch.randn(2, 2, 70, 64, generator=g)
-    lib = cpu_fused._kernel()
     runs = []
-    try:
-        for pool in (False, True):
-            assert cpu_fused._use_openmp(lib, pool) == (pool and cpu_fused._THREADS["built"])
-            for n in (1, 2, 3):
-                with threads(n):
-                    runs.append(_run_both(q, k, v, lam, grad_out))
-    finally:
-        cpu_fused._use_openmp(lib, cpu_fused._THREADS["openmp"])
+    for n in (1, 2, 3):
+        with threads(n):
+            runs.append(_run_both(q, k, v, lam, grad_out))
+            with cpu_fused._own_threads():
+                runs.append(_run_both(q, k, v, lam, grad_out))
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
 
@@ -82,7 +78,7 @@ if pid == 0:
     os._exit(0 if torch.equal(run(), before) else 3)
 print("CHILD", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), cpu_fused.kernel_threads())
 """
-    proc = run_python(code, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=60)
+    proc = run_python(code, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=60)  # a pool of two threads
     assert proc.returncode == 0, proc.stderr[-3000:]
     status, where = proc.stdout.split()[1:]
     assert status == "0", "the forked child computed different numbers"

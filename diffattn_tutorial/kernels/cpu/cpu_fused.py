@@ -26,13 +26,14 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import re
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,18 @@ def _first_load() -> ctypes.CDLL:
 
 
 _THREADS: dict[str, bool] = {}  # of the loaded kernel: "built" with OpenMP, runs on its pool ("openmp")
+
+
+@contextlib.contextmanager
+def _own_threads() -> Iterator[None]:
+    """Within: the kernel starts threads of its own per call, as it does where it cannot use torch's pool (for
+    tests, and for the benchmarks that measure what the pool buys)."""
+    lib = _kernel()
+    _use_openmp(lib, False)
+    try:
+        yield
+    finally:
+        _use_openmp(lib, _THREADS["openmp"])
 
 
 def kernel_threads() -> str:
