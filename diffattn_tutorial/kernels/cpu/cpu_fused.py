@@ -511,5 +511,5 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "BLOCK_KEYS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
-           "library_path", "kernel_status", "kernel_threads", "check_operator_inputs", "cpu_fused_forward", "cpu_fused_backward",
-           "fused_diff_attention"]
+           "library_path", "kernel_status", "kernel_threads", "check_operator_inputs", "cpu_fused_forward",
+           "cpu_fused_backward", "fused_diff_attention"]
