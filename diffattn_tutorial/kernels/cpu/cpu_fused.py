@@ -66,23 +66,33 @@ def _load(path: Path) -> ctypes.CDLL:
                   c_int]
     b.restype = c_int
     lib.diff_attention_cpu_use_openmp.argtypes, lib.diff_attention_cpu_use_openmp.restype = [c_int], c_int
+    for name in ("diff_attention_cpu_on_openmp", "diff_attention_cpu_last_threads"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
     return lib
 
 
 def _is_openmp_runtime(filename: str) -> bool:
     """Whether a library file is an OpenMP runtime: GNU's ``libgomp``, Intel's ``libiomp5`` or LLVM's ``libomp``,
-    also under a wheel's renamed copy (``libgomp-a34b3233.so.1``)."""
-    return re.fullmatch(r"lib(gomp|iomp5|omp)([-.][^/]*)?\.(so|dylib)(\.[0-9.]+)?", filename) is not None
+    also under a wheel's renamed copy (``libgomp-a34b3233.so.1``); not an offloading plugin (``libgomp-plugin-*``)."""
+    return "plugin" not in filename and \
+        re.fullmatch(r"lib(gomp|iomp5|omp)([-.][^/]*)?\.(so|dylib)(\.[0-9.]+)?", filename) is not None
 
 
 def _openmp_runtimes() -> Optional[set[str]]:
-    """The files of the OpenMP runtimes mapped into this process, from Linux's ``/proc/self/maps``; None where the
-    process cannot list them."""
+    """The files of the OpenMP runtimes mapped into this process, from Linux's ``/proc/self/maps`` (a file replaced
+    since it was loaded counts as well: `` (deleted)``); None where the process cannot list them."""
     try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
+        maps = Path("/proc/self/maps").read_bytes()
     except OSError:
         return None
-    files = {fields[5] for fields in (line.split(None, 5) for line in lines) if len(fields) == 6}
+    return _runtimes_in(maps)
+
+
+def _runtimes_in(maps: bytes) -> set[str]:
+    """The OpenMP runtimes' files in a ``/proc/<pid>/maps`` listing (its paths are any bytes, not always UTF-8)."""
+    lines = maps.decode("utf-8", "surrogateescape").splitlines()
+    files = {fields[5].removesuffix(" (deleted)") for fields in (line.split(None, 5) for line in lines)
+             if len(fields) == 6}
     return {f for f in files if _is_openmp_runtime(os.path.basename(f))}
 
 
@@ -97,7 +107,10 @@ def _choose_threads(lib: ctypes.CDLL) -> bool:
     where torch uses none, the kernel's alone), and its threads, still spinning from torch's last parallel call,
     take the kernel's work at once, where threads of the kernel's own would share the cores with them. Where the
     kernel brought a second runtime, or the runtimes cannot be listed, it starts threads of its own per call."""
-    runtimes = _openmp_runtimes()
+    try:
+        runtimes = _openmp_runtimes()
+    except Exception:  # noqa: BLE001 - whatever it is, the kernel's own threads are always safe
+        runtimes = None
     return _use_openmp(lib, runtimes is not None and len(runtimes) == 1)
 
 
@@ -130,11 +143,12 @@ def _own_threads() -> Iterator[None]:
 
 
 def kernel_threads() -> str:
-    """Where the loaded kernel's work runs: ``"openmp"``, the OpenMP thread pool of torch's own parallel calls, or
-    ``"own"``, threads it starts per call (built without OpenMP, or the process has more than one OpenMP
-    runtime). The numbers are the same bit for bit. Raises KernelUnavailable where the kernel cannot be had."""
-    _kernel()
-    return "openmp" if _THREADS["openmp"] else "own"
+    """Where the loaded kernel's work runs now: ``"openmp"``, the OpenMP thread pool of torch's own parallel calls,
+    or ``"own"``, threads it starts per call: where it was built without OpenMP, where the process has more than one
+    OpenMP runtime (one that a library loaded before the kernel brought beside torch's) or cannot list them (off
+    Linux), and in a child forked after it was loaded. The numbers are the same bit for bit. Raises
+    KernelUnavailable where the kernel cannot be had."""
+    return "openmp" if _kernel().diff_attention_cpu_on_openmp() else "own"
 
 
 def _kernel() -> ctypes.CDLL:

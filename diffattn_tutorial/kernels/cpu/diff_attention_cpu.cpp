@@ -16,7 +16,8 @@
 // fixed order, so the output does not depend on the thread count. The threads are torch's own where they can be:
 // built with OpenMP and loaded into a process whose one OpenMP runtime is torch's, the kernel runs on that
 // runtime's thread pool (diff_attention_cpu_use_openmp), whose threads are still spinning from torch's last
-// parallel call; threads of the kernel's own would share the cores with them. Otherwise it starts threads per call.
+// parallel call; threads of the kernel's own would share the cores with them. Otherwise, and in a child forked
+// after the library was loaded (GNU OpenMP's pool does not survive fork), it starts threads per call.
 //
 // The scores and the mask stay in natural units, as naive's (S + mask, then S - rowmax): an additive mask
 // anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
@@ -43,7 +44,7 @@
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
-#include <unistd.h>  // getpid
+#include <pthread.h>  // pthread_atfork
 #endif
 
 namespace {
@@ -267,9 +268,17 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   if (rows < BQ) std::copy(o, o + (size_t)rows * P.dv, o_rows);
 }
 
-bool use_openmp = false;  // set once at load by diff_attention_cpu_use_openmp
-long openmp_pid = 0;      // the process that set it: a child forked from it starts threads of its own, because
-                          // GNU OpenMP's pool does not survive fork (a parallel region there waits forever)
+// How the last call of run_items ran its items (diff_attention_cpu_last_threads): for the tests.
+enum Path { INLINE = 0, OPENMP = 1, OWN = 2 };
+std::atomic<int> last_path{INLINE};
+
+#ifdef _OPENMP
+std::atomic<bool> use_openmp{false};  // diff_attention_cpu_use_openmp: the caller's choice (at load; tests switch it)
+std::atomic<bool> forked{false};      // set in a child forked from this process, for good: GNU OpenMP's pool does
+                                      // not survive fork (a parallel region there waits forever for its threads)
+void note_fork() { forked = true; }
+const int fork_handler = pthread_atfork(nullptr, nullptr, note_fork);  // registered when the library is loaded
+#endif
 
 // Runs item(t, i) for i in [0, items) on n_workers threads (t: the thread's index), handing items out through
 // one atomic counter: in an OpenMP parallel region where use_openmp is set (a team smaller than asked for just
@@ -280,14 +289,19 @@ void run_items(long items, int n_workers, Item item) {
   auto worker = [&](int t) {
     for (long i; (i = next.fetch_add(1)) < items;) item(t, i);
   };
-  if (n_workers <= 1 || items <= 1) return worker(0);
+  if (n_workers <= 1 || items <= 1) {
+    last_path = INLINE;
+    return worker(0);
+  }
 #ifdef _OPENMP
-  if (use_openmp && (long)getpid() == openmp_pid) {
+  if (use_openmp && !forked) {
+    last_path = OPENMP;
 #pragma omp parallel num_threads(n_workers)
     worker(omp_get_thread_num());
     return;
   }
 #endif
+  last_path = OWN;
   std::vector<std::thread> threads;
   for (int t = 1; t < n_workers; ++t) {
     try {
@@ -532,19 +546,32 @@ void grad_keys(const Grad& G, int b, int g, int c0, GradScratch& w) {
 
 }  // namespace
 
-// Whether the kernel runs on OpenMP's thread pool (use != 0) or on threads of its own; returns whether it was built
-// with OpenMP (when not, it always starts threads of its own). The caller decides once, at load: OpenMP only where
-// the process has one OpenMP runtime, so that the pool is torch's (cpu_fused.py).
+// Whether the kernel runs on OpenMP's thread pool (use != 0) or on threads of its own; returns whether it can, that
+// is, whether it was built with OpenMP and this process is not a child forked after the library was loaded (there it
+// always starts threads of its own). The caller decides at load: OpenMP only where the process has one OpenMP
+// runtime, so that the pool is torch's (cpu_fused.py).
 extern "C" int diff_attention_cpu_use_openmp(int use) {
 #ifdef _OPENMP
-  use_openmp = use != 0;
-  openmp_pid = (long)getpid();
-  return 1;
+  use_openmp = use != 0 && fork_handler == 0;
+  return (fork_handler == 0 && !forked) ? 1 : 0;
 #else
   (void)use;
   return 0;
 #endif
 }
+
+// Whether the kernel's calls now run on OpenMP's thread pool (chosen, and not in a child forked since).
+extern "C" int diff_attention_cpu_on_openmp() {
+#ifdef _OPENMP
+  return use_openmp && !forked ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// How the last multi-threaded step of the last call ran: 0 on the calling thread alone, 1 on OpenMP's pool, 2 on
+// threads it started.
+extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 
 // q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and lam (B, H, nq) contiguous float32; the mask
 // (if any) float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv).
