@@ -8,13 +8,20 @@ The layers, at the issue's sizes (width 512, 4 differential heads of q/k dim 64,
 * ``timm``: timm's ``DiffAttention`` on its fused path (two ``scaled_dot_product_attention`` calls);
 * ``hf``: transformers' ``DiffLlamaAttention`` with ``attn_implementation="sdpa"`` (its rotary embedding included);
 * with ``--own-threads``, also ``ours, own threads``: the same layer with the kernel starting threads of its own per
-  call instead of running on torch's OpenMP pool (``cpu_fused.kernel_threads()``), what the pool buys.
+  call instead of running on torch's OpenMP pool (``cpu_fused.kernel_threads()``), what the pool buys;
+* ``projections alone``: our layer's four projections (q, k, v, out) with nothing between them: the same matmuls
+  in every implementation.
 
 Cases: inference and inference causal (a forward under ``torch.no_grad()``), training step and training step
 causal (forward and backward of the layer, parameters included). Each N runs ``rounds`` rounds; a round times
 every layer once per case, so a burst of load from other programs hits all alike. The ratio is the peer's median
 time over ours (a ratio of medians, the project's one definition; above 1: ours is faster). A peer that is not
 importable is skipped, with the command that installs it.
+
+The bound: for each case and peer, the time our attention (and everything else in the layer but the projections)
+may take for a ratio of 1.5 (the peer's median / 1.5 - the projections' median), and the rate at which the attention
+would have to run naive's arithmetic to fit in it; where that is above the matmul rate (below), 1.5x is out of reach
+for an attention that does naive's arithmetic at a matmul's speed.
 
 The kernel alone: its achieved GFLOP/s forward and backward at each N (FLOPs counted as
 ``measure.flops.formulation_flops("naive", ...)``: naive's arithmetic, the backward at the FlashAttention
@@ -53,6 +60,8 @@ HERE = Path(__file__).resolve().parent
 WIDTH, HEADS = 512, 4  # 4 differential heads: q/k dim 64, value width 128
 CASES = ("inference", "inference causal", "training step", "training step causal")
 OWN = "ours, own threads"
+PROJ = "projections alone"
+GOAL = 1.5  # the issue's goal: every peer's time at least 1.5 times ours
 INSTALL = {"timm": "pip install 'timm>=1.0.31'", "hf": "pip install 'transformers>=5.24'"}
 
 
@@ -83,6 +92,7 @@ def layers(own_threads: bool = False) -> dict[str, Callable[[torch.Tensor, bool]
     runs = {"ours": lambda x, causal: ours(x, causal=causal)}
     if own_threads:
         runs[OWN] = runs["ours"]  # timed under cpu_fused._own_threads(), forward and backward (layer_times)
+    runs[PROJ] = lambda x, causal: ours.out_proj(ours.q_proj(x) + ours.k_proj(x) + ours.v_proj(x))
     timm = timm_layer()
     if timm is not None:
         runs["timm"] = lambda x, causal: timm(x, is_causal=causal)
@@ -166,7 +176,29 @@ def memory(n: int) -> dict:
 def ratios(times: dict) -> dict:
     """``{case: {peer: peer median / our median}}``."""
     return {case: {name: statistics.median(ts) / statistics.median(by_layer["ours"])
-                   for name, ts in by_layer.items() if name != "ours"} for case, by_layer in times.items()}
+                   for name, ts in by_layer.items() if name not in ("ours", PROJ)}
+            for case, by_layer in times.items()}
+
+
+def attention_flops(n: int, case: str) -> float:
+    """Naive's arithmetic for the case's attention call: the forward, and for a training step the backward at 2.5
+    times it; half of it causal."""
+    fwd = flops.formulation_flops("naive", 1, HEADS, n, WIDTH // HEADS // 2, pass_="fwd")
+    return fwd * (1 if case.startswith("inference") else 3.5) / (2 if case.endswith("causal") else 1)
+
+
+def bounds(n: int, times: dict) -> dict:
+    """``{case: {peer: {"budget_s", "needed_gflop_per_s"}}}``: the time left for our attention (and the rest of the
+    layer but its projections) at a ratio of :data:`GOAL`, and the rate it would need (None: no time left)."""
+    out = {}
+    for case, by_layer in times.items():
+        proj = statistics.median(by_layer[PROJ])
+        out[case] = {}
+        for peer in (p for p in by_layer if p not in ("ours", OWN, PROJ)):
+            budget = statistics.median(by_layer[peer]) / GOAL - proj
+            out[case][peer] = {"budget_s": budget, "needed_gflop_per_s":
+                               attention_flops(n, case) / budget / 1e9 if budget > 0 else None}
+    return out
 
 
 def table(results: dict) -> str:
@@ -178,6 +210,23 @@ def table(results: dict) -> str:
             cells = [f"{statistics.median(by_layer[p]) * 1e3:.0f} | {r['ratio'][case][p]:.2f}x" for p in peers]
             lines.append(f"| {n} | {case} | {statistics.median(by_layer['ours']) * 1e3:.0f} | " + " | ".join(cells)
                          + " |")
+    return "\n".join(lines)
+
+
+def bound_table(results: dict) -> str:
+    peers = sorted({p for r in results.values() for case in r["bound"].values() for p in case})
+    lines = ["| N | case | projections alone ms | " + " | ".join(
+        f"attention budget vs {p} ms | GFLOP/s needed" for p in peers) + " | matmul GFLOP/s |",
+        "|" + "---|" * (4 + 2 * len(peers))]
+    for n, r in results.items():
+        for case, by_peer in r["bound"].items():
+            cells = []
+            for p in peers:
+                b = by_peer[p]
+                rate = "none left" if b["needed_gflop_per_s"] is None else f"{b['needed_gflop_per_s']:.0f}"
+                cells.append(f"{b['budget_s'] * 1e3:.1f} | {rate}")
+            lines.append(f"| {n} | {case} | {statistics.median(r['times_s'][case][PROJ]) * 1e3:.1f} | "
+                         + " | ".join(cells) + f" | {r['kernel']['matmul']['gflop_per_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -200,12 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for n in args.n:
         times = layer_times(n, args.rounds, args.own_threads)
-        results[n] = {"times_s": times, "ratio": ratios(times), "kernel": kernel_rates(n, args.rounds)}
+        results[n] = {"times_s": times, "ratio": ratios(times), "bound": bounds(n, times),
+                      "kernel": kernel_rates(n, args.rounds)}
     mem = None if args.no_memory else memory(2048)
     print(f"{device}, torch {torch.__version__}, width {WIDTH}, {HEADS} differential heads, B=1, float32, "
           f"{args.rounds} rounds, load average before {load}")
     print(backends.describe_auto("cpu"))
     print(table(results))
+    print(f"What a ratio of {GOAL} leaves our attention (peer / {GOAL} - our projections), and the rate it would need:")
+    print(bound_table(results))
     for n, r in results.items():
         k = r["kernel"]
         print(f"N={n}: kernel forward {k['forward']['gflop_per_s']:.0f} GFLOP/s, backward "
