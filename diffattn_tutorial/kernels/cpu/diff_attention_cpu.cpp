@@ -569,8 +569,8 @@ extern "C" int diff_attention_cpu_on_openmp() {
 #endif
 }
 
-// How the last multi-threaded step of the last call ran: 0 on the calling thread alone, 1 on OpenMP's pool, 2 on
-// threads it started.
+// How the last step of the last call ran its work items: 0 on the calling thread alone (one thread, or one item),
+// 1 on OpenMP's pool, 2 on threads it started.
 extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 
 // q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and lam (B, H, nq) contiguous float32; the mask
