@@ -119,6 +119,40 @@ def test_gradients_equal_naives_in_float64_on_any_thread_count():
     assert "PROPERTY OK" in proc.stdout
 
 
+GROUPS = r"""
+import torch
+from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.measure.cpu_threads import threads
+# One head pair: the kernel splits its 9 blocks of 48 query rows into 8 groups (blocks 0 and 8 share one), each
+# with partial sums of dk and dv; GQA adds two heads' partial sums per key; Nq != Nk shifts the causal diagonal.
+g = torch.Generator().manual_seed(3)
+for B, H, Hkv, Nq, Nk, causal in ((1, 1, 1, 400, 430, True), (1, 2, 1, 400, 300, False), (2, 2, 1, 150, 170, True)):
+    ins = [torch.randn(B, 2 * H, Nq, 64, generator=g), torch.randn(B, 2 * Hkv, Nk, 64, generator=g),
+           torch.randn(B, Hkv, Nk, 128, generator=g), torch.rand(B, H, Nq, 1, generator=g)]
+    grad_out = torch.randn(B, H, Nq, 128, generator=g)
+    def grads(backend, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in ins]
+        return torch.autograd.grad(diff_attention(*leaves, causal=causal, backend=backend), leaves, grad_out.to(dtype))
+    expected = grads("naive", torch.float64)
+    with threads(1):
+        one = grads("cpu_fused", torch.float32)
+    with threads(3):
+        three = grads("cpu_fused", torch.float32)
+    for name, a, b, e in zip(("dq", "dk", "dv", "dlam"), one, three, expected):
+        assert torch.equal(a, b), f"{name} depends on the thread count ({B, H, Hkv, Nq, Nk, causal})"
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5 * max(1.0, e.abs().max().item()))
+print("GROUPS OK")
+"""
+
+
+def test_gradients_summed_over_row_groups_and_heads_equal_naives():
+    """Many row blocks per head: the partial sums of dk and dv of every group of row blocks (and of every head of a
+    GQA group) add up to naive's gradients, with the same bits on 1 and 3 threads."""
+    proc = run_python(GROUPS, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "GROUPS OK" in proc.stdout
+
+
 def test_half_precision_gradients_come_back_in_the_inputs_dtype():
     q, k, v, lam = inputs(1, 2, 1, 30, 30, 32)
     ins = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]

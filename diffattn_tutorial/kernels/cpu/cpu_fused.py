@@ -6,9 +6,10 @@ separately; naive forms ``A1 - lam * A2`` first and applies V once, but writes b
 of query rows of one head, computes both score blocks, their softmax numerators, the differential map in place,
 and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_auto.py`` measures it.
 
-The backward (``diff_attention_cpu_backward``) recomputes the maps block by block from per-row statistics, as
-flash attention does, in two passes: dq and dlambda per block of query rows, then dk and dv per block of keys, each
-summed by one thread in a fixed order (the gradients do not depend on the thread count; no N x N tensor is kept).
+The backward (``diff_attention_cpu_backward``) recomputes the maps block by block, as flash attention does, in
+one pass over blocks of query rows: dq and dlambda written, dk and dv added to partial sums per head and group of
+row blocks, which a second step adds up in a fixed order (the gradients do not depend on the thread count; no
+N x N tensor is kept).
 The threads are those of torch's OpenMP pool where the process has that one OpenMP runtime (:func:`kernel_threads`):
 its threads keep spinning for a while after each of torch's parallel calls, so threads of the kernel's own would
 share the cores with them.
@@ -43,9 +44,6 @@ from diffattn_tutorial.kernels.cpu import build
 from diffattn_tutorial.kernels.cpu.build import SOURCE, KernelUnavailable, compiler, library_path
 
 Tensor = torch.Tensor
-
-BLOCK_KEYS = 48
-"""Keys per work item of the backward's second pass (dk, dv): a multiple of its 8-row score and 12-row tiles."""
 
 BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
@@ -289,14 +287,14 @@ def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     m, strides = _mask_view(mask, (B, H, nq, nk))
     dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
     dlam = torch.empty(B, H, nq)
-    sizes = (ctypes.c_int * 9)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows, BLOCK_KEYS)
+    sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(),
                                          None if m is None else m.data_ptr(), strides, grad_out.data_ptr(), LOG2E,
                                          scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dlam.data_ptr(), sizes,
                                          int(causal), torch.get_num_threads())
     if rc == -2:
-        raise MemoryError("the fused CPU kernel's backward could not allocate its buffers (q, k, v and the output's "
-                          "gradient transposed, and a block of scores per thread); use backend='sdpa_padded'")
+        raise MemoryError("the fused CPU kernel's backward could not allocate its buffers (k and v transposed, "
+                          "partial sums of dk and dv, and a block of scores per thread); use backend='sdpa_padded'")
     if rc != 0:
         raise RuntimeError(f"the fused CPU kernel's backward refused sizes {tuple(sizes)} (code {rc}); please "
                            f"report this")
@@ -524,6 +522,6 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
 
 
-__all__ = ["SOURCE", "BLOCK_ROWS", "BLOCK_KEYS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
+__all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
            "library_path", "kernel_status", "kernel_threads", "check_operator_inputs", "cpu_fused_forward",
            "cpu_fused_backward", "fused_diff_attention"]

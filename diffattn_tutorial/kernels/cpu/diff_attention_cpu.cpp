@@ -318,16 +318,17 @@ void run_items(long items, int n_workers, Item item) {
 // Backward. With A_m = softmax(S_m) (S_m = q_m . k_m^T s + mask), D = A1 - lam A2 and O = D V, given dO:
 //   dV = D^T dO,   dP = dO V^T,   delta_m = rowsum(A_m * dP),   dlam = -delta_2,
 //   dS1 = A1 * (dP - delta_1),   dS2 = -lam A2 * (dP - delta_2),   dq_m = dS_m k_m s,   dk_m = dS_m^T q_m s.
-// Pass 1, per (batch, head, block of query rows) as the forward: the rows' scores over every key they see,
-// their softmax statistics (max m and 1/sum), delta_1, delta_2, dS and dq; the statistics and deltas are kept
-// per row (O(Nq), no N x N tensor). Pass 2, per (batch, KV head, block of keys): the block's transposed scores
-// over chunks of query rows, every head of its group, recomputed from the kept statistics; dk and dv accumulated
-// in the thread's buffers and written once. Every output element is summed by one thread in a fixed order, so
-// the gradients do not depend on the thread count.
+// One pass over blocks of query rows, as the forward's: a block's scores and dP over every key its rows see (in
+// L2), their softmax, the deltas, then dS1, dS2 and D in place, and five products: dq_m = dS_m k_m (written),
+// and dk_m += dS_m^T q_m, dV += D^T dO into partial sums over all keys. Ten map-sized products in all, the
+// convention's count (a pass per key block would recompute the scores and dP: fourteen). A work item is one
+// group of row blocks of one head (blocks g, g + G, g + 2G, ...: causal rows of every length in each group)
+// with partial sums of its own; a second step adds every head's and group's partial sums for a block of keys,
+// in a fixed order. G depends on the shapes only (enough items for a few threads), so the gradients do not
+// depend on the thread count. The partial sums (G x B x H x nk x (2d + dv) floats) replace an N x N tensor.
 // ------------------------------------------------------------------------------------------------------------
 
-constexpr int QUERY_CHUNK = 256;  // pass 2: query columns per score block (BK x 256 floats, in L2)
-constexpr int STATS = 6;          // per row: m1, 1/l1, m2, 1/l2, delta_1, delta_2
+constexpr int MIN_ITEMS = 8;  // row groups per head: enough that B x H x G items keep a few threads busy
 
 // O[r][c0 : c0 + 16 NV] (+)= sum_{j0 <= j < j1} P[r][j] * X[j][c0 : c0 + 16 NV] for ROWS rows (row strides
 // ldp, ldx, ldo).
@@ -349,8 +350,8 @@ inline void mul_tile(const float* p, int ldp, int j0, int j1, const float* x, in
     for (int u = 0; u < NV; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
 }
 
-// rows x (width, multiple of 16 NV) += P (rows x [j0, j1)) . X in tiles of ROWS rows and 16 NV columns (the
-// backward uses 12 x 32 for dq and dk, 6 x 64 for dv).
+// rows x (width, multiple of 16 NV) (+)= P (rows x [j0, j1)) . X in tiles of ROWS rows and 16 NV columns (dq:
+// 12 x 32).
 template <int ROWS, int NV>
 inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const float* x, int ldx, int width, float* o,
                      bool first) {
@@ -359,16 +360,42 @@ inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const fl
       mul_tile<ROWS, NV>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + (size_t)r * width, width, first);
 }
 
+// O[r][c0 : c0 + 32] += sum_{j < nj} P[j][r] * X[j][c0 : c0 + 32] for 8 rows r (keys) of P^T: P row-major
+// (query rows j, keys r, row stride ldp), X (nj, ldx).
+inline void mul_tile_t(const float* p, int ldp, int nj, const float* x, int ldx, int c0, float* o, int ldo) {
+  v16 acc[8][2];
+  for (int r = 0; r < 8; ++r)
+    for (int u = 0; u < 2; ++u) acc[r][u] = load(o + (size_t)r * ldo + c0 + VL * u);
+  for (int j = 0; j < nj; ++j) {
+    const v16 x0 = load(x + (size_t)j * ldx + c0), x1 = load(x + (size_t)j * ldx + c0 + VL);
+    const float* pj = p + (size_t)j * ldp;
+    for (int r = 0; r < 8; ++r) {
+      const v16 a = splat(pj[r]);
+      acc[r][0] += a * x0;
+      acc[r][1] += a * x1;
+    }
+  }
+  for (int r = 0; r < 8; ++r)
+    for (int u = 0; u < 2; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
+}
+
+// keys x (width, multiple of 32) += P^T . X, P (nj x keys, row stride ldp), X (nj x width): dk_m and dv.
+inline void mul_rows_t(const float* p, int ldp, int keys, int nj, const float* x, int width, float* o) {
+  for (int r = 0; r < keys; r += 8)
+    for (int c0 = 0; c0 < width; c0 += 2 * VL) mul_tile_t(p + r, ldp, nj, x, width, c0, o + (size_t)r * width, width);
+}
+
 struct Grad {
   const float *q, *k, *v, *lam, *mask, *dout;  // as the forward's; dout (B, H, nq, dv)
-  float *kt, *vt, *qt, *dot;                   // transposed: (.., d or dv, nk_pad) for k, v; (.., nq_pad) for q, dout
-  float* stats;                                // (B, H, STATS, nq_pad); beyond nq: m = inf, 1/l = 0
+  float *kt, *vt;                              // transposed: (.., d or dv, nk_pad)
+  float* part;                                 // partial sums, per item: dk1, dk2 (nk_pad, d) and dv (nk_pad, dv)
   float *gq, *gk, *gv, *glam;                  // the gradients: shaped as q, k, v and (B, H, nq)
-  int batch, heads, kv_heads, nq, nk, nq_pad, nk_pad, d, dv, block_rows, block_keys;
+  int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows, groups;
   float qk_scale;
   long mask_b, mask_h, mask_q, mask_k;
   float exp_scale;
   bool causal;
+  size_t part_size() const { return (size_t)nk_pad * (2 * d + dv); }
 };
 
 // dst (w, n_pad) = src (n, w) transposed for rows [j0, j0 + 32), zero beyond n.
@@ -386,20 +413,16 @@ const float* padded_rows(const float* src, int rows, int full, int w, std::vecto
 }
 
 struct GradScratch {
-  std::vector<float> s1, s2, dp, q1, q2, dout, dq1, dq2;  // pass 1
-  std::vector<float> t1, t2, tp, k1, k2, v, dk1, dk2, dv;  // pass 2
+  std::vector<float> s1, s2, dp, q1, q2, dout, dq1, dq2;
   GradScratch(const Grad& G) {
-    const size_t BQ = G.block_rows, BK = G.block_keys;
+    const size_t BQ = G.block_rows;
     s1.resize(BQ * G.nk_pad); s2.resize(s1.size()); dp.resize(s1.size());
     q1.resize(BQ * G.d); q2.resize(q1.size()); dout.resize(BQ * G.dv); dq1.resize(q1.size()); dq2.resize(q1.size());
-    t1.resize(BK * QUERY_CHUNK); t2.resize(t1.size()); tp.resize(t1.size());
-    k1.resize(BK * G.d); k2.resize(k1.size()); v.resize(BK * G.dv);
-    dk1.resize(k1.size()); dk2.resize(k1.size()); dv.resize(v.size());
   }
 };
 
-// Pass 1: rows [r0, r0 + block_rows) of head h in batch b.
-void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w) {
+// Rows [r0, r0 + block_rows) of head h in batch b: dq and dlam written, dk and dv added to the item's partial sums.
+void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part) {
   const int g = h / (G.heads / G.kv_heads), BQ = G.block_rows, rows = std::min(BQ, G.nq - r0);
   const size_t head1 = (size_t)b * 2 * G.heads + 2 * h, nqd = (size_t)G.nq * G.d;
   const float* q1 = padded_rows(G.q + (head1 * G.nq + r0) * G.d, rows, BQ, G.d, w.q1);
@@ -412,7 +435,6 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w) {
   const float* k1 = G.k + kmap * G.nk * G.d;
   const float* k2 = k1 + (size_t)G.nk * G.d;
   const float* lam = G.lam + ((size_t)b * G.heads + h) * G.nq + r0;
-  float* stats = G.stats + ((size_t)b * G.heads + h) * STATS * G.nq_pad + r0;
   float* dlam = G.glam + ((size_t)b * G.heads + h) * G.nq + r0;
   float *s1 = w.s1.data(), *s2 = w.s2.data(), *dp = w.dp.data();
   const int ld = G.nk_pad, shift = G.nk - G.nq;
@@ -424,22 +446,18 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w) {
       score_tile(q2 + (size_t)r * G.d, G.d, k2t, ld, j0, s2 + (size_t)r * ld, ld, G.qk_scale);
       score_tile(dout + (size_t)r * G.dv, G.dv, vt, ld, j0, dp + (size_t)r * ld, ld, 1.0f);
     }
-  for (int r = 0; r < BQ; ++r) {
+  for (int r = 0; r < BQ; ++r) {  // row r: p1, p2 := dS1 s, dS2 s and dpr := D, in place
     const int row = r0 + r;
     float *p1 = s1 + (size_t)r * ld, *p2 = s2 + (size_t)r * ld, *dpr = dp + (size_t)r * ld;
     const int nvis = G.causal ? std::clamp(row + 1 + shift, 0, kmax) : kmax;
     const float* mrow = G.mask && row < G.nq ? G.mask + b * G.mask_b + h * G.mask_h + row * G.mask_q : nullptr;
-    float m1 = 0, m2 = 0;
-    const float l1 = row < G.nq ? softmax_numerators(p1, nvis, kpad, mrow, G.mask_k, G.exp_scale, &m1) : 0.0f;
-    const float l2 = row < G.nq ? softmax_numerators(p2, nvis, kpad, mrow, G.mask_k, G.exp_scale, &m2) : 0.0f;
+    const float l1 = row < G.nq ? softmax_numerators(p1, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
+    const float l2 = row < G.nq ? softmax_numerators(p2, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
     if (l1 == 0.0f || l2 == 0.0f) {  // a fully masked row (or padding): no softmax, zero gradients
       std::memset(p1, 0, sizeof(float) * kpad);
       std::memset(p2, 0, sizeof(float) * kpad);
-      if (row < G.nq) {
-        const float none[STATS] = {INFINITY, 0.0f, INFINITY, 0.0f, 0.0f, 0.0f};
-        for (int x = 0; x < STATS; ++x) stats[(size_t)x * G.nq_pad + r] = none[x];
-        dlam[r] = 0.0f;
-      }
+      std::memset(dpr, 0, sizeof(float) * kpad);
+      if (row < G.nq) dlam[r] = 0.0f;
       continue;
     }
     const float il1 = 1.0f / l1, il2 = 1.0f / l2, lr = lam[r];
@@ -455,13 +473,13 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w) {
     delta1 *= il1;
     delta2 *= il2;
     const v16 a1 = splat(il1 * G.qk_scale), a2 = splat(-lr * il2 * G.qk_scale), e1 = splat(delta1), e2 = splat(delta2);
+    const v16 i1 = splat(il1), i2 = splat(lr * il2);
     for (int j = 0; j < kpad; j += VL) {
-      const v16 x = load(dpr + j);
-      store(p1 + j, load(p1 + j) * a1 * (x - e1));
-      store(p2 + j, load(p2 + j) * a2 * (x - e2));
+      const v16 x = load(dpr + j), y1 = load(p1 + j), y2 = load(p2 + j);
+      store(dpr + j, y1 * i1 - y2 * i2);
+      store(p1 + j, y1 * a1 * (x - e1));
+      store(p2 + j, y2 * a2 * (x - e2));
     }
-    const float kept[STATS] = {m1, il1, m2, il2, delta1, delta2};
-    for (int x = 0; x < STATS; ++x) stats[(size_t)x * G.nq_pad + r] = kept[x];
     dlam[r] = -delta2;
   }
   float* dq1 = rows < BQ ? w.dq1.data() : G.gq + (head1 * G.nq + r0) * G.d;
@@ -475,74 +493,41 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w) {
     std::copy(dq1, dq1 + (size_t)rows * G.d, G.gq + (head1 * G.nq + r0) * G.d);
     std::copy(dq2, dq2 + (size_t)rows * G.d, G.gq + (head1 * G.nq + r0) * G.d + nqd);
   }
+  float* pk1 = part;  // dS and D are 0 beyond the keys the rows see: only keys [0, kpad) change
+  float* pk2 = pk1 + (size_t)G.nk_pad * G.d;
+  float* pv = pk2 + (size_t)G.nk_pad * G.d;
+  mul_rows_t(s1, ld, kpad, rows, q1, G.d, pk1);
+  mul_rows_t(s2, ld, kpad, rows, q2, G.d, pk2);
+  mul_rows_t(dp, ld, kpad, rows, dout, G.dv, pv);
 }
 
-// Pass 2: keys [c0, c0 + block_keys) of KV head g in batch b, for every head of the group.
-void grad_keys(const Grad& G, int b, int g, int c0, GradScratch& w) {
-  const int BK = G.block_keys, keys = std::min(BK, G.nk - c0), rep = G.heads / G.kv_heads;
-  const size_t kmap = (size_t)b * 2 * G.kv_heads + 2 * g, nkd = (size_t)G.nk * G.d;
-  const float* k1 = padded_rows(G.k + (kmap * G.nk + c0) * G.d, keys, BK, G.d, w.k1);
-  const float* k2 = padded_rows(G.k + (kmap * G.nk + c0) * G.d + nkd, keys, BK, G.d, w.k2);
-  const float* vb = padded_rows(G.v + (((size_t)b * G.kv_heads + g) * G.nk + c0) * G.dv, keys, BK, G.dv, w.v);
-  std::fill(w.dk1.begin(), w.dk1.end(), 0.0f);
-  std::fill(w.dk2.begin(), w.dk2.end(), 0.0f);
-  std::fill(w.dv.begin(), w.dv.end(), 0.0f);
-  float *t1 = w.t1.data(), *t2 = w.t2.data(), *tp = w.tp.data();
-  const int shift = G.nk - G.nq;
-  const int first_row = G.causal ? std::clamp(c0 - shift, 0, G.nq) / SCORE_COLS * SCORE_COLS : 0;
-  const v16 es = splat(G.exp_scale), sc = splat(G.qk_scale);
-  for (int h = g * rep; h < (g + 1) * rep; ++h) {
-    const size_t head1 = (size_t)b * 2 * G.heads + 2 * h, bh = (size_t)b * G.heads + h;
-    const float* q1t = G.qt + head1 * G.d * G.nq_pad;
-    const float* q2t = q1t + (size_t)G.d * G.nq_pad;
-    const float* dot = G.dot + bh * G.dv * G.nq_pad;
-    const float* q1 = G.q + head1 * G.nq * G.d;
-    const float* q2 = q1 + (size_t)G.nq * G.d;
-    const float* dout = G.dout + bh * G.nq * G.dv;
-    const float* st = G.stats + bh * STATS * G.nq_pad;
-    const float* lam = G.lam + bh * G.nq;
-    for (int i0 = first_row; i0 < G.nq; i0 += QUERY_CHUNK) {
-      const int qc = std::min(QUERY_CHUNK, G.nq_pad - i0), rows = std::min(qc, G.nq - i0);
-      for (int x0 = 0; x0 < qc; x0 += SCORE_COLS)
-        for (int r = 0; r < BK; r += SCORE_ROWS) {
-          score_tile(k1 + (size_t)r * G.d, G.d, q1t + i0, G.nq_pad, x0, t1 + (size_t)r * QUERY_CHUNK, QUERY_CHUNK,
-                     G.qk_scale);
-          score_tile(k2 + (size_t)r * G.d, G.d, q2t + i0, G.nq_pad, x0, t2 + (size_t)r * QUERY_CHUNK, QUERY_CHUNK,
-                     G.qk_scale);
-          score_tile(vb + (size_t)r * G.dv, G.dv, dot + i0, G.nq_pad, x0, tp + (size_t)r * QUERY_CHUNK, QUERY_CHUNK,
-                     1.0f);
-        }
-      for (int r = 0; r < BK; ++r) {
-        const int j = c0 + r;
-        float *u1 = t1 + (size_t)r * QUERY_CHUNK, *u2 = t2 + (size_t)r * QUERY_CHUNK, *up = tp + (size_t)r * QUERY_CHUNK;
-        if (G.mask && j < G.nk) {
-          const float* m = G.mask + b * G.mask_b + h * G.mask_h + j * G.mask_k + (size_t)i0 * G.mask_q;
-          for (int x = 0; x < rows; ++x) { u1[x] += m[x * G.mask_q]; u2[x] += m[x * G.mask_q]; }
-        }
-        if (G.causal)  // query i sees key j only where j <= i + shift
-          for (int x = 0, hidden = std::min(qc, j - shift - i0); x < hidden; ++x) u1[x] = u2[x] = -INFINITY;
-        for (int x = 0; x < qc; x += VL) {
-          const float* s = st + i0 + x;
-          const v16 a1 = exp2_neg((load(u1 + x) - load(s)) * es) * load(s + G.nq_pad);
-          const v16 a2 = exp2_neg((load(u2 + x) - load(s + 2 * G.nq_pad)) * es) * load(s + 3 * G.nq_pad);
-          v16 lv = {};
-          std::memcpy(&lv, lam + i0 + x, sizeof(float) * std::clamp(rows - x, 0, VL));
-          const v16 dpv = load(up + x);
-          store(u1 + x, a1 * (dpv - load(s + 4 * G.nq_pad)) * sc);
-          store(u2 + x, (v16{} - lv) * a2 * (dpv - load(s + 5 * G.nq_pad)) * sc);
-          store(up + x, a1 - lv * a2);
-        }
+// Work item of the first step: row blocks y, y + G, y + 2G, ... of head h in batch b, into its partial sums (zero
+// when the call allocates them).
+void grad_group(const Grad& G, int b, int h, int y, GradScratch& w) {
+  float* part = G.part + (((size_t)b * G.heads + h) * G.groups + y) * G.part_size();
+  for (int r0 = y * G.block_rows; r0 < G.nq; r0 += G.groups * G.block_rows) grad_rows(G, b, h, r0, w, part);
+}
+
+// Work item of the second step: keys [j0, j0 + 32) of KV head g in batch b: dk1, dk2 and dv are the sums of the
+// partial sums of every head of the group and every row group, in that order.
+void sum_keys(const Grad& G, int b, int g, int j0) {
+  const int rep = G.heads / G.kv_heads, j1 = std::min(j0 + SCORE_COLS, G.nk);
+  const size_t kmap = (size_t)b * 2 * G.kv_heads + 2 * g;
+  float* outs[3] = {G.gk + kmap * G.nk * G.d, G.gk + (kmap + 1) * G.nk * G.d,
+                    G.gv + ((size_t)b * G.kv_heads + g) * G.nk * G.dv};
+  const size_t offsets[3] = {0, (size_t)G.nk_pad * G.d, (size_t)2 * G.nk_pad * G.d};
+  const int widths[3] = {G.d, G.d, G.dv};
+  const float* first = G.part + ((size_t)b * G.heads + (size_t)g * rep) * G.groups * G.part_size();
+  const int parts = rep * G.groups;  // consecutive: heads g * rep ... of batch b, each with its G groups
+  for (int a = 0; a < 3; ++a)
+    for (int j = j0; j < j1; ++j)
+      for (int c = 0; c < widths[a]; c += VL) {
+        const size_t at = offsets[a] + (size_t)j * widths[a] + c;
+        v16 acc = load(first + at);
+        for (int x = 1; x < parts; ++x) acc += load(first + (size_t)x * G.part_size() + at);
+        store(outs[a] + (size_t)j * widths[a] + c, acc);
       }
-      mul_rows<6, 4>(tp, QUERY_CHUNK, BK, 0, rows, dout + (size_t)i0 * G.dv, G.dv, G.dv, w.dv.data(), false);
-      mul_rows<12, 2>(t1, QUERY_CHUNK, BK, 0, rows, q1 + (size_t)i0 * G.d, G.d, G.d, w.dk1.data(), false);
-      mul_rows<12, 2>(t2, QUERY_CHUNK, BK, 0, rows, q2 + (size_t)i0 * G.d, G.d, G.d, w.dk2.data(), false);
-    }
-  }
-  std::copy(w.dk1.begin(), w.dk1.begin() + (size_t)keys * G.d, G.gk + (kmap * G.nk + c0) * G.d);
-  std::copy(w.dk2.begin(), w.dk2.begin() + (size_t)keys * G.d, G.gk + (kmap * G.nk + c0) * G.d + nkd);
-  std::copy(w.dv.begin(), w.dv.begin() + (size_t)keys * G.dv, G.gv + (((size_t)b * G.kv_heads + g) * G.nk + c0) * G.dv);
 }
-
 
 }  // namespace
 
@@ -614,68 +599,48 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
 
 // The gradients of diff_attention_cpu_forward's output: dout (B, H, nq, dv) contiguous float32, the other inputs
 // as the forward's; dq, dk, dv shaped as q, k, v and dlam (B, H, nq), all contiguous float32, written in full.
-// sizes: B, H, Hkv, nq, nk, d, dv, block_rows, block_keys. Returns 0; -1 for sizes it cannot take; -2 when out
-// of memory.
+// sizes: B, H, Hkv, nq, nk, d, dv, block_rows. Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const float* v, const float* lam,
                                            const float* mask, const long* mask_strides, const float* dout,
                                            float exp_scale, float qk_scale, float* dq, float* dk, float* dv,
                                            float* dlam, const int* sizes, int causal, int n_threads) {
-  Grad G{q, k, v, lam, mask, dout, nullptr, nullptr, nullptr, nullptr, nullptr, dq, dk, dv, dlam,
-         sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, 0, sizes[5], sizes[6], sizes[7], sizes[8], qk_scale,
+  Grad G{q, k, v, lam, mask, dout, nullptr, nullptr, nullptr, dq, dk, dv, dlam,
+         sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], 1, qk_scale,
          mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
-  G.nq_pad = (G.nq + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   G.nk_pad = (G.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
-  const int BQ = G.block_rows, BK = G.block_keys;
-  if (BQ <= 0 || BQ % SCORE_ROWS || BQ % 12 || BK <= 0 || BK % SCORE_ROWS || BK % 12 || G.d % 32 || G.dv % OUT_COLS ||
-      G.d <= 0 || G.nq < 0 || G.nk < 0 || G.kv_heads <= 0 || G.heads % G.kv_heads)
+  const int BQ = G.block_rows;
+  if (BQ <= 0 || BQ % SCORE_ROWS || BQ % 12 || G.d % 32 || G.dv % OUT_COLS || G.d <= 0 || G.nq < 0 || G.nk < 0 ||
+      G.kv_heads <= 0 || G.heads % G.kv_heads)
     return -1;
-  const long B = G.batch, kmaps = B * 2 * G.kv_heads, vmaps = B * G.kv_heads, qmaps = B * 2 * G.heads,
-             omaps = B * G.heads, ktiles = G.nk_pad / SCORE_COLS, qtiles = G.nq_pad / SCORE_COLS;
-  const long row_blocks = (G.nq + BQ - 1) / BQ, key_blocks = (G.nk + BK - 1) / BK;
-  const long rows_items = omaps * row_blocks, key_items = vmaps * key_blocks;
-  const long transposes = (kmaps + vmaps) * ktiles + (qmaps + omaps) * qtiles;
-  const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max({rows_items, key_items, transposes})));
-  std::vector<float> kt, vt, qt, dot, stats;
+  const long B = G.batch, kmaps = B * 2 * G.kv_heads, vmaps = B * G.kv_heads, heads = B * G.heads,
+             ktiles = G.nk_pad / SCORE_COLS, row_blocks = (G.nq + BQ - 1) / BQ;
+  G.groups = (int)std::clamp<long>((MIN_ITEMS + heads - 1) / heads, 1, std::max(row_blocks, 1L));
+  const long items = heads * G.groups, key_items = vmaps * ktiles, transposes = (kmaps + vmaps) * ktiles;
+  const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max({items, key_items, transposes})));
+  std::vector<float> kt, vt, part;
   std::vector<GradScratch> scratch;  // allocated here, so that running out of memory is an error code
   try {
     kt.resize((size_t)kmaps * G.d * G.nk_pad);
     vt.resize((size_t)vmaps * G.dv * G.nk_pad);
-    qt.resize((size_t)qmaps * G.d * G.nq_pad);
-    dot.resize((size_t)omaps * G.dv * G.nq_pad);
-    stats.resize((size_t)omaps * STATS * G.nq_pad);
+    part.resize((size_t)items * G.part_size());  // zeros: every item adds to its own
     for (int t = 0; t < n_workers; ++t) scratch.emplace_back(G);
   } catch (const std::bad_alloc&) {
     return -2;
   }
-  G.kt = kt.data(); G.vt = vt.data(); G.qt = qt.data(); G.dot = dot.data(); G.stats = stats.data();
-  for (long bh = 0; bh < omaps; ++bh)  // rows beyond nq: no softmax (m = inf, 1/l = 0, deltas 0)
-    for (int x = 0; x < STATS; ++x)
-      std::fill(G.stats + ((size_t)bh * STATS + x) * G.nq_pad + G.nq, G.stats + ((size_t)bh * STATS + x + 1) * G.nq_pad,
-                x % 2 == 0 && x < 4 ? INFINITY : 0.0f);
+  G.kt = kt.data(); G.vt = vt.data(); G.part = part.data();
   run_items(transposes, n_workers, [&](int, long i) {
-    long t = i;
-    if (t < kmaps * ktiles)
-      return transpose_rows(G.k + (size_t)(t / ktiles) * G.nk * G.d, G.nk, G.d, G.kt + (size_t)(t / ktiles) * G.d * G.nk_pad,
-                            G.nk_pad, (int)(t % ktiles) * SCORE_COLS);
-    t -= kmaps * ktiles;
-    if (t < vmaps * ktiles)
-      return transpose_rows(G.v + (size_t)(t / ktiles) * G.nk * G.dv, G.nk, G.dv,
-                            G.vt + (size_t)(t / ktiles) * G.dv * G.nk_pad, G.nk_pad, (int)(t % ktiles) * SCORE_COLS);
-    t -= vmaps * ktiles;
-    if (t < qmaps * qtiles)
-      return transpose_rows(G.q + (size_t)(t / qtiles) * G.nq * G.d, G.nq, G.d, G.qt + (size_t)(t / qtiles) * G.d * G.nq_pad,
-                            G.nq_pad, (int)(t % qtiles) * SCORE_COLS);
-    t -= qmaps * qtiles;
-    transpose_rows(G.dout + (size_t)(t / qtiles) * G.nq * G.dv, G.nq, G.dv,
-                   G.dot + (size_t)(t / qtiles) * G.dv * G.nq_pad, G.nq_pad, (int)(t % qtiles) * SCORE_COLS);
+    if (i < kmaps * ktiles)
+      return transpose_rows(G.k + (size_t)(i / ktiles) * G.nk * G.d, G.nk, G.d, G.kt + (size_t)(i / ktiles) * G.d * G.nk_pad,
+                            G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
+    i -= kmaps * ktiles;
+    transpose_rows(G.v + (size_t)(i / ktiles) * G.nk * G.dv, G.nk, G.dv, G.vt + (size_t)(i / ktiles) * G.dv * G.nk_pad,
+                   G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
   });
-  run_items(rows_items, n_workers, [&](int t, long i) {
-    grad_rows(G, (int)(i / row_blocks / G.heads), (int)(i / row_blocks % G.heads), (int)(i % row_blocks) * BQ,
-              scratch[t]);
+  run_items(items, n_workers, [&](int t, long i) {
+    grad_group(G, (int)(i / G.groups / G.heads), (int)(i / G.groups % G.heads), (int)(i % G.groups), scratch[t]);
   });
-  run_items(key_items, n_workers, [&](int t, long i) {
-    grad_keys(G, (int)(i / key_blocks / G.kv_heads), (int)(i / key_blocks % G.kv_heads), (int)(i % key_blocks) * BK,
-              scratch[t]);
+  run_items(key_items, n_workers, [&](int, long i) {
+    sum_keys(G, (int)(i / ktiles / G.kv_heads), (int)(i / ktiles % G.kv_heads), (int)(i % ktiles) * SCORE_COLS);
   });
   return 0;
 }
