@@ -363,3 +363,44 @@ def test_a_nan_query_gives_a_nan_gradient_not_a_hidden_one():
     out.sum().backward()
     assert out[0, 0, 2].isnan().all() and out[0, 0, [0, 1, 3, 4]].isfinite().all()
     assert q.grad[0, 0, 2, 0].isnan() and q.grad[0, 1:].isfinite().all()
+
+
+KEPT = r"""
+import resource, torch
+from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
+lib = cpu_fused._kernel()
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(1, 8, 1024, 64, generator=g), torch.randn(1, 8, 1024, 64, generator=g)
+v, lam = torch.randn(1, 4, 1024, 128, generator=g), torch.tensor(0.3)
+q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+def step():
+    diff_attention(q, k, v, lam, causal=True, backend="cpu_fused").sum().backward()
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+step()
+kept = lib.diff_attention_cpu_kept_bytes()
+assert kept >= 12 << 20, kept  # k and v transposed (4 MiB), the partial sums of dk and dv (8 MiB), the scores
+reused = min(faults() for _ in range(3))
+cpu_fused.release_buffers()
+assert lib.diff_attention_cpu_kept_bytes() == 0
+fresh = faults()
+assert fresh - reused > (kept >> 12) // 2, (fresh, reused, kept)  # a fresh block faults its pages in; a kept one not
+assert lib.diff_attention_cpu_keep_at_most(kept - 1) == 64 << 20
+step()
+assert lib.diff_attention_cpu_kept_bytes() == 0  # above the limit: freed after its call
+print("KEPT OK")
+"""
+
+
+@needs_compiler
+def test_the_kernel_keeps_its_work_buffers_between_calls_and_frees_large_ones():
+    """A call carves its buffers from a block kept for the calling thread's next call (no fresh pages to fault in),
+    frees a block above the limit after its call, and ``release_buffers`` frees it at once."""
+    done = run_python(KEPT, env={**os.environ, "PYTHONPATH": str(package_root()), "OMP_NUM_THREADS": "2"}, timeout=600)
+    assert done.returncode == 0 and "KEPT OK" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -116,7 +116,11 @@ def cpu_memory_supported() -> bool:
 
 
 def _cpu_peak_extra_here(fn: Callable[[], Tensor], include_output: bool) -> int:
-    """Run in the measuring child only (see module docstring)."""
+    """Run in the measuring child only (see module docstring). The fused CPU kernel's work buffers, kept between
+    calls, are freed first, so that the measured call allocates them again and they count."""
+    fused = sys.modules.get("diffattn_tutorial.kernels.cpu.cpu_fused")
+    if fused is not None:
+        fused.release_buffers()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     base = _status_kib("VmRSS") * 1024

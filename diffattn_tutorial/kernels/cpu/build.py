@@ -303,9 +303,14 @@ def load_once(first_load: Callable[[], ctypes.CDLL]) -> ctypes.CDLL:
         return lib
 
 
+def loaded() -> Optional[ctypes.CDLL]:
+    """The library :func:`load_once` loaded in this process, or None (nothing is built or loaded here)."""
+    return _LOADED.get("lib")
+
+
 def loaded_note() -> str:
     """What the status says of the loaded library: the compiler, as a person names it."""
     return str(_LOADED.get("why", "fused C++ kernel"))
 
 
-__all__ = ["SOURCE", "TIMEOUT_S", "KernelUnavailable", "compiler", "library_path", "load_once", "loaded_note"]
+__all__ = ["SOURCE", "TIMEOUT_S", "KernelUnavailable", "compiler", "library_path", "load_once", "loaded", "loaded_note"]

@@ -64,6 +64,10 @@ def _load(path: Path) -> ctypes.CDLL:
                   c_int]
     b.restype = c_int
     lib.diff_attention_cpu_use_openmp.argtypes, lib.diff_attention_cpu_use_openmp.restype = [c_int], c_int
+    lib.diff_attention_cpu_release.argtypes, lib.diff_attention_cpu_release.restype = [], None
+    lib.diff_attention_cpu_kept_bytes.argtypes, lib.diff_attention_cpu_kept_bytes.restype = [], ctypes.c_long
+    lib.diff_attention_cpu_keep_at_most.argtypes = [ctypes.c_long]
+    lib.diff_attention_cpu_keep_at_most.restype = ctypes.c_long
     for name in ("diff_attention_cpu_on_openmp", "diff_attention_cpu_last_threads"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
     return lib
@@ -147,6 +151,18 @@ def kernel_threads() -> str:
     Linux), and in a child forked after it was loaded. The numbers are the same bit for bit. Raises
     KernelUnavailable where the kernel cannot be had."""
     return "openmp" if _kernel().diff_attention_cpu_on_openmp() else "own"
+
+
+def release_buffers() -> None:
+    """Free the work buffers the kernel keeps for the calling thread between its calls. A call carves k transposed,
+    its blocks of scores (and in the backward the partial sums of dk and dv) from one block per calling thread,
+    kept for the next call (freed at once when above 64 MiB, and when the thread ends): returning those pages to
+    the system and faulting them in again on every call cost more than the work at short sequences. Nothing to do
+    where the kernel is not loaded; ``timing.peak_extra_memory`` calls this before each measured call, so that
+    the block counts in the kernel's peak."""
+    lib = build.loaded()
+    if lib is not None:
+        lib.diff_attention_cpu_release()
 
 
 def _kernel() -> ctypes.CDLL:
@@ -524,4 +540,4 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
            "library_path", "kernel_status", "kernel_threads", "check_operator_inputs", "cpu_fused_forward",
-           "cpu_fused_backward", "fused_diff_attention"]
+           "cpu_fused_backward", "fused_diff_attention", "release_buffers"]

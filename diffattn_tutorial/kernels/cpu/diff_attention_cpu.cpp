@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <system_error>
 #include <thread>
@@ -180,6 +181,48 @@ inline float softmax_numerators(float* s, int nvis, int npad, const float* mask,
   return total;
 }
 
+// A call's buffers (k transposed, per-thread score blocks, ...) are carved from one block per calling thread,
+// kept for that thread's next call: freeing them returns their pages to the system, and faulting megabytes of fresh
+// pages in on every call, in this call and in torch's next allocations, cost more than the work at short
+// sequences. A block above keep_floats is freed after its call (diff_attention_cpu_release frees any now).
+std::atomic<size_t> keep_floats{(size_t)64 << 18};  // 64 MiB (diff_attention_cpu_keep_at_most)
+
+struct KeptBlock {
+  std::unique_ptr<float[]> data;
+  size_t size = 0;
+};
+thread_local KeptBlock kept;
+
+// Hands out 64-byte aligned pieces of a block: first with base null, to add up the sizes, then of the block.
+struct Carver {
+  float* base = nullptr;
+  size_t used = 0;
+  float* take(size_t n) {
+    float* at = base ? base + used : nullptr;
+    used += (n + VL - 1) / VL * VL;
+    return at;
+  }
+};
+
+// The calling thread's block, at least n floats (throws std::bad_alloc).
+float* work_block(size_t n) {
+  if (kept.size < n) {
+    kept.data.reset();
+    kept.size = 0;
+    kept.data.reset(new float[n + VL]);  // + VL: room to align the start to 64 bytes
+    kept.size = n;
+  }
+  auto at = reinterpret_cast<std::uintptr_t>(kept.data.get());
+  return reinterpret_cast<float*>((at + 63) / 64 * 64);
+}
+
+void release_large_block() {
+  if (kept.size > keep_floats) {
+    kept.data.reset();
+    kept.size = 0;
+  }
+}
+
 struct Problem {
   const float *q, *k, *v, *lam, *mask;
   float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: few rows)
@@ -194,10 +237,11 @@ struct Problem {
 // Per-thread buffers: two block_rows x nk_pad score blocks; for the last, partial block of rows, its queries
 // zero-padded and its output rows.
 struct Scratch {
-  std::vector<float> s1, s2, q1, q2, out;
-  Scratch(const Problem& P)
-      : s1((size_t)P.block_rows * P.nk_pad), s2(s1.size()), q1((size_t)P.block_rows * P.d), q2(q1.size()),
-        out((size_t)P.block_rows * P.dv) {}
+  float *s1, *s2, *q1, *q2, *out;
+  Scratch(const Problem& P, Carver& c)
+      : s1(c.take((size_t)P.block_rows * P.nk_pad)), s2(c.take((size_t)P.block_rows * P.nk_pad)),
+        q1(c.take((size_t)P.block_rows * P.d)), q2(c.take((size_t)P.block_rows * P.d)),
+        out(c.take((size_t)P.block_rows * P.dv)) {}
 };
 
 // Work item of the first phase: keys [j0, j0 + 32) of key map m (of B * 2Hkv) into kt, transposed.
@@ -214,14 +258,14 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   const float* q1 = P.q + (((size_t)b * 2 * P.heads + 2 * h) * P.nq + r0) * P.d;
   const float* q2 = q1 + (size_t)P.nq * P.d;
   if (rows < BQ) {  // the last block: copy its rows into zero-padded buffers
-    std::fill(w.q1.begin(), w.q1.end(), 0.0f);
-    std::fill(w.q2.begin(), w.q2.end(), 0.0f);
-    std::copy(q1, q1 + (size_t)rows * P.d, w.q1.begin());
-    std::copy(q2, q2 + (size_t)rows * P.d, w.q2.begin());
-    q1 = w.q1.data();
-    q2 = w.q2.data();
+    std::fill(w.q1, w.q1 + (size_t)BQ * P.d, 0.0f);
+    std::fill(w.q2, w.q2 + (size_t)BQ * P.d, 0.0f);
+    std::copy(q1, q1 + (size_t)rows * P.d, w.q1);
+    std::copy(q2, q2 + (size_t)rows * P.d, w.q2);
+    q1 = w.q1;
+    q2 = w.q2;
   }
-  float *s1 = w.s1.data(), *s2 = w.s2.data();
+  float *s1 = w.s1, *s2 = w.s2;
   const bool few = P.kt == nullptr;  // at most FEW_ROWS rows: k row-major, only the rows there are
   const float* k1 = few ? P.k + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.nk * P.d
                         : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
@@ -229,7 +273,7 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   const float* vg = P.v + ((size_t)b * P.kv_heads + g) * P.nk * P.dv;
   const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq + r0;
   float* o_rows = P.out + (((size_t)b * P.heads + h) * P.nq + r0) * P.dv;
-  float* o = rows < BQ ? w.out.data() : o_rows;
+  float* o = rows < BQ ? w.out : o_rows;
   const int shift = P.nk - P.nq;  // causal: row i sees keys j < i + 1 + shift
   const int kmax = P.causal ? std::clamp(r0 + BQ + shift, 0, P.nk) : P.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -405,19 +449,20 @@ void transpose_rows(const float* src, int n, int w, float* dst, int n_pad, int j
 }
 
 // Rows [src, src + rows) of width w, or a zero-padded copy of them in buf when rows < full.
-const float* padded_rows(const float* src, int rows, int full, int w, std::vector<float>& buf) {
+const float* padded_rows(const float* src, int rows, int full, int w, float* buf) {
   if (rows == full) return src;
-  std::fill(buf.begin(), buf.end(), 0.0f);
-  std::copy(src, src + (size_t)rows * w, buf.begin());
-  return buf.data();
+  std::fill(buf, buf + (size_t)full * w, 0.0f);
+  std::copy(src, src + (size_t)rows * w, buf);
+  return buf;
 }
 
 struct GradScratch {
-  std::vector<float> s1, s2, dp, q1, q2, dout, dq1, dq2;
-  GradScratch(const Grad& G) {
+  float *s1, *s2, *dp, *q1, *q2, *dout, *dq1, *dq2;
+  GradScratch(const Grad& G, Carver& c) {
     const size_t BQ = G.block_rows;
-    s1.resize(BQ * G.nk_pad); s2.resize(s1.size()); dp.resize(s1.size());
-    q1.resize(BQ * G.d); q2.resize(q1.size()); dout.resize(BQ * G.dv); dq1.resize(q1.size()); dq2.resize(q1.size());
+    s1 = c.take(BQ * G.nk_pad); s2 = c.take(BQ * G.nk_pad); dp = c.take(BQ * G.nk_pad);
+    q1 = c.take(BQ * G.d); q2 = c.take(BQ * G.d); dout = c.take(BQ * G.dv); dq1 = c.take(BQ * G.d);
+    dq2 = c.take(BQ * G.d);
   }
 };
 
@@ -436,7 +481,7 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part)
   const float* k2 = k1 + (size_t)G.nk * G.d;
   const float* lam = G.lam + ((size_t)b * G.heads + h) * G.nq + r0;
   float* dlam = G.glam + ((size_t)b * G.heads + h) * G.nq + r0;
-  float *s1 = w.s1.data(), *s2 = w.s2.data(), *dp = w.dp.data();
+  float *s1 = w.s1, *s2 = w.s2, *dp = w.dp;
   const int ld = G.nk_pad, shift = G.nk - G.nq;
   const int kmax = G.causal ? std::clamp(r0 + BQ + shift, 0, G.nk) : G.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -482,8 +527,8 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part)
     }
     dlam[r] = -delta2;
   }
-  float* dq1 = rows < BQ ? w.dq1.data() : G.gq + (head1 * G.nq + r0) * G.d;
-  float* dq2 = rows < BQ ? w.dq2.data() : G.gq + (head1 * G.nq + r0) * G.d + nqd;
+  float* dq1 = rows < BQ ? w.dq1 : G.gq + (head1 * G.nq + r0) * G.d;
+  float* dq2 = rows < BQ ? w.dq2 : G.gq + (head1 * G.nq + r0) * G.d + nqd;
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK) {
     const int j1 = std::min({kpad, G.nk, j0 + KEY_CHUNK});  // dS is 0 beyond nk: k's rows there are never read
     mul_rows<12, 2>(s1, ld, BQ, j0, j1, k1, G.d, G.d, dq1, j0 == 0);
@@ -501,10 +546,10 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part)
   mul_rows_t(dp, ld, kpad, rows, dout, G.dv, pv);
 }
 
-// Work item of the first step: row blocks y, y + G, y + 2G, ... of head h in batch b, into its partial sums (zero
-// when the call allocates them).
+// Work item of the first step: row blocks y, y + G, y + 2G, ... of head h in batch b, into its partial sums.
 void grad_group(const Grad& G, int b, int h, int y, GradScratch& w) {
   float* part = G.part + (((size_t)b * G.heads + h) * G.groups + y) * G.part_size();
+  std::fill(part, part + G.part_size(), 0.0f);
   for (int r0 = y * G.block_rows; r0 < G.nq; r0 += G.groups * G.block_rows) grad_rows(G, b, h, r0, w, part);
 }
 
@@ -577,22 +622,29 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
   const long blocks = (P.nq + BQ - 1) / BQ, items = (long)P.batch * P.heads * blocks;
   const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max(items, key_maps * key_tiles)));
   const bool few = P.nq <= FEW_ROWS;
-  std::vector<float> kt;
-  std::vector<Scratch> scratch;  // allocated here, so that running out of memory is an error code, not a crash
-  try {
-    if (!few) kt.resize((size_t)key_maps * P.d * P.nk_pad);
-    for (int t = 0; t < n_workers; ++t) scratch.emplace_back(P);
-  } catch (const std::bad_alloc&) {
-    return -2;
+  std::vector<Scratch> scratch;
+  Carver c;
+  for (int pass = 0; pass < 2; ++pass) {  // sizes, then pieces of the block
+    c.used = 0;
+    P.kt = few ? nullptr : c.take((size_t)key_maps * P.d * P.nk_pad);
+    scratch.clear();
+    for (int t = 0; t < n_workers; ++t) scratch.emplace_back(P, c);
+    if (pass == 0) {
+      try {  // allocated here, so that running out of memory is an error code, not a crash
+        c.base = work_block(c.used);
+      } catch (const std::bad_alloc&) {
+        return -2;
+      }
+    }
   }
   if (!few) {
-    P.kt = kt.data();
     run_items(key_maps * key_tiles, n_workers,
               [&](int, long i) { transpose_keys(P, i / key_tiles, (int)(i % key_tiles) * SCORE_COLS); });
   }
   run_items(items, n_workers, [&](int t, long i) {
     block(P, (int)(i / blocks / P.heads), (int)(i / blocks % P.heads), (int)(i % blocks) * BQ, scratch[t]);
   });
+  release_large_block();
   return 0;
 }
 
@@ -617,17 +669,23 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
   G.groups = (int)std::clamp<long>((MIN_ITEMS + heads - 1) / heads, 1, std::max(row_blocks, 1L));
   const long items = heads * G.groups, key_items = vmaps * ktiles, transposes = (kmaps + vmaps) * ktiles;
   const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max({items, key_items, transposes})));
-  std::vector<float> kt, vt, part;
-  std::vector<GradScratch> scratch;  // allocated here, so that running out of memory is an error code
-  try {
-    kt.resize((size_t)kmaps * G.d * G.nk_pad);
-    vt.resize((size_t)vmaps * G.dv * G.nk_pad);
-    part.resize((size_t)items * G.part_size());  // zeros: every item adds to its own
-    for (int t = 0; t < n_workers; ++t) scratch.emplace_back(G);
-  } catch (const std::bad_alloc&) {
-    return -2;
+  std::vector<GradScratch> scratch;
+  Carver c;
+  for (int pass = 0; pass < 2; ++pass) {  // sizes, then pieces of the block
+    c.used = 0;
+    G.kt = c.take((size_t)kmaps * G.d * G.nk_pad);
+    G.vt = c.take((size_t)vmaps * G.dv * G.nk_pad);
+    G.part = c.take((size_t)items * G.part_size());
+    scratch.clear();
+    for (int t = 0; t < n_workers; ++t) scratch.emplace_back(G, c);
+    if (pass == 0) {
+      try {  // allocated here, so that running out of memory is an error code
+        c.base = work_block(c.used);
+      } catch (const std::bad_alloc&) {
+        return -2;
+      }
+    }
   }
-  G.kt = kt.data(); G.vt = vt.data(); G.part = part.data();
   run_items(transposes, n_workers, [&](int, long i) {
     if (i < kmaps * ktiles)
       return transpose_rows(G.k + (size_t)(i / ktiles) * G.nk * G.d, G.nk, G.d, G.kt + (size_t)(i / ktiles) * G.d * G.nk_pad,
@@ -642,5 +700,20 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
   run_items(key_items, n_workers, [&](int, long i) {
     sum_keys(G, (int)(i / ktiles / G.kv_heads), (int)(i / ktiles % G.kv_heads), (int)(i % ktiles) * SCORE_COLS);
   });
+  release_large_block();
   return 0;
+}
+
+// Frees the calling thread's kept block (the next call allocates one again).
+extern "C" void diff_attention_cpu_release() {
+  kept.data.reset();
+  kept.size = 0;
+}
+
+// The size in bytes of the calling thread's kept block (0: none).
+extern "C" long diff_attention_cpu_kept_bytes() { return (long)(kept.size * sizeof(float)); }
+
+// Keep blocks of at most this many bytes between calls (default 64 MiB); returns the previous limit.
+extern "C" long diff_attention_cpu_keep_at_most(long bytes) {
+  return (long)(keep_floats.exchange((size_t)std::max(0L, bytes) / sizeof(float)) * sizeof(float));
 }
