@@ -57,11 +57,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     f = lib.diff_attention_cpu_forward
     ptr, c_int = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
+    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
     f.restype = c_int
     b = lib.diff_attention_cpu_backward
-    b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, c_int,
-                  c_int]
+    b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr,
+                  c_int, c_int]
     b.restype = c_int
     lib.diff_attention_cpu_use_openmp.argtypes, lib.diff_attention_cpu_use_openmp.restype = [c_int], c_int
     lib.diff_attention_cpu_release.argtypes, lib.diff_attention_cpu_release.restype = [], None
@@ -245,11 +245,18 @@ def _float_mask(mask: Tensor) -> Tensor:
 
 
 def _kernel_layout(t: Tensor, width: int) -> Tensor:
-    """``t`` as contiguous float32 with its last dim zero-padded to ``width``: ``t`` itself where it already is."""
+    """``t`` as the kernel reads it: float32 of last dim ``width`` with contiguous rows, anywhere else in memory (the
+    kernel takes the strides of batch, head and row: a transposed view of a projection's output is read where it
+    is); a copy only where ``t`` is of another dtype, narrower (zero-padded) or has strided rows."""
     t = t.float()
     if t.shape[-1] < width:
-        t = F.pad(t, (0, width - t.shape[-1]))
-    return t.contiguous()
+        return F.pad(t, (0, width - t.shape[-1]))
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _layouts(*tensors: Tensor) -> ctypes.Array:
+    """The element strides of batch, head and row of each 4-d tensor, as the kernel takes them."""
+    return (ctypes.c_long * (3 * len(tensors)))(*(s for t in tensors for s in t.stride()[:3]))
 
 
 def _mask_view(mask: Optional[Tensor], shape: tuple) -> tuple[Optional[Tensor], ctypes.Array]:
@@ -267,7 +274,8 @@ def _mask_view(mask: Optional[Tensor], shape: tuple) -> tuple[Optional[Tensor], 
 def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], causal: bool,
              scale: float) -> Tensor:
     """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count.
-    Contiguous float32 inputs with a head width that is a multiple of 32 are used as they are (no copy)."""
+    float32 inputs with contiguous rows and a head width that is a multiple of 32 are read where they are (no copy),
+    whatever their batch, head and row strides."""
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
     d_pad = _round_up(d, VALUE_MULTIPLE // 2)  # the value width 2 * d_pad is a multiple of the 64-column tile
@@ -279,7 +287,7 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     out = torch.empty(B, H, nq, 2 * d_pad)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
-                                        strides, LOG2E, scale, out.data_ptr(), sizes, int(causal),
+                                        strides, _layouts(q, k, v), LOG2E, scale, out.data_ptr(), sizes, int(causal),
                                         torch.get_num_threads())
     if rc == -2:
         raise MemoryError(f"the fused CPU kernel could not allocate its buffers (k transposed, and {block_rows} x "
@@ -291,8 +299,9 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
 
 def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor,
               mask: Optional[Tensor], causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of :func:`_forward`'s output: float32 ``dq, dk, dv`` shaped as q, k, v and ``dlam`` per row,
-    ``(B, H, Nq)`` (the caller sums it to lam's shape). Inputs laid out as the forward lays them out."""
+    """The gradients of :func:`_forward`'s output: float32 ``dq, dk, dv`` shaped as q, k, v (and laid out as them
+    where they are dense) and ``dlam`` per row, ``(B, H, Nq)`` (the caller sums it to lam's shape). Inputs read as
+    the forward reads them."""
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
     d_pad = _round_up(d, VALUE_MULTIPLE // 2)
@@ -301,13 +310,14 @@ def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
     block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
     m, strides = _mask_view(mask, (B, H, nq, nk))
-    dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # laid out as q, k, v where dense
     dlam = torch.empty(B, H, nq)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(),
-                                         None if m is None else m.data_ptr(), strides, grad_out.data_ptr(), LOG2E,
-                                         scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dlam.data_ptr(), sizes,
-                                         int(causal), torch.get_num_threads())
+                                         None if m is None else m.data_ptr(), strides, grad_out.data_ptr(),
+                                         _layouts(q, k, v, grad_out, dq, dk, dv), LOG2E, scale, dq.data_ptr(),
+                                         dk.data_ptr(), dv.data_ptr(), dlam.data_ptr(), sizes, int(causal),
+                                         torch.get_num_threads())
     if rc == -2:
         raise MemoryError("the fused CPU kernel's backward could not allocate its buffers (k and v transposed, "
                           "partial sums of dk and dv, and a block of scores per thread); use backend='sdpa_padded'")
@@ -447,12 +457,22 @@ attn_mask, causal, scale)`` gives ``(dq, dk, dv, dlam)``, dlam per row ``(B, H, 
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=(), device_types="cpu")
 def cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
                        causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of :func:`cpu_fused_forward`'s output ``grad_out``: dq, dk, dv in q's dtype and dlam per
-    row, ``(B, H, Nq)`` float32; fully masked rows get zero gradients."""
+    """The gradients of :func:`cpu_fused_forward`'s output ``grad_out``: dq, dk, dv in q's dtype, laid out as
+    ``torch.empty_like`` lays out q, k and v (a transposed view's gradient is the same view of a dense tensor, as a
+    projection's backward wants it), and dlam per row, ``(B, H, Nq)`` float32; fully masked rows get zero
+    gradients."""
     check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
     _check_scale(scale)
-    dq, dk, dv, dlam = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale)
-    return dq.to(q.dtype).contiguous(), dk.to(q.dtype).contiguous(), dv.to(q.dtype).contiguous(), dlam
+    grads = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale)
+    return (*(_like(g, t) for g, t in zip(grads, (q, k, v))), grads[3])
+
+
+def _like(grad: Tensor, t: Tensor) -> Tensor:
+    """``grad`` in ``t``'s dtype and ``torch.empty_like(t)``'s layout (what the fake implementation promises)."""
+    like = torch.empty_like(t)
+    if grad.dtype == like.dtype and grad.stride() == like.stride():
+        return grad
+    return like.copy_(grad)
 
 
 @cpu_fused_backward.register_fake
@@ -461,7 +481,7 @@ def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask:
     check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
     _check_scale(scale)
     B, H2, nq, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape),
+    return (torch.empty_like(q), torch.empty_like(k, dtype=q.dtype), torch.empty_like(v, dtype=q.dtype),
             q.new_empty(B, H2 // 2, nq, dtype=torch.float32))
 
 

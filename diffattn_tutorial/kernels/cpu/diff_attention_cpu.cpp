@@ -102,11 +102,12 @@ inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, 
   }
 }
 
-// S[r][j] = scale * q[r] . k[j] for j in [0, nk) and `rows` rows of q, with k row-major (no transposed copy):
-// one dot product along d (a multiple of 32) per score, FEW_ROWS rows at most.
-inline void score_rows(const float* q, int rows, int d, const float* k, int nk, float* s, int lds, float scale) {
+// S[r][j] = scale * q[r] . k[j] for j in [0, nk) and `rows` rows of q, with k row-major (row stride ldk; no
+// transposed copy): one dot product along d (a multiple of 32) per score, FEW_ROWS rows at most.
+inline void score_rows(const float* q, int rows, int d, const float* k, long ldk, int nk, float* s, int lds,
+                       float scale) {
   for (int j = 0; j < nk; ++j) {
-    const float* kr = k + (size_t)j * d;
+    const float* kr = k + (size_t)j * ldk;
     for (int r = 0; r < rows; ++r) {
       const float* qr = q + (size_t)r * d;
       v16 acc0 = load(qr) * load(kr), acc1 = load(qr + VL) * load(kr + VL);
@@ -122,12 +123,13 @@ inline void score_rows(const float* q, int rows, int d, const float* k, int nk, 
 // O[r][c0 : c0 + 64] (+)= sum_{j0 <= j < j1} P[r][j] * V[j][c0 : c0 + 64] for R rows (OUT_ROWS, or fewer at the
 // end of a few-rows call).
 template <int R = OUT_ROWS>
-inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, int dv, int c0, float* o, bool first) {
+inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, long ldv, int dv, int c0, float* o,
+                     bool first) {
   v16 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < 4; ++x) acc[r][x] = first ? v16{} : load(o + (size_t)r * dv + c0 + VL * x);
   for (int j = j0; j < j1; ++j) {
-    const float* vr = v + (size_t)j * dv + c0;
+    const float* vr = v + (size_t)j * ldv + c0;
     const v16 v0 = load(vr), v1 = load(vr + VL), v2 = load(vr + 2 * VL), v3 = load(vr + 3 * VL);
     for (int r = 0; r < R; ++r) {
       const v16 a = splat(p[(size_t)r * ldp + j]);
@@ -142,14 +144,14 @@ inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, in
 }
 
 // out_tile for the last n < OUT_ROWS rows.
-inline void out_tail(int n, const float* p, int ldp, int j0, int j1, const float* v, int dv, int c0, float* o,
-                     bool first) {
+inline void out_tail(int n, const float* p, int ldp, int j0, int j1, const float* v, long ldv, int dv, int c0,
+                     float* o, bool first) {
   switch (n) {
-    case 1: return out_tile<1>(p, ldp, j0, j1, v, dv, c0, o, first);
-    case 2: return out_tile<2>(p, ldp, j0, j1, v, dv, c0, o, first);
-    case 3: return out_tile<3>(p, ldp, j0, j1, v, dv, c0, o, first);
-    case 4: return out_tile<4>(p, ldp, j0, j1, v, dv, c0, o, first);
-    default: return out_tile<5>(p, ldp, j0, j1, v, dv, c0, o, first);
+    case 1: return out_tile<1>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
+    case 2: return out_tile<2>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
+    case 3: return out_tile<3>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
+    case 4: return out_tile<4>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
+    default: return out_tile<5>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
   }
 }
 
@@ -223,8 +225,27 @@ void release_large_block() {
   }
 }
 
+// Where a tensor's rows are: element strides of its batch, head (map) and row dims; its last dim is contiguous.
+// Views of a projection's (B, N, heads, d) output, transposed to (B, heads, N, d), are read where they are.
+struct Layout {
+  long b, h, r;
+  template <class T>
+  T* at(T* base, long batch, long head, long row = 0) const { return base + batch * b + head * h + row * r; }
+};
+
+// Rows [r0, r0 + rows) of width w at src (row stride ld) where they can be read as a block of `full` rows of stride
+// w: src itself, or a zero-padded copy in buf.
+const float* block_rows_at(const float* src, long ld, int rows, int full, int w, float* buf) {
+  if (rows == full && ld == w) return src;
+  for (int r = 0; r < full; ++r)
+    if (r < rows) std::copy(src + r * ld, src + r * ld + w, buf + (size_t)r * w);
+    else std::fill(buf + (size_t)r * w, buf + (size_t)(r + 1) * w, 0.0f);
+  return buf;
+}
+
 struct Problem {
   const float *q, *k, *v, *lam, *mask;
+  Layout lq, lk, lv;  // of q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv)
   float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: few rows)
   float* out;
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
@@ -234,8 +255,8 @@ struct Problem {
   bool causal;                          // bottom-right aligned: row i sees keys j <= i + nk - nq
 };
 
-// Per-thread buffers: two block_rows x nk_pad score blocks; for the last, partial block of rows, its queries
-// zero-padded and its output rows.
+// Per-thread buffers: two block_rows x nk_pad score blocks; the queries of a block whose rows are strided or, in the
+// last, partial block, zero-padded; that block's output rows.
 struct Scratch {
   float *s1, *s2, *q1, *q2, *out;
   Scratch(const Problem& P, Carver& c)
@@ -244,33 +265,29 @@ struct Scratch {
         out(c.take((size_t)P.block_rows * P.dv)) {}
 };
 
+// dst (w, n_pad) = src (n rows of stride ld, width w) transposed for rows [j0, j0 + 32), zero beyond n.
+void transpose_rows(const float* src, long ld, int n, int w, float* dst, int n_pad, int j0) {
+  for (int c = 0; c < w; ++c)
+    for (int j = j0; j < j0 + SCORE_COLS; ++j) dst[(size_t)c * n_pad + j] = j < n ? src[j * ld + c] : 0.0f;
+}
+
 // Work item of the first phase: keys [j0, j0 + 32) of key map m (of B * 2Hkv) into kt, transposed.
 void transpose_keys(const Problem& P, long m, int j0) {
-  const float* k = P.k + (size_t)m * P.nk * P.d;
-  float* kt = P.kt + (size_t)m * P.d * P.nk_pad;
-  for (int c = 0; c < P.d; ++c)
-    for (int j = j0; j < j0 + SCORE_COLS; ++j) kt[(size_t)c * P.nk_pad + j] = j < P.nk ? k[(size_t)j * P.d + c] : 0.0f;
+  const long maps = 2L * P.kv_heads;
+  transpose_rows(P.lk.at(P.k, m / maps, m % maps), P.lk.r, P.nk, P.d, P.kt + (size_t)m * P.d * P.nk_pad, P.nk_pad, j0);
 }
 
 // Work item of the second phase: rows [r0, r0 + block_rows) of head h in batch b.
 void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   const int g = h / (P.heads / P.kv_heads), BQ = P.block_rows, rows = std::min(BQ, P.nq - r0);
-  const float* q1 = P.q + (((size_t)b * 2 * P.heads + 2 * h) * P.nq + r0) * P.d;
-  const float* q2 = q1 + (size_t)P.nq * P.d;
-  if (rows < BQ) {  // the last block: copy its rows into zero-padded buffers
-    std::fill(w.q1, w.q1 + (size_t)BQ * P.d, 0.0f);
-    std::fill(w.q2, w.q2 + (size_t)BQ * P.d, 0.0f);
-    std::copy(q1, q1 + (size_t)rows * P.d, w.q1);
-    std::copy(q2, q2 + (size_t)rows * P.d, w.q2);
-    q1 = w.q1;
-    q2 = w.q2;
-  }
+  // the rows as a dense block (copied where strided, and in the last block zero-padded)
+  const float* q1 = block_rows_at(P.lq.at(P.q, b, 2 * h, r0), P.lq.r, rows, BQ, P.d, w.q1);
+  const float* q2 = block_rows_at(P.lq.at(P.q, b, 2 * h + 1, r0), P.lq.r, rows, BQ, P.d, w.q2);
   float *s1 = w.s1, *s2 = w.s2;
   const bool few = P.kt == nullptr;  // at most FEW_ROWS rows: k row-major, only the rows there are
-  const float* k1 = few ? P.k + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.nk * P.d
-                        : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
-  const float* k2 = k1 + (size_t)P.d * (few ? P.nk : P.nk_pad);
-  const float* vg = P.v + ((size_t)b * P.kv_heads + g) * P.nk * P.dv;
+  const float* k1 = few ? P.lk.at(P.k, b, 2 * g) : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
+  const float* k2 = few ? P.lk.at(P.k, b, 2 * g + 1) : k1 + (size_t)P.d * P.nk_pad;
+  const float* vg = P.lv.at(P.v, b, g);
   const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq + r0;
   float* o_rows = P.out + (((size_t)b * P.heads + h) * P.nq + r0) * P.dv;
   float* o = rows < BQ ? w.out : o_rows;
@@ -279,8 +296,8 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   const int used = few ? rows : BQ;  // rows computed: the tiles' padding rows only where tiles are full
   if (few) {
-    score_rows(q1, rows, P.d, k1, kmax, s1, P.nk_pad, P.qk_scale);
-    score_rows(q2, rows, P.d, k2, kmax, s2, P.nk_pad, P.qk_scale);
+    score_rows(q1, rows, P.d, k1, P.lk.r, kmax, s1, P.nk_pad, P.qk_scale);
+    score_rows(q2, rows, P.d, k2, P.lk.r, kmax, s2, P.nk_pad, P.qk_scale);
   } else {
     for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
       for (int r = 0; r < BQ; r += SCORE_ROWS) {
@@ -305,9 +322,10 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
       for (int r = 0; r < used; r += OUT_ROWS) {
         const int j1 = std::min({kpad, P.nk, j0 + KEY_CHUNK});  // P is 0 beyond nk: V's rows there are never read
         if (used - r >= OUT_ROWS)
-          out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.dv, c0, o + (size_t)r * P.dv, j0 == 0);
+          out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.lv.r, P.dv, c0, o + (size_t)r * P.dv, j0 == 0);
         else
-          out_tail(used - r, s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.dv, c0, o + (size_t)r * P.dv, j0 == 0);
+          out_tail(used - r, s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.lv.r, P.dv, c0, o + (size_t)r * P.dv,
+                   j0 == 0);
       }
   if (rows < BQ) std::copy(o, o + (size_t)rows * P.dv, o_rows);
 }
@@ -377,31 +395,31 @@ constexpr int MIN_ITEMS = 8;  // row groups per head: enough that B x H x G item
 // O[r][c0 : c0 + 16 NV] (+)= sum_{j0 <= j < j1} P[r][j] * X[j][c0 : c0 + 16 NV] for ROWS rows (row strides
 // ldp, ldx, ldo).
 template <int ROWS, int NV>
-inline void mul_tile(const float* p, int ldp, int j0, int j1, const float* x, int ldx, int c0, float* o, int ldo,
+inline void mul_tile(const float* p, int ldp, int j0, int j1, const float* x, long ldx, int c0, float* o, long ldo,
                      bool first) {
   v16 acc[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
-    for (int u = 0; u < NV; ++u) acc[r][u] = first ? v16{} : load(o + (size_t)r * ldo + c0 + VL * u);
+    for (int u = 0; u < NV; ++u) acc[r][u] = first ? v16{} : load(o + r * ldo + c0 + VL * u);
   for (int j = j0; j < j1; ++j) {
     v16 xv[NV];
-    for (int u = 0; u < NV; ++u) xv[u] = load(x + (size_t)j * ldx + c0 + VL * u);
+    for (int u = 0; u < NV; ++u) xv[u] = load(x + j * ldx + c0 + VL * u);
     for (int r = 0; r < ROWS; ++r) {
       const v16 a = splat(p[(size_t)r * ldp + j]);
       for (int u = 0; u < NV; ++u) acc[r][u] += a * xv[u];
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int u = 0; u < NV; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
+    for (int u = 0; u < NV; ++u) store(o + r * ldo + c0 + VL * u, acc[r][u]);
 }
 
-// rows x (width, multiple of 16 NV) (+)= P (rows x [j0, j1)) . X in tiles of ROWS rows and 16 NV columns (dq:
-// 12 x 32).
+// rows x (width, multiple of 16 NV; row stride ldo) (+)= P (rows x [j0, j1)) . X in tiles of ROWS rows and 16 NV
+// columns (dq: 12 x 32).
 template <int ROWS, int NV>
-inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const float* x, int ldx, int width, float* o,
-                     bool first) {
+inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const float* x, long ldx, int width, float* o,
+                     long ldo, bool first) {
   for (int r = 0; r < rows; r += ROWS)
     for (int c0 = 0; c0 < width; c0 += 16 * NV)
-      mul_tile<ROWS, NV>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + (size_t)r * width, width, first);
+      mul_tile<ROWS, NV>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + r * ldo, ldo, first);
 }
 
 // O[r][c0 : c0 + 32] += sum_{j < nj} P[j][r] * X[j][c0 : c0 + 32] for 8 rows r (keys) of P^T: P row-major
@@ -431,6 +449,7 @@ inline void mul_rows_t(const float* p, int ldp, int keys, int nj, const float* x
 
 struct Grad {
   const float *q, *k, *v, *lam, *mask, *dout;  // as the forward's; dout (B, H, nq, dv)
+  Layout lq, lk, lv, ldo, lgq, lgk, lgv;       // of q, k, v, dout and of their gradients
   float *kt, *vt;                              // transposed: (.., d or dv, nk_pad)
   float* part;                                 // partial sums, per item: dk1, dk2 (nk_pad, d) and dv (nk_pad, dv)
   float *gq, *gk, *gv, *glam;                  // the gradients: shaped as q, k, v and (B, H, nq)
@@ -441,20 +460,6 @@ struct Grad {
   bool causal;
   size_t part_size() const { return (size_t)nk_pad * (2 * d + dv); }
 };
-
-// dst (w, n_pad) = src (n, w) transposed for rows [j0, j0 + 32), zero beyond n.
-void transpose_rows(const float* src, int n, int w, float* dst, int n_pad, int j0) {
-  for (int c = 0; c < w; ++c)
-    for (int j = j0; j < j0 + SCORE_COLS; ++j) dst[(size_t)c * n_pad + j] = j < n ? src[(size_t)j * w + c] : 0.0f;
-}
-
-// Rows [src, src + rows) of width w, or a zero-padded copy of them in buf when rows < full.
-const float* padded_rows(const float* src, int rows, int full, int w, float* buf) {
-  if (rows == full) return src;
-  std::fill(buf, buf + (size_t)full * w, 0.0f);
-  std::copy(src, src + (size_t)rows * w, buf);
-  return buf;
-}
 
 struct GradScratch {
   float *s1, *s2, *dp, *q1, *q2, *dout, *dq1, *dq2;
@@ -469,16 +474,15 @@ struct GradScratch {
 // Rows [r0, r0 + block_rows) of head h in batch b: dq and dlam written, dk and dv added to the item's partial sums.
 void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part) {
   const int g = h / (G.heads / G.kv_heads), BQ = G.block_rows, rows = std::min(BQ, G.nq - r0);
-  const size_t head1 = (size_t)b * 2 * G.heads + 2 * h, nqd = (size_t)G.nq * G.d;
-  const float* q1 = padded_rows(G.q + (head1 * G.nq + r0) * G.d, rows, BQ, G.d, w.q1);
-  const float* q2 = padded_rows(G.q + (head1 * G.nq + r0) * G.d + nqd, rows, BQ, G.d, w.q2);
-  const float* dout = padded_rows(G.dout + (((size_t)b * G.heads + h) * G.nq + r0) * G.dv, rows, BQ, G.dv, w.dout);
+  const float* q1 = block_rows_at(G.lq.at(G.q, b, 2 * h, r0), G.lq.r, rows, BQ, G.d, w.q1);
+  const float* q2 = block_rows_at(G.lq.at(G.q, b, 2 * h + 1, r0), G.lq.r, rows, BQ, G.d, w.q2);
+  const float* dout = block_rows_at(G.ldo.at(G.dout, b, h, r0), G.ldo.r, rows, BQ, G.dv, w.dout);
   const size_t kmap = (size_t)b * 2 * G.kv_heads + 2 * g;
   const float* k1t = G.kt + kmap * G.d * G.nk_pad;
   const float* k2t = k1t + (size_t)G.d * G.nk_pad;
   const float* vt = G.vt + ((size_t)b * G.kv_heads + g) * G.dv * G.nk_pad;
-  const float* k1 = G.k + kmap * G.nk * G.d;
-  const float* k2 = k1 + (size_t)G.nk * G.d;
+  const float* k1 = G.lk.at(G.k, b, 2 * g);
+  const float* k2 = G.lk.at(G.k, b, 2 * g + 1);
   const float* lam = G.lam + ((size_t)b * G.heads + h) * G.nq + r0;
   float* dlam = G.glam + ((size_t)b * G.heads + h) * G.nq + r0;
   float *s1 = w.s1, *s2 = w.s2, *dp = w.dp;
@@ -527,16 +531,20 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part)
     }
     dlam[r] = -delta2;
   }
-  float* dq1 = rows < BQ ? w.dq1 : G.gq + (head1 * G.nq + r0) * G.d;
-  float* dq2 = rows < BQ ? w.dq2 : G.gq + (head1 * G.nq + r0) * G.d + nqd;
+  float* gq1 = G.lgq.at(G.gq, b, 2 * h, r0);
+  float* gq2 = G.lgq.at(G.gq, b, 2 * h + 1, r0);
+  const bool direct = rows == BQ;  // the last, partial block: through buffers, its rows copied out
+  const long ldq = direct ? G.lgq.r : G.d;
+  float* dq1 = direct ? gq1 : w.dq1;
+  float* dq2 = direct ? gq2 : w.dq2;
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK) {
     const int j1 = std::min({kpad, G.nk, j0 + KEY_CHUNK});  // dS is 0 beyond nk: k's rows there are never read
-    mul_rows<12, 2>(s1, ld, BQ, j0, j1, k1, G.d, G.d, dq1, j0 == 0);
-    mul_rows<12, 2>(s2, ld, BQ, j0, j1, k2, G.d, G.d, dq2, j0 == 0);
+    mul_rows<12, 2>(s1, ld, BQ, j0, j1, k1, G.lk.r, G.d, dq1, ldq, j0 == 0);
+    mul_rows<12, 2>(s2, ld, BQ, j0, j1, k2, G.lk.r, G.d, dq2, ldq, j0 == 0);
   }
-  if (rows < BQ) {
-    std::copy(dq1, dq1 + (size_t)rows * G.d, G.gq + (head1 * G.nq + r0) * G.d);
-    std::copy(dq2, dq2 + (size_t)rows * G.d, G.gq + (head1 * G.nq + r0) * G.d + nqd);
+  for (int r = 0; !direct && r < rows; ++r) {
+    std::copy(dq1 + (size_t)r * G.d, dq1 + (size_t)(r + 1) * G.d, gq1 + r * G.lgq.r);
+    std::copy(dq2 + (size_t)r * G.d, dq2 + (size_t)(r + 1) * G.d, gq2 + r * G.lgq.r);
   }
   float* pk1 = part;  // dS and D are 0 beyond the keys the rows see: only keys [0, kpad) change
   float* pk2 = pk1 + (size_t)G.nk_pad * G.d;
@@ -557,9 +565,8 @@ void grad_group(const Grad& G, int b, int h, int y, GradScratch& w) {
 // partial sums of every head of the group and every row group, in that order.
 void sum_keys(const Grad& G, int b, int g, int j0) {
   const int rep = G.heads / G.kv_heads, j1 = std::min(j0 + SCORE_COLS, G.nk);
-  const size_t kmap = (size_t)b * 2 * G.kv_heads + 2 * g;
-  float* outs[3] = {G.gk + kmap * G.nk * G.d, G.gk + (kmap + 1) * G.nk * G.d,
-                    G.gv + ((size_t)b * G.kv_heads + g) * G.nk * G.dv};
+  float* outs[3] = {G.lgk.at(G.gk, b, 2 * g), G.lgk.at(G.gk, b, 2 * g + 1), G.lgv.at(G.gv, b, g)};
+  const long strides[3] = {G.lgk.r, G.lgk.r, G.lgv.r};
   const size_t offsets[3] = {0, (size_t)G.nk_pad * G.d, (size_t)2 * G.nk_pad * G.d};
   const int widths[3] = {G.d, G.d, G.dv};
   const float* first = G.part + ((size_t)b * G.heads + (size_t)g * rep) * G.groups * G.part_size();
@@ -570,7 +577,7 @@ void sum_keys(const Grad& G, int b, int g, int j0) {
         const size_t at = offsets[a] + (size_t)j * widths[a] + c;
         v16 acc = load(first + at);
         for (int x = 1; x < parts; ++x) acc += load(first + (size_t)x * G.part_size() + at);
-        store(outs[a] + (size_t)j * widths[a] + c, acc);
+        store(outs[a] + j * strides[a] + c, acc);
       }
 }
 
@@ -603,14 +610,18 @@ extern "C" int diff_attention_cpu_on_openmp() {
 // 1 on OpenMP's pool, 2 on threads it started.
 extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 
-// q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and lam (B, H, nq) contiguous float32; the mask
-// (if any) float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv).
+// q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) float32 with contiguous rows, where layouts puts them
+// (element strides of batch, head and row: q's, k's, v's); lam (B, H, nq) contiguous float32; the mask (if any)
+// float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv) contiguous.
 // exp_scale: LOG2E; qk_scale: the softmax scale. sizes: B, H, Hkv, nq, nk, d, dv, block_rows.
 // Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
-                                          const float* mask, const long* mask_strides, float exp_scale,
-                                          float qk_scale, float* out, const int* sizes, int causal, int n_threads) {
-  Problem P{q, k, v, lam, mask, nullptr, out,
+                                          const float* mask, const long* mask_strides, const long* layouts,
+                                          float exp_scale, float qk_scale, float* out, const int* sizes, int causal,
+                                          int n_threads) {
+  Problem P{q, k, v, lam, mask,
+            {layouts[0], layouts[1], layouts[2]}, {layouts[3], layouts[4], layouts[5]}, {layouts[6], layouts[7], layouts[8]},
+            nullptr, out,
             sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], qk_scale,
             mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
   P.nk_pad = (P.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -649,14 +660,21 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
 }
 
 
-// The gradients of diff_attention_cpu_forward's output: dout (B, H, nq, dv) contiguous float32, the other inputs
-// as the forward's; dq, dk, dv shaped as q, k, v and dlam (B, H, nq), all contiguous float32, written in full.
-// sizes: B, H, Hkv, nq, nk, d, dv, block_rows. Returns 0; -1 for sizes it cannot take; -2 when out of memory.
+// The gradients of diff_attention_cpu_forward's output: dout (B, H, nq, dv) float32 with contiguous rows, the other
+// inputs as the forward's; dq, dk, dv shaped as q, k, v (float32, contiguous rows, written in full, not
+// overlapping) and dlam (B, H, nq) contiguous float32. layouts: the element strides of batch, head and row of q, k,
+// v, dout, dq, dk and dv. sizes: B, H, Hkv, nq, nk, d, dv, block_rows. Returns 0; -1 for sizes it cannot take;
+// -2 when out of memory.
 extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const float* v, const float* lam,
                                            const float* mask, const long* mask_strides, const float* dout,
-                                           float exp_scale, float qk_scale, float* dq, float* dk, float* dv,
-                                           float* dlam, const int* sizes, int causal, int n_threads) {
-  Grad G{q, k, v, lam, mask, dout, nullptr, nullptr, nullptr, dq, dk, dv, dlam,
+                                           const long* layouts, float exp_scale, float qk_scale, float* dq,
+                                           float* dk, float* dv, float* dlam, const int* sizes, int causal,
+                                           int n_threads) {
+  const long* L = layouts;
+  Grad G{q, k, v, lam, mask, dout,
+         {L[0], L[1], L[2]}, {L[3], L[4], L[5]}, {L[6], L[7], L[8]}, {L[9], L[10], L[11]},
+         {L[12], L[13], L[14]}, {L[15], L[16], L[17]}, {L[18], L[19], L[20]},
+         nullptr, nullptr, nullptr, dq, dk, dv, dlam,
          sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], 1, qk_scale,
          mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
   G.nk_pad = (G.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -688,11 +706,11 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
   }
   run_items(transposes, n_workers, [&](int, long i) {
     if (i < kmaps * ktiles)
-      return transpose_rows(G.k + (size_t)(i / ktiles) * G.nk * G.d, G.nk, G.d, G.kt + (size_t)(i / ktiles) * G.d * G.nk_pad,
-                            G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
+      return transpose_rows(G.lk.at(G.k, i / ktiles / (2 * G.kv_heads), i / ktiles % (2 * G.kv_heads)), G.lk.r, G.nk,
+                            G.d, G.kt + (size_t)(i / ktiles) * G.d * G.nk_pad, G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
     i -= kmaps * ktiles;
-    transpose_rows(G.v + (size_t)(i / ktiles) * G.nk * G.dv, G.nk, G.dv, G.vt + (size_t)(i / ktiles) * G.dv * G.nk_pad,
-                   G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
+    transpose_rows(G.lv.at(G.v, i / ktiles / G.kv_heads, i / ktiles % G.kv_heads), G.lv.r, G.nk, G.dv,
+                   G.vt + (size_t)(i / ktiles) * G.dv * G.nk_pad, G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
   });
   run_items(items, n_workers, [&](int t, long i) {
     grad_group(G, (int)(i / G.groups / G.heads), (int)(i / G.groups % G.heads), (int)(i % G.groups), scratch[t]);
