@@ -129,6 +129,43 @@ def test_contiguous_float32_inputs_reach_the_kernel_uncopied():
 
 
 @needs_compiler
+def test_a_projections_transposed_views_are_read_in_place_and_get_gradients_laid_out_alike():
+    """q, k, v as a layer has them, (B, N, heads, d) projections viewed as (B, heads, N, d), reach the kernel
+    uncopied, and dq, dk, dv come back as the same views of dense tensors: the projections' backward reads them
+    without a copy (rows strided by heads * d)."""
+    B, N, H, d = 2, 50, 2, 32
+    g = torch.Generator().manual_seed(5)
+    proj = [torch.randn(B, N, w, d, generator=g) for w in (2 * H, 2 * H, H)]  # q, k (2 maps a head), v: d wide
+    q, k = (t.transpose(1, 2).requires_grad_() for t in proj[:2])
+    v = torch.randn(B, N, H, 2 * d, generator=g).transpose(1, 2).requires_grad_()
+    lam = torch.tensor(0.3)
+    seen = {}
+    real = cpu_fused._kernel()
+
+    class Recorder:  # the compiled library, noting the pointers it is given
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def diff_attention_cpu_forward(*args):
+            seen.update(q=args[0], k=args[1], v=args[2])
+            return real.diff_attention_cpu_forward(*args)
+
+    out = cpu_fused._forward(Recorder(), q.detach(), k.detach(), v.detach(), lam, None, True, d ** -0.5)
+    assert seen == {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr()}
+    grad_out = torch.randn(B, N, H, 2 * d, generator=g).transpose(1, 2)  # the gradient of a transposed output
+    diff_attention(q, k, v, lam, causal=True, backend="cpu_fused").backward(grad_out)
+    for t in (q, k, v):
+        assert t.grad.stride() == t.stride(), (t.grad.stride(), t.stride())
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = diff_attention(*ref, lam.double(), causal=True, backend="naive")
+    expected.backward(grad_out.double())
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    for t, r in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad.double(), r.grad, rtol=1e-4, atol=1e-5)
+
+
+@needs_compiler
 def test_the_same_numbers_on_any_thread_count_and_for_any_strides():
     """Each row is computed by one thread in a fixed order: the output does not depend on the thread count
     (bit for bit), nor on whether q, k, v are views into a fused projection."""
