@@ -126,6 +126,10 @@ from diffattn_tutorial.measure.cpu_threads import threads
 # One head pair: the kernel splits its 9 blocks of 48 query rows into 8 groups (blocks 0 and 8 share one), each
 # with partial sums of dk and dv; GQA adds two heads' partial sums per key; Nq != Nk shifts the causal diagonal.
 g = torch.Generator().manual_seed(3)
+# first a larger call: the block of buffers each call reuses holds its numbers (nothing may be read unwritten)
+big = [torch.randn(2, 4, 500, 64), torch.randn(2, 4, 500, 64), torch.randn(2, 2, 500, 128), torch.tensor(0.5)]
+big = [t.requires_grad_() for t in big[:3]] + big[3:]
+diff_attention(*big, backend="cpu_fused").sum().backward()
 for B, H, Hkv, Nq, Nk, causal in ((1, 1, 1, 400, 430, True), (1, 2, 1, 400, 300, False), (2, 2, 1, 150, 170, True)):
     ins = [torch.randn(B, 2 * H, Nq, 64, generator=g), torch.randn(B, 2 * Hkv, Nk, 64, generator=g),
            torch.randn(B, Hkv, Nk, 128, generator=g), torch.rand(B, H, Nq, 1, generator=g)]

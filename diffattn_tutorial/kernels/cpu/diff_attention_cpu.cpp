@@ -424,10 +424,11 @@ inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const fl
 
 // O[r][c0 : c0 + 32] += sum_{j < nj} P[j][r] * X[j][c0 : c0 + 32] for 8 rows r (keys) of P^T: P row-major
 // (query rows j, keys r, row stride ldp), X (nj, ldx).
-inline void mul_tile_t(const float* p, int ldp, int nj, const float* x, int ldx, int c0, float* o, int ldo) {
+inline void mul_tile_t(const float* p, int ldp, int nj, const float* x, int ldx, int c0, float* o, int ldo,
+                       bool first) {
   v16 acc[8][2];
   for (int r = 0; r < 8; ++r)
-    for (int u = 0; u < 2; ++u) acc[r][u] = load(o + (size_t)r * ldo + c0 + VL * u);
+    for (int u = 0; u < 2; ++u) acc[r][u] = first ? v16{} : load(o + (size_t)r * ldo + c0 + VL * u);
   for (int j = 0; j < nj; ++j) {
     const v16 x0 = load(x + (size_t)j * ldx + c0), x1 = load(x + (size_t)j * ldx + c0 + VL);
     const float* pj = p + (size_t)j * ldp;
@@ -441,10 +442,12 @@ inline void mul_tile_t(const float* p, int ldp, int nj, const float* x, int ldx,
     for (int u = 0; u < 2; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
 }
 
-// keys x (width, multiple of 32) += P^T . X, P (nj x keys, row stride ldp), X (nj x width): dk_m and dv.
-inline void mul_rows_t(const float* p, int ldp, int keys, int nj, const float* x, int width, float* o) {
+// keys x (width, multiple of 32) += P^T . X, P (nj x keys, row stride ldp), X (nj x width): dk_m and dv. Rows from
+// `fresh` on are written, not added to (no earlier block of rows has reached those keys).
+inline void mul_rows_t(const float* p, int ldp, int keys, int nj, const float* x, int width, float* o, int fresh) {
   for (int r = 0; r < keys; r += 8)
-    for (int c0 = 0; c0 < width; c0 += 2 * VL) mul_tile_t(p + r, ldp, nj, x, width, c0, o + (size_t)r * width, width);
+    for (int c0 = 0; c0 < width; c0 += 2 * VL)
+      mul_tile_t(p + r, ldp, nj, x, width, c0, o + (size_t)r * width, width, r >= fresh);
 }
 
 struct Grad {
@@ -472,7 +475,7 @@ struct GradScratch {
 };
 
 // Rows [r0, r0 + block_rows) of head h in batch b: dq and dlam written, dk and dv added to the item's partial sums.
-void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part) {
+void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part, int& written) {
   const int g = h / (G.heads / G.kv_heads), BQ = G.block_rows, rows = std::min(BQ, G.nq - r0);
   const float* q1 = block_rows_at(G.lq.at(G.q, b, 2 * h, r0), G.lq.r, rows, BQ, G.d, w.q1);
   const float* q2 = block_rows_at(G.lq.at(G.q, b, 2 * h + 1, r0), G.lq.r, rows, BQ, G.d, w.q2);
@@ -549,16 +552,22 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part)
   float* pk1 = part;  // dS and D are 0 beyond the keys the rows see: only keys [0, kpad) change
   float* pk2 = pk1 + (size_t)G.nk_pad * G.d;
   float* pv = pk2 + (size_t)G.nk_pad * G.d;
-  mul_rows_t(s1, ld, kpad, rows, q1, G.d, pk1);
-  mul_rows_t(s2, ld, kpad, rows, q2, G.d, pk2);
-  mul_rows_t(dp, ld, kpad, rows, dout, G.dv, pv);
+  mul_rows_t(s1, ld, kpad, rows, q1, G.d, pk1, written);
+  mul_rows_t(s2, ld, kpad, rows, q2, G.d, pk2, written);
+  mul_rows_t(dp, ld, kpad, rows, dout, G.dv, pv, written);
+  written = std::max(written, kpad);
 }
 
 // Work item of the first step: row blocks y, y + G, y + 2G, ... of head h in batch b, into its partial sums.
 void grad_group(const Grad& G, int b, int h, int y, GradScratch& w) {
   float* part = G.part + (((size_t)b * G.heads + h) * G.groups + y) * G.part_size();
-  std::fill(part, part + G.part_size(), 0.0f);
-  for (int r0 = y * G.block_rows; r0 < G.nq; r0 += G.groups * G.block_rows) grad_rows(G, b, h, r0, w, part);
+  int written = 0;  // key rows of the partial sums written so far (the first block to reach a key writes it)
+  for (int r0 = y * G.block_rows; r0 < G.nq; r0 += G.groups * G.block_rows) grad_rows(G, b, h, r0, w, part, written);
+  const size_t widths[3] = {(size_t)G.d, (size_t)G.d, (size_t)G.dv};
+  for (const size_t wd : widths) {  // keys no row of the group sees (causal, or no rows): zero
+    std::fill(part + written * wd, part + G.nk_pad * wd, 0.0f);
+    part += G.nk_pad * wd;
+  }
 }
 
 // Work item of the second step: keys [j0, j0 + 32) of KV head g in batch b: dk1, dk2 and dv are the sums of the
