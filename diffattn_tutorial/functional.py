@@ -106,6 +106,17 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-5) -> T
     return out * weight if weight is not None else out
 
 
+def rms_norm_scaled_(x: Tensor, weight: Optional[Tensor], eps: float, scale: float) -> Tensor:
+    """``rms_norm(x, weight, eps) * scale`` written into ``x`` (float32, nothing needing its gradient): the same
+    operations in the same order, so the same bits, without a temporary the size of ``x`` per step (a layer's
+    inference calls it on the attention's fresh output)."""
+    r = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    x.mul_(r)
+    if weight is not None:
+        x.mul_(weight)
+    return x.mul_(scale)
+
+
 # --------------------------------------------------------------------------------------------
 # differential attention: prepare the call, run a backend
 # --------------------------------------------------------------------------------------------

@@ -322,8 +322,18 @@ class MultiheadDiffAttn(_Attention):
         """``x (B, N, C) -> (B, N, C)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
         out = self.attention_heads(x, rope=rope, causal=causal, attn_mask=attn_mask, context=context, cache=cache)
         if self.subln is not None:
-            out = self.subln(out) * (1 - self.lambda_init)
+            out = self._subln_scaled(out)
         return self.out_proj(rearrange(out, "b h n d -> b n (h d)"))
+
+    def _subln_scaled(self, out: Tensor) -> Tensor:
+        """``subln(out) * (1 - lambda_init)``; in place where nothing needs ``out``'s gradient (inference): the same
+        numbers (:func:`functional.rms_norm_scaled_`), without a temporary per operation."""
+        weight = self.subln.weight
+        if out.requires_grad or (weight is not None and weight.requires_grad and torch.is_grad_enabled()) \
+                or out.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32) \
+                or not (out.is_contiguous() or out.transpose(1, 2).is_contiguous()):
+            return self.subln(out) * (1 - self.lambda_init)
+        return functional.rms_norm_scaled_(out, weight, self.subln.eps, 1 - self.lambda_init)
 
 
 class DiffAttnV2(_Attention):

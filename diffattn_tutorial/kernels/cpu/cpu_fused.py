@@ -254,6 +254,20 @@ def _kernel_layout(t: Tensor, width: int) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _heads_inside_rows(q: Tensor) -> bool:
+    """Whether q is a projection's ``(B, N, heads, d)`` output viewed as ``(B, heads, N, d)`` (its heads closer in
+    memory than its rows): then the output is laid out the same way, and the layer's ``(B, N, H * 2d)`` view of it
+    for ``out_proj`` needs no copy."""
+    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
+
+
+def _new_output(q: Tensor, B: int, H: int, nq: int, width: int, dtype: torch.dtype) -> Tensor:
+    """An empty ``(B, H, nq, width)`` output, laid out as q (:func:`_heads_inside_rows`), else contiguous."""
+    if _heads_inside_rows(q):
+        return q.new_empty(B, nq, H, width, dtype=dtype).transpose(1, 2)
+    return q.new_empty(B, H, nq, width, dtype=dtype)
+
+
 def _layouts(*tensors: Tensor) -> ctypes.Array:
     """The element strides of batch, head and row of each 4-d tensor, as the kernel takes them."""
     return (ctypes.c_long * (3 * len(tensors)))(*(s for t in tensors for s in t.stride()[:3]))
@@ -279,16 +293,16 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
     d_pad = _round_up(d, VALUE_MULTIPLE // 2)  # the value width 2 * d_pad is a multiple of the 64-column tile
+    out = _new_output(q, B, H, nq, 2 * d_pad, torch.float32)
     q, k, v = (_kernel_layout(t, width) for t, width in ((q, d_pad), (k, d_pad), (v, 2 * d_pad)))
     lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
     block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
     m, strides = _mask_view(mask, (B, H, nq, nk))
     mask_ptr = None if m is None else m.data_ptr()
-    out = torch.empty(B, H, nq, 2 * d_pad)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
-                                        strides, _layouts(q, k, v), LOG2E, scale, out.data_ptr(), sizes, int(causal),
-                                        torch.get_num_threads())
+                                        strides, _layouts(q, k, v, out), LOG2E, scale, out.data_ptr(), sizes,
+                                        int(causal), torch.get_num_threads())
     if rc == -2:
         raise MemoryError(f"the fused CPU kernel could not allocate its buffers (k transposed, and {block_rows} x "
                           f"{_round_up(nk, KEY_MULTIPLE)} scores per thread); use backend='sdpa_padded'")
@@ -426,9 +440,10 @@ one node in a ``torch.compile`` graph (its fake implementation gives the output'
 @torch.library.custom_op(OP_NAME, mutates_args=(), device_types="cpu")
 def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
                       scale: float) -> Tensor:
-    """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new contiguous
-    ``(B, H, Nq, 2d)`` tensor in q's dtype. Gradients flow to q, k, v and lam (:data:`BACKWARD_OP_NAME`); an
-    ``attn_mask`` that requires grad is refused."""
+    """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes; a new ``(B, H, Nq, 2d)``
+    tensor in q's dtype, contiguous, or, where q is a projection's ``(B, Nq, 2H, d)`` output viewed as
+    ``(B, 2H, Nq, d)``, the same view of a ``(B, Nq, H, 2d)`` tensor. Gradients flow to q, k, v and lam
+    (:data:`BACKWARD_OP_NAME`); an ``attn_mask`` that requires grad is refused."""
     return _forward_checked(q, k, v, lam, attn_mask, causal, scale)
 
 
@@ -437,7 +452,10 @@ def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Op
     """The operator's body: its checks, then the kernel."""
     check_operator_inputs(q, k, v, lam, attn_mask)
     _check_scale(scale)
-    return _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale).to(q.dtype).contiguous()
+    out = _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale)
+    B, H2, nq, d = q.shape
+    like = _new_output(q, B, H2 // 2, nq, 2 * d, q.dtype)  # what the fake implementation promises
+    return out if out.dtype == like.dtype and out.stride() == like.stride() else like.copy_(out)
 
 
 @cpu_fused_forward.register_fake
@@ -446,7 +464,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
     check_operator_inputs(q, k, v, lam, attn_mask)
     _check_scale(scale)
     B, H2, nq, d = q.shape
-    return q.new_empty(B, H2 // 2, nq, 2 * d)
+    return _new_output(q, B, H2 // 2, nq, 2 * d, q.dtype)
 
 
 BACKWARD_OP_NAME = "diffattn::cpu_fused_backward"

@@ -123,11 +123,11 @@ inline void score_rows(const float* q, int rows, int d, const float* k, long ldk
 // O[r][c0 : c0 + 64] (+)= sum_{j0 <= j < j1} P[r][j] * V[j][c0 : c0 + 64] for R rows (OUT_ROWS, or fewer at the
 // end of a few-rows call).
 template <int R = OUT_ROWS>
-inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, long ldv, int dv, int c0, float* o,
+inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, long ldv, int c0, float* o, long ldo,
                      bool first) {
   v16 acc[R][4];
   for (int r = 0; r < R; ++r)
-    for (int x = 0; x < 4; ++x) acc[r][x] = first ? v16{} : load(o + (size_t)r * dv + c0 + VL * x);
+    for (int x = 0; x < 4; ++x) acc[r][x] = first ? v16{} : load(o + r * ldo + c0 + VL * x);
   for (int j = j0; j < j1; ++j) {
     const float* vr = v + (size_t)j * ldv + c0;
     const v16 v0 = load(vr), v1 = load(vr + VL), v2 = load(vr + 2 * VL), v3 = load(vr + 3 * VL);
@@ -140,18 +140,18 @@ inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, lo
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int x = 0; x < 4; ++x) store(o + (size_t)r * dv + c0 + VL * x, acc[r][x]);
+    for (int x = 0; x < 4; ++x) store(o + r * ldo + c0 + VL * x, acc[r][x]);
 }
 
 // out_tile for the last n < OUT_ROWS rows.
-inline void out_tail(int n, const float* p, int ldp, int j0, int j1, const float* v, long ldv, int dv, int c0,
-                     float* o, bool first) {
+inline void out_tail(int n, const float* p, int ldp, int j0, int j1, const float* v, long ldv, int c0, float* o,
+                     long ldo, bool first) {
   switch (n) {
-    case 1: return out_tile<1>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
-    case 2: return out_tile<2>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
-    case 3: return out_tile<3>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
-    case 4: return out_tile<4>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
-    default: return out_tile<5>(p, ldp, j0, j1, v, ldv, dv, c0, o, first);
+    case 1: return out_tile<1>(p, ldp, j0, j1, v, ldv, c0, o, ldo, first);
+    case 2: return out_tile<2>(p, ldp, j0, j1, v, ldv, c0, o, ldo, first);
+    case 3: return out_tile<3>(p, ldp, j0, j1, v, ldv, c0, o, ldo, first);
+    case 4: return out_tile<4>(p, ldp, j0, j1, v, ldv, c0, o, ldo, first);
+    default: return out_tile<5>(p, ldp, j0, j1, v, ldv, c0, o, ldo, first);
   }
 }
 
@@ -245,7 +245,7 @@ const float* block_rows_at(const float* src, long ld, int rows, int full, int w,
 
 struct Problem {
   const float *q, *k, *v, *lam, *mask;
-  Layout lq, lk, lv;  // of q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv)
+  Layout lq, lk, lv, lo;  // of q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and out (B, H, nq, dv)
   float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: few rows)
   float* out;
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
@@ -289,8 +289,10 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
   const float* k2 = few ? P.lk.at(P.k, b, 2 * g + 1) : k1 + (size_t)P.d * P.nk_pad;
   const float* vg = P.lv.at(P.v, b, g);
   const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq + r0;
-  float* o_rows = P.out + (((size_t)b * P.heads + h) * P.nq + r0) * P.dv;
-  float* o = rows < BQ ? w.out : o_rows;
+  float* o_rows = P.lo.at(P.out, b, h, r0);
+  const bool direct = rows == BQ;  // the last, partial block: through a buffer, its rows copied out
+  float* o = direct ? o_rows : w.out;
+  const long ldo = direct ? P.lo.r : P.dv;
   const int shift = P.nk - P.nq;  // causal: row i sees keys j < i + 1 + shift
   const int kmax = P.causal ? std::clamp(r0 + BQ + shift, 0, P.nk) : P.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -322,12 +324,11 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w) {
       for (int r = 0; r < used; r += OUT_ROWS) {
         const int j1 = std::min({kpad, P.nk, j0 + KEY_CHUNK});  // P is 0 beyond nk: V's rows there are never read
         if (used - r >= OUT_ROWS)
-          out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.lv.r, P.dv, c0, o + (size_t)r * P.dv, j0 == 0);
+          out_tile(s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.lv.r, c0, o + r * ldo, ldo, j0 == 0);
         else
-          out_tail(used - r, s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.lv.r, P.dv, c0, o + (size_t)r * P.dv,
-                   j0 == 0);
+          out_tail(used - r, s1 + (size_t)r * P.nk_pad, P.nk_pad, j0, j1, vg, P.lv.r, c0, o + r * ldo, ldo, j0 == 0);
       }
-  if (rows < BQ) std::copy(o, o + (size_t)rows * P.dv, o_rows);
+  for (int r = 0; !direct && r < rows; ++r) std::copy(o + (size_t)r * P.dv, o + (size_t)(r + 1) * P.dv, o_rows + r * P.lo.r);
 }
 
 // How the last call of run_items ran its items (diff_attention_cpu_last_threads): for the tests.
@@ -619,9 +620,10 @@ extern "C" int diff_attention_cpu_on_openmp() {
 // 1 on OpenMP's pool, 2 on threads it started.
 extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 
-// q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) float32 with contiguous rows, where layouts puts them
-// (element strides of batch, head and row: q's, k's, v's); lam (B, H, nq) contiguous float32; the mask (if any)
-// float32 with element strides mask_strides (0 where broadcast, 1 or 0 along keys); out (B, H, nq, dv) contiguous.
+// q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and out (B, H, nq, dv) float32 with contiguous rows,
+// where layouts puts them (element strides of batch, head and row: q's, k's, v's, out's; out's rows must not
+// overlap); lam (B, H, nq) contiguous float32; the mask (if any) float32 with element strides mask_strides (0 where
+// broadcast, 1 or 0 along keys).
 // exp_scale: LOG2E; qk_scale: the softmax scale. sizes: B, H, Hkv, nq, nk, d, dv, block_rows.
 // Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
@@ -630,6 +632,7 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
                                           int n_threads) {
   Problem P{q, k, v, lam, mask,
             {layouts[0], layouts[1], layouts[2]}, {layouts[3], layouts[4], layouts[5]}, {layouts[6], layouts[7], layouts[8]},
+            {layouts[9], layouts[10], layouts[11]},
             nullptr, out,
             sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], qk_scale,
             mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
