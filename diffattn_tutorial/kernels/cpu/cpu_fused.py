@@ -558,8 +558,8 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     has validated: q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam broadcastable to
     ``(B, H, Nq, 1)`` (a tensor), ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` (entries
     ``<= finfo(dtype).min`` masked; a fully masked row gives zero output and gradients), ``causal`` bottom-right
-    aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype, with gradients
-    to q, k, v and lam. Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
+    aligned. Computes in float32; returns ``(B, H, Nq, 2d)`` in q's dtype (laid out as q where q is a projection's
+    transposed view, else contiguous), with gradients to q, k, v and lam (laid out as them). Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
     one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
     for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient).
 

@@ -23,9 +23,12 @@
 // anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
 // about 2.4e38); only the difference to the row's maximum is multiplied by LOG2E, for exp2.
 //
-// The Python side (diffattn_tutorial/kernels/cpu/cpu_fused.py) passes contiguous float32 q, k, v (a head width that is
-// a multiple of 32, zero-padded there if need be), lam expanded to (B, H, Nq), the mask (if any) as float32
-// with element strides. The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles;
+// The Python side (diffattn_tutorial/kernels/cpu/cpu_fused.py) passes float32 q, k, v with contiguous rows (a head
+// width that is a multiple of 32, zero-padded there if need be) and the strides of their batch, head and row dims,
+// so that a projection's (B, N, heads, d) output viewed as (B, heads, N, d) is read where it is (the output is
+// written in the same order as q); lam expanded to (B, H, Nq), the mask (if any) as float32 with element strides.
+// A call's buffers come from one block per calling thread, kept between its calls (see KeptBlock).
+// The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles;
 // a call of at most FEW_ROWS query rows (decoding a few tokens, a draft to verify, a chunk of a prompt over a long
 // cache) skips that pass, which costs as much as its scores, and takes each score as one dot product along d,
 // and its tiles hold only the rows there are.
