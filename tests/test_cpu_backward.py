@@ -130,10 +130,12 @@ g = torch.Generator().manual_seed(3)
 big = [torch.randn(2, 4, 500, 64), torch.randn(2, 4, 500, 64), torch.randn(2, 2, 500, 128), torch.tensor(0.5)]
 big = [t.requires_grad_() for t in big[:3]] + big[3:]
 diff_attention(*big, backend="cpu_fused").sum().backward()
-for B, H, Hkv, Nq, Nk, causal in ((1, 1, 1, 400, 430, True), (1, 2, 1, 400, 300, False), (2, 2, 1, 150, 170, True)):
-    ins = [torch.randn(B, 2 * H, Nq, 64, generator=g), torch.randn(B, 2 * Hkv, Nk, 64, generator=g),
-           torch.randn(B, Hkv, Nk, 128, generator=g), torch.rand(B, H, Nq, 1, generator=g)]
-    grad_out = torch.randn(B, H, Nq, 128, generator=g)
+# The last case's partial sums (600 keys x 4 x 256 floats) take the taller blocks of rows (BACKWARD_ROWS_LONG).
+for B, H, Hkv, Nq, Nk, d, causal in ((1, 1, 1, 400, 430, 64, True), (1, 2, 1, 400, 300, 64, False),
+                                     (2, 2, 1, 150, 170, 64, True), (1, 1, 1, 300, 600, 256, True)):
+    ins = [torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g),
+           torch.randn(B, Hkv, Nk, 2 * d, generator=g), torch.rand(B, H, Nq, 1, generator=g)]
+    grad_out = torch.randn(B, H, Nq, 2 * d, generator=g)
     def grads(backend, dtype):
         leaves = [t.to(dtype).requires_grad_() for t in ins]
         return torch.autograd.grad(diff_attention(*leaves, causal=causal, backend=backend), leaves, grad_out.to(dtype))
@@ -143,7 +145,7 @@ for B, H, Hkv, Nq, Nk, causal in ((1, 1, 1, 400, 430, True), (1, 2, 1, 400, 300,
     with threads(3):
         three = grads("cpu_fused", torch.float32)
     for name, a, b, e in zip(("dq", "dk", "dv", "dlam"), one, three, expected):
-        assert torch.equal(a, b), f"{name} depends on the thread count ({B, H, Hkv, Nq, Nk, causal})"
+        assert torch.equal(a, b), f"{name} depends on the thread count ({B, H, Hkv, Nq, Nk, d, causal})"
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5 * max(1.0, e.abs().max().item()))
 print("GROUPS OK")
 """

@@ -49,6 +49,13 @@ BLOCK_ROWS = (24, 48)
 """Query rows per work item (multiples of the kernel's 8-row score and 6-row output tiles): 24 for short
 queries (less padding), 48 otherwise (fewer passes over K and V)."""
 
+BACKWARD_ROWS_LONG = 144
+"""Query rows per block of the backward where one head's partial sums of dk and dv (``Nk x 4d`` floats) are larger
+than :data:`PARTIAL_BYTES_IN_CACHE`: every block of rows reads and writes all of them, so that fewer, taller blocks
+pass over them less often (a multiple of the 8-row score and 12-row dq tiles)."""
+
+PARTIAL_BYTES_IN_CACHE = 2 << 20  # 2 MiB: about what a core's L2 (and its share of L3) keeps at hand
+
 KEY_MULTIPLE = 32  # the kernel pads keys to the score tile's 32 columns
 VALUE_MULTIPLE = 64  # the value width to the output tile's 64 columns
 
@@ -234,6 +241,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _backward_block_rows(nq: int, nk_pad: int, d_pad: int) -> int:
+    """The backward's rows per block: as the forward's, or :data:`BACKWARD_ROWS_LONG` over long keys (shapes alone
+    decide, so that the gradients do not depend on the machine or the thread count)."""
+    if nk_pad * 4 * d_pad * 4 > PARTIAL_BYTES_IN_CACHE and nq > BLOCK_ROWS[1]:
+        return BACKWARD_ROWS_LONG
+    return BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
+
+
 def _float_mask(mask: Tensor) -> Tensor:
     """An additive float32 mask from a bool (True = may attend) or additive one, any broadcastable shape. An
     additive entry ``<= finfo(dtype).min`` becomes ``-inf``: masked, as ``diff_attention`` and the Triton kernel
@@ -322,7 +337,7 @@ def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     q, k, v, grad_out = (_kernel_layout(t, width) for t, width in
                          ((q, d_pad), (k, d_pad), (v, 2 * d_pad), (grad_out, 2 * d_pad)))
     lam_rows = lam.float().expand(B, H, nq, 1)[..., 0].contiguous()  # (B, H, Nq)
-    block_rows = BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
+    block_rows = _backward_block_rows(nq, _round_up(nk, KEY_MULTIPLE), d_pad)
     m, strides = _mask_view(mask, (B, H, nq, nk))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # laid out as q, k, v where dense
     dlam = torch.empty(B, H, nq)
