@@ -13,6 +13,7 @@ from forked import run_python
 
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.measure.cpu_threads import threads
 
 pytestmark = pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers "
                                                                      "that)")
@@ -130,9 +131,10 @@ g = torch.Generator().manual_seed(3)
 big = [torch.randn(2, 4, 500, 64), torch.randn(2, 4, 500, 64), torch.randn(2, 2, 500, 128), torch.tensor(0.5)]
 big = [t.requires_grad_() for t in big[:3]] + big[3:]
 diff_attention(*big, backend="cpu_fused").sum().backward()
-# The last case's partial sums (600 keys x 4 x 256 floats) take the taller blocks of rows (BACKWARD_ROWS_LONG).
+# The last case's partial sums (600 keys x 4 x 256 floats) over 1100 rows take the taller blocks of rows
+# (BACKWARD_ROWS_LONG).
 for B, H, Hkv, Nq, Nk, d, causal in ((1, 1, 1, 400, 430, 64, True), (1, 2, 1, 400, 300, 64, False),
-                                     (2, 2, 1, 150, 170, 64, True), (1, 1, 1, 300, 600, 256, True)):
+                                     (2, 2, 1, 150, 170, 64, True), (1, 1, 1, 1100, 600, 256, True)):
     ins = [torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g),
            torch.randn(B, Hkv, Nk, 2 * d, generator=g), torch.rand(B, H, Nq, 1, generator=g)]
     grad_out = torch.randn(B, H, Nq, 2 * d, generator=g)
@@ -157,6 +159,38 @@ def test_gradients_summed_over_row_groups_and_heads_equal_naives():
     proc = run_python(GROUPS, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "GROUPS OK" in proc.stdout
+
+
+def test_a_scalar_lambdas_gradient_does_not_depend_on_the_thread_count():
+    """lam's gradient sums the kernel's per-row dlam over B * H * Nq rows: in a fixed order, the same bits on 1, 2
+    and 3 threads (torch's own sum splits the work by thread count)."""
+    q, k, v, _ = inputs(4, 8, 8, 4096, 7, 32)
+    got = []
+    for n in (1, 2, 3):
+        lam = torch.tensor(0.4, requires_grad=True)
+        with threads(n):
+            diff_attention(q, k, v, lam, backend="cpu_fused").sum().backward()
+        got.append(lam.grad.item())
+    assert got[0] == got[1] == got[2], got
+
+
+EMPTY = r"""
+import torch
+from diffattn_tutorial.kernels.cpu.cpu_fused import fused_diff_attention
+q = torch.randn(0, 4, 8, 32, requires_grad=True)
+k, v, lam = torch.randn(0, 4, 8, 32), torch.randn(0, 2, 8, 64), torch.tensor(0.5, requires_grad=True)
+fused_diff_attention(q, k, v, lam, scale=32 ** -0.5).sum().backward()
+dq, dk, dv, dlam = torch.ops.diffattn.cpu_fused_backward(torch.randn(0, 2, 8, 64), q.detach(), k, v, lam.detach(),
+                                                          None, True, 0.1)
+assert q.grad.shape == q.shape and lam.grad == 0 and dk.shape == k.shape and dlam.shape == (0, 2, 8)
+print("EMPTY OK")
+"""
+
+
+def test_an_empty_batch_gives_empty_gradients_not_a_crash():
+    """B = 0 reaches the kernel through the operators (diff_attention sends it to the reference instead)."""
+    proc = run_python(EMPTY, timeout=300)
+    assert proc.returncode == 0 and "EMPTY OK" in proc.stdout, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
 
 
 def test_half_precision_gradients_come_back_in_the_inputs_dtype():

@@ -128,3 +128,21 @@ def test_config_errors_name_the_fix():
 def test_config_rejects_sizes_that_are_not_positive_integers(field, value):
     with pytest.raises(ValueError, match=f"LMConfig.{field} must be a positive whole number"):
         LMConfig(vocab_size=32, **{field: value}) if field != "vocab_size" else LMConfig(vocab_size=value)
+
+
+def test_inference_applies_the_sub_norm_in_place_with_the_same_bits_and_honours_hooks_and_replacements():
+    """Under ``no_grad`` the layer normalises its heads in place (no temporaries): the same bits as with grad; a
+    hook on ``subln``, or another norm put in its place, is called as in training, not bypassed."""
+    torch.manual_seed(0)
+    layer, x = MultiheadDiffAttn(64, 2, backend="naive"), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        fast = layer(x)
+    assert torch.equal(fast, layer(x).detach())
+    hook = layer.subln.register_forward_hook(lambda module, inputs, out: out * 0)
+    with torch.no_grad():
+        assert layer(x).abs().max() == 0 == layer(x.requires_grad_()).abs().max()
+    hook.remove()
+    layer.subln = torch.nn.LayerNorm(2 * layer.head_dim)
+    with torch.no_grad():
+        swapped = layer(x)
+    assert torch.equal(swapped, layer(x).detach()) and not torch.equal(swapped, fast)

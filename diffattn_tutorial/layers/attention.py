@@ -42,6 +42,14 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
 
 
+def _plain_rms_norm(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs :class:`RMSNorm`'s formula and nothing else: no subclass or replacement, no
+    hook of its own or global (a layer may then apply the formula itself, in place)."""
+    hooks = nn.modules.module
+    return type(module) is RMSNorm and not (module._forward_hooks or module._forward_pre_hooks
+                                            or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
 class KVCache:
     """Keys and values of the tokens decoded so far (after RoPE), ``(B, heads, T, dim)`` each.
 
@@ -328,12 +336,13 @@ class MultiheadDiffAttn(_Attention):
     def _subln_scaled(self, out: Tensor) -> Tensor:
         """``subln(out) * (1 - lambda_init)``; in place where nothing needs ``out``'s gradient (inference): the same
         numbers (:func:`functional.rms_norm_scaled_`), without a temporary per operation."""
-        weight = self.subln.weight
-        if out.requires_grad or (weight is not None and weight.requires_grad and torch.is_grad_enabled()) \
-                or out.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32) \
+        norm = self.subln
+        weight = getattr(norm, "weight", None)
+        if not _plain_rms_norm(norm) or out.requires_grad or out.dtype != torch.float32 \
+                or (weight is not None and (weight.dtype != torch.float32 or weight.requires_grad and torch.is_grad_enabled())) \
                 or not (out.is_contiguous() or out.transpose(1, 2).is_contiguous()):
-            return self.subln(out) * (1 - self.lambda_init)
-        return functional.rms_norm_scaled_(out, weight, self.subln.eps, 1 - self.lambda_init)
+            return norm(out) * (1 - self.lambda_init)
+        return functional.rms_norm_scaled_(out, weight, norm.eps, 1 - self.lambda_init)
 
 
 class DiffAttnV2(_Attention):

@@ -55,6 +55,7 @@ than :data:`PARTIAL_BYTES_IN_CACHE`: every block of rows reads and writes all of
 pass over them less often (a multiple of the 8-row score and 12-row dq tiles)."""
 
 PARTIAL_BYTES_IN_CACHE = 2 << 20  # 2 MiB: about what a core's L2 (and its share of L3) keeps at hand
+BACKWARD_LONG_MIN_ROWS = 1024  # tall blocks only where there are many of them
 
 KEY_MULTIPLE = 32  # the kernel pads keys to the score tile's 32 columns
 VALUE_MULTIPLE = 64  # the value width to the output tile's 64 columns
@@ -242,9 +243,10 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _backward_block_rows(nq: int, nk_pad: int, d_pad: int) -> int:
-    """The backward's rows per block: as the forward's, or :data:`BACKWARD_ROWS_LONG` over long keys (shapes alone
-    decide, so that the gradients do not depend on the machine or the thread count)."""
-    if nk_pad * 4 * d_pad * 4 > PARTIAL_BYTES_IN_CACHE and nq > BLOCK_ROWS[1]:
+    """The backward's rows per block: as the forward's, or :data:`BACKWARD_ROWS_LONG` over long keys and many query
+    rows (fewer rows would be mostly padding in tall blocks). Shapes alone decide, so that the gradients do not
+    depend on the machine or the thread count."""
+    if nk_pad * 4 * d_pad * 4 > PARTIAL_BYTES_IN_CACHE and nq >= BACKWARD_LONG_MIN_ROWS:
         return BACKWARD_ROWS_LONG
     return BLOCK_ROWS[0] if nq <= BLOCK_ROWS[0] else BLOCK_ROWS[1]
 
@@ -535,8 +537,19 @@ def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
 def _autograd_backward(ctx, grad_out: Tensor) -> tuple:
     q, k, v, lam, attn_mask = ctx.saved_tensors
     dq, dk, dv, dlam = cpu_fused_backward(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale)
-    dlam = dlam.unsqueeze(-1).sum_to_size(lam.shape).to(lam.dtype)  # per row -> lam's broadcast shape
-    return dq, dk, dv, dlam, None, None, None
+    return dq, dk, dv, _ordered_sum_to(dlam.unsqueeze(-1), lam.shape).to(lam.dtype), None, None, None
+
+
+def _ordered_sum_to(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t.sum_to_size(shape)`` (per row -> lam's broadcast shape) in a fixed order, float64 running sums along each
+    summed dim: torch's own sum splits the work by thread count, and lam's gradient would depend on it."""
+    if t.numel() == 0:
+        return t.sum_to_size(shape)  # zeros
+    t, lead = t.double(), t.dim() - len(shape)
+    for dim in range(t.dim()):
+        if (dim < lead or shape[dim - lead] == 1) and t.shape[dim] > 1:
+            t = t.cumsum(dim).narrow(dim, t.shape[dim] - 1, 1)
+    return t.reshape(shape)
 
 
 cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_context)

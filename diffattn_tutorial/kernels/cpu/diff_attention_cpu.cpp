@@ -699,6 +699,7 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
     return -1;
   const long B = G.batch, kmaps = B * 2 * G.kv_heads, vmaps = B * G.kv_heads, heads = B * G.heads,
              ktiles = G.nk_pad / SCORE_COLS, row_blocks = (G.nq + BQ - 1) / BQ;
+  if (heads == 0) return 0;  // B = 0: nothing to write
   G.groups = (int)std::clamp<long>((MIN_ITEMS + heads - 1) / heads, 1, std::max(row_blocks, 1L));
   const long items = heads * G.groups, key_items = vmaps * ktiles, transposes = (kmaps + vmaps) * ktiles;
   const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max({items, key_items, transposes})));
