@@ -448,6 +448,25 @@ def test_low_precision_against_float64(B, H, Hkv, Nq, Nk, d, causal, lam_kind, m
         assert out[:, :, 1].abs().max() == 0  # the fully masked row
 
 
+def test_offsets_guard_reads_only_strides_inside_a_tile():
+    """Tile bases are int64, so large batch and head strides pass (a contiguous (2, 32, 8192, 64) q, a 46400^2
+    mask); a row stride whose tile would pass 2**31 elements is refused by name. Meta tensors: strides, no data."""
+    from diffattn_tutorial.kernels.triton.flash_diff import MAX_TILE_ROWS, _check_offsets
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(2, 32, 8192, 64, **meta)
+    mask = torch.empty(1, 1, 46400, 46400, device="meta", dtype=torch.bool)
+    padding = torch.empty(2, 1, 1, 8192, **meta).as_strided((2, 1, 1, 8192), (2**40, 2**40, 2**40, 1))
+    _check_offsets(q=q, k=q, v=q, attn_mask=mask)
+    _check_offsets(attn_mask=padding)  # broadcast dims: their strides are never stepped
+    tall = torch.empty(1, 1, 16, 64, **meta).as_strided((1, 1, 16, 64), (0, 0, 2**31 // MAX_TILE_ROWS, 1))
+    with pytest.raises(ValueError, match="k steps .* between rows"):
+        _check_offsets(q=q, k=tall)
+    wide = torch.empty(1, 1, 16, 16, **meta).as_strided((1, 1, 16, 16), (0, 0, 1, 2**31 // MAX_TILE_ROWS))
+    with pytest.raises(ValueError, match="attn_mask steps"):
+        _check_offsets(attn_mask=wide)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU only: limits of the grid and of int32 offsets, the autotuner's choices at N = 8192
 # ------------------------------------------------------------------------------------------------
@@ -483,7 +502,10 @@ def test_gpu_mask_offsets_past_2_31():
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_autotuned_configs_at_8192(d, monkeypatch):
     """With autotuning on (as in the benchmarks), the configurations picked at N = 8192 compute the right
-    answer, forward and backward. The picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
+    answer, forward and backward, judged as :func:`test_low_precision_against_float64` judges: no worse than the
+    naive backend in the same dtype. lambda is per token: a scalar lambda's gradient is one sum of 16384 rows'
+    terms of both signs, whose relative error is no measure of the kernel (an H200 gave 1.5% at d = 128). The
+    picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
     import json
 
     from diffattn_tutorial.kernels.triton.flash_diff import chosen_configs
@@ -491,13 +513,16 @@ def test_gpu_autotuned_configs_at_8192(d, monkeypatch):
     if unsupported_here(HALF, d):
         pytest.skip(unsupported_here(HALF, d))
     monkeypatch.setenv("DIFFATTN_TRITON_AUTOTUNE", "1")
-    q, k, v, lam = make(1, 2, 2, 8192, 8192, d, dtype=HALF, lam_kind="scalar", seed=d)
+    q, k, v, lam = make(1, 2, 2, 8192, 8192, d, dtype=HALF, lam_kind="token", seed=d)
     g = torch.randn(1, 2, 8192, 2 * d, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=HALF)
     out, grads = run("triton", q, k, v, lam, g)
+    low, low_grads = run("naive", q, k, v, lam, g)
     exact, exact_grads = run("naive", q.double(), k.double(), v.double(), lam.double(), g.double())
-    for name, a, e in zip(("out", "dq", "dk", "dv", "dlam"), (out, *grads), (exact, *exact_grads)):
+    for name, a, n, e in zip(("out", "dq", "dk", "dv", "dlam"), (out, *grads), (low, *low_grads),
+                             (exact, *exact_grads)):
         assert not a.isnan().any(), name
-        assert rel_err(a, e) < 1e-2, (name, rel_err(a, e))
+        err, err_naive = rel_err(a, e), rel_err(n, e)
+        assert err <= max(2 * err_naive, REL_FLOOR[HALF]) and err <= REL_CAP[HALF], (name, err, err_naive)
     picked = chosen_configs()
     assert any(f"d{d}" in key and cfgs for key, cfgs in picked.items()), picked
     print(json.dumps(picked, indent=1))

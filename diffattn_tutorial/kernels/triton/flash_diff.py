@@ -52,7 +52,7 @@ POISON_ENV = "DIFFATTN_TRITON_POISON"
 """Set to ``1`` to fill every buffer the kernels write (outputs, gradients, statistics) with NaN before they
 run, instead of leaving it uninitialised: a tile that is never written then shows as NaN (tests use it)."""
 MAX_TILE_ROWS = 256
-"""Offsets inside a tile are int32: ``stride * MAX_TILE_ROWS`` must stay below 2**31 (checked on the host)."""
+"""Offsets inside a tile are int32: a row stride times ``MAX_TILE_ROWS`` must stay below 2**31 (checked on the host)."""
 
 
 def _interpret_mode() -> bool:
@@ -222,9 +222,16 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 
 def _check_offsets(**tensors: Tensor) -> None:
+    """Tile bases are int64, offsets inside a tile int32: the strides that step inside a tile (the rows' of q, k,
+    v and dout; the last two of a mask) times ``MAX_TILE_ROWS`` must stay below 2**31. The batch and head strides
+    may be anything (a contiguous ``(2, 32, 8192, 64)`` q has a batch stride of 2**24)."""
     for name, t in tensors.items():
-        if t is not None and max([0, *(abs(s) for s in t.stride())]) * MAX_TILE_ROWS >= 2**31:  # no default=: traced
-            raise ValueError(f"backend='triton': {name} has a stride of {max(t.stride())} elements, too large for "
+        if t is None:
+            continue
+        dims = (-2, -1) if name == "attn_mask" else (-2,)
+        inner = [abs(t.stride(i)) for i in dims if t.shape[i] > 1]  # a broadcast (size-1) dim is never stepped
+        if inner and max(inner) * MAX_TILE_ROWS >= 2**31:
+            raise ValueError(f"backend='triton': {name} steps {max(inner)} elements between rows, too large for "
                              f"the kernels' int32 offsets inside a tile (limit {2**31 // MAX_TILE_ROWS}); pass "
                              f"{name}.contiguous() or use backend='sdpa'")
 
