@@ -1,6 +1,6 @@
 """Everything the GPU half needs from a GPU, in steps that each fit a 10-minute command.
 
-    python benchmarks/gpu_session.py                      # every step in order, then collect (about 18 min on an H100)
+    python benchmarks/gpu_session.py                      # every step in order, then collect (7 min on an H200)
     python benchmarks/gpu_session.py --list               # the steps, what each runs, its time limit
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
     python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into the package
@@ -65,26 +65,27 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
 from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402  (imports torch, not triton)
 from diffattn_tutorial.measure.gpu import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
-STEPS = {  # name: (what it runs, expected minutes on an H100, the command's arguments after the python)
+STEPS = {  # name: (what it runs, minutes on an H200 in order from an empty Triton cache, rounded up (compile: an
+#   estimate, not yet run on a GPU machine); the command's arguments after the python)
     "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 6,
                 ["-m", "diffattn_tutorial.kernels.triton.aot", "--all", "--jobs", "16", "--json",
                  "{out}/compile_facts_gpu_machine.json"]),
     "tests": ("GPU tests: the CPU suite's cases compiled, every input layout, grid and int32 limits; pinned, "
-              "poisoned", 5,
+              "poisoned", 3,
               ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "tests/test_triton_layouts.py",
                "-k", "not autotuned_configs_at_8192 and not low_precision"]),
-    "tests16": ("GPU tests: 16-bit / fp32 forward and gradients vs float64, d = 64 and 128", 3,
+    "tests16": ("GPU tests: 16-bit / fp32 forward and gradients vs float64, d = 64 and 128", 2,
                 ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k", "low_precision"]),
-    "autotune": ("the autotuner's picks at N = 8192, checked", 2,
+    "autotune": ("the autotuner's picks at N = 8192, checked", 1,
                  ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                   "autotuned_configs_at_8192"]),
-    "bench64": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 64", 3,
+    "bench64": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 64", 1,
                 ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "--out",
                  "{out}/results_triton_part_d64.json"]),
-    "bench128": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 128", 4,
+    "bench128": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 128", 1,
                  ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
                   "{out}/results_triton_part_d128.json"]),
-    "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB)", 2,
+    "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB)", 1,
              ["benchmarks/bench_sdpa.py", "--lengths", "{n}", "--out", "{out}/results_sdpa_part.json"]),
 }
 

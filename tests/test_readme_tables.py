@@ -47,6 +47,20 @@ def test_a_block_nobody_writes_or_a_missing_block_is_an_error():
         tables.render(without)
 
 
+def test_the_gpu_block_shows_each_recorded_session_or_says_none_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+    assert tables.gpu_block(tmp_path).startswith("**GPU speed: not yet measured.**")
+    from diffattn_tutorial.measure import gpu
+
+    session = {"schema": gpu.SESSION_SCHEMA, "recorded": {"device": "Tesla T4", "date": "2026-01-02 03:04 UTC"},
+               "steps": {"tests": {"status": "passed", "seconds": 61.2, "what": "w", "command": "c", "returncode": 0}}}
+    gpu.write_json(gpu.recorded_path("gpu_session", "Tesla T4", tmp_path), session)
+    block = tables.gpu_block(tmp_path)
+    assert block.startswith("**Recorded on Tesla T4**")
+    assert "`tests` passed (61 s)" in block and "2026-01-02 03:04 UTC" in block
+    assert "best SDPA" not in block  # no bench_triton file beside it: no table
+
+
 def test_speedup_is_a_ratio_of_medians():
     # per-round ratios 4, 1, 1 have median 1; the medians 2 and 1 give 2: the project's definition is the second
     assert tables.speedup([4.0, 2.0, 1.0], [1.0, 2.0, 1.0]) == pytest.approx(2.0)

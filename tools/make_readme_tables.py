@@ -14,7 +14,10 @@ everything outside the markers is hand-written and left alone. The blocks and th
 * ``mutation``: ``diffattn_tutorial/recorded/mutation.json`` (``python tools/mutation.py --record``);
 * ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``kernels.triton.aot --write``), per target;
 * ``layout``: the Layout table, listing the library's modules, the benchmark scripts and the tools as they are;
-* ``needs``: which notebooks have GPU cells and which run Triton, read from the notebooks' own code cells.
+* ``needs``: which notebooks have GPU cells and which run Triton, read from the notebooks' own code cells;
+* ``gpu``: ``diffattn_tutorial/recorded/gpu_session_<device>.json`` and ``bench_triton_<device>.json``
+  (``benchmarks/gpu_session.py --collect``): each step's outcome, the Triton kernel against the best SDPA
+  formulation, the speed goals; "not yet measured" where no GPU session is recorded.
 
 **Speed-up** has one definition, stated once in the README next to the CPU table: the median time of ``naive``
 over the median time of the backend, both over the same rounds of the same run (``diffattn-tutorial bench``
@@ -388,6 +391,39 @@ def decode_block() -> str:
     return "\n".join(parts)
 
 
+# --- GPU sessions -----------------------------------------------------------------------------------------------
+
+
+def gpu_block(folder: Path = RECORDED) -> str:
+    """One paragraph and table per recorded GPU session in ``folder``, or the sentence that none is recorded."""
+    from diffattn_tutorial.measure import gpu
+
+    sessions = gpu.find_recorded("gpu_session", device_type=None, folder=folder)
+    if not sessions:
+        return ("**GPU speed: not yet measured.** No `gpu_session_<device>.json` is recorded in "
+                "`diffattn_tutorial/recorded/`.\n")
+    parts = []
+    for name, data in sessions:
+        rec = data["recorded"]
+        steps = ", ".join(f"`{step}` {s['status']} ({s['seconds']:.0f} s)" for step, s in data["steps"].items())
+        parts.append(f"**Recorded on {rec.get('device', NOT_RECORDED)}** (compute capability "
+                     f"{rec.get('capability', NOT_RECORDED)}, torch {rec.get('torch', NOT_RECORDED)}, CUDA "
+                     f"{rec.get('cuda', NOT_RECORDED)}, Triton {rec.get('triton', NOT_RECORDED)}, "
+                     f"{rec.get('date', NOT_RECORDED)}; `{_rel(folder / (name + '.json'))}`). Steps: {steps}.")
+        triton = folder / (name.replace("gpu_session", "bench_triton", 1) + ".json")
+        if triton.exists():
+            res = _load(triton)
+            verdicts = "; ".join(f"d = {g['d']}: " + ", ".join(f"{k} {'met' if ok else 'not met'}"
+                                                              for k, ok in g["met"].items())
+                                 for g in gpu.goals(res, n=max(res["config"]["lengths"])))
+            judged = all(g["judged"] for g in gpu.goals(res, n=max(res["config"]["lengths"])))
+            parts.append(f"The fused kernel against the best SDPA formulation over every SDPA kernel (bf16, median ms, "
+                         f"`{_rel(triton)}`):\n\n{gpu.triton_summary(res)}\n\nThe speed goals (`measure.gpu.GOALS`"
+                         f"{'' if judged else f', judged on an {gpu.GOALS_DEVICE} only; informative here'}): "
+                         f"{verdicts}.")
+    return "\n\n".join(parts) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "decode": decode_block,
     "backends": backends_block,
@@ -398,6 +434,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "compile-facts": compile_facts_block,
     "layout": layout_block,
     "needs": needs_block,
+    "gpu": gpu_block,
 }
 
 
