@@ -30,7 +30,13 @@ convention of 2.5 times the forward), next to this CPU's float32 matmul peak mea
 against ``sdpa_padded`` (:func:`diffattn_tutorial.measure.timing.peak_extra_memory`). Writes
 ``benchmarks/results_cpu_train_<cpu>.json``.
 
+``--rule`` times instead what ``auto``'s head-dim rule for training rests on
+(``backend_table.CPU_FUSED_TRAIN_MIN_HEAD_DIM``): a causal training step of the attention call alone on
+``cpu_fused`` and on ``sdpa_padded``, at the course's small shapes (:data:`RULE_SHAPES`), rounds interleaved, and
+writes ``benchmarks/results_cpu_train_rule_<cpu>.json``.
+
     python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory] [--own-threads]
+    python benchmarks/bench_cpu_train.py --rule [--rounds 15]
 """
 
 from __future__ import annotations
@@ -168,6 +174,40 @@ def train_step(q, k, v, lam, causal=False, backend="auto"):
     return out.detach()
 
 
+RULE_SHAPES = [(32, 4, 64, 8), (8, 2, 32, 16), (8, 2, 64, 16), (8, 2, 128, 16), (4, 4, 128, 16), (8, 2, 64, 32),
+               (4, 4, 128, 32), (1, 4, 512, 64)]
+"""``(B, H, N, d)`` for ``--rule``: the toy models' heads (d = 8 at batch 32), d = 16 and 32 at the sizes the rule
+was first measured at, and the issue's layer (d = 64)."""
+
+
+def head_dim_rule(rounds: int) -> list[dict]:
+    """Per shape of :data:`RULE_SHAPES`: median seconds of a causal training step of the attention call on
+    ``cpu_fused`` and ``sdpa_padded`` (rounds interleaved), and their ratio (above 1: the kernel is faster)."""
+    rows = []
+    for B, H, n, d in RULE_SHAPES:
+        q, k, v, lam = timing.make_inputs(B, H, n, d)
+        steps = {name: functools.partial(train_step, q, k, v, lam, True, name) for name in ("cpu_fused", "sdpa_padded")}
+        ts = {name: [] for name in steps}
+        for step in steps.values():
+            step()
+        for _ in range(rounds):
+            for name, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                ts[name].append(time.perf_counter() - t0)
+        rows.append({"B": B, "H": H, "N": n, "d": d, "times_s": ts,
+                     "sdpa_padded_over_cpu_fused": statistics.median(ts["sdpa_padded"]) / statistics.median(ts["cpu_fused"])})
+    return rows
+
+
+def rule_table(rows: list[dict]) -> str:
+    lines = ["| B | H | N | d | cpu_fused ms | sdpa_padded ms | sdpa_padded / cpu_fused |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['H']} | {r['N']} | {r['d']} | {statistics.median(r['times_s']['cpu_fused']) * 1e3:.2f} "
+                     f"| {statistics.median(r['times_s']['sdpa_padded']) * 1e3:.2f} | {r['sdpa_padded_over_cpu_fused']:.2f}x |")
+    return "\n".join(lines)
+
+
 def memory(n: int) -> dict:
     fns = {name: functools.partial(train_step, backend=name) for name in ("cpu_fused", "sdpa_padded")}
     return timing.peak_extra_memory(fns, b=1, h=HEADS, n=n, d=WIDTH // HEADS // 2, include_output=True)
@@ -237,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     ap.add_argument("--own-threads", action="store_true", help="also time our layer with the kernel on threads of "
                                                                "its own (not torch's OpenMP pool)")
+    ap.add_argument("--rule", action="store_true", help="time auto's head-dim rule for training instead (RULE_SHAPES)")
     ap.add_argument("--out", type=Path, default=None, help="results file (default "
-                                                           "benchmarks/results_cpu_train_<cpu>.json)")
+                                                           "benchmarks/results_cpu_train[_rule]_<cpu>.json)")
     args = ap.parse_args(argv)
     device = timing.device_name("cpu")
+    command = "python benchmarks/bench_cpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.rule:
+        return _rule(args, device, command.strip())
     missing = [f"{name}: {INSTALL[name]}" for name, layer in (("timm", timm_layer), ("hf", hf_layer))
                if layer() is None]
     for line in missing:
@@ -267,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         print("training step peak extra MiB at N=2048: " + ", ".join(
             f"{name} {b / 2**20:.1f}" for name, b in mem.items() if b is not None))
     out = args.out or HERE / f"results_cpu_train_{timing.slug(device)}.json"
-    command = "python benchmarks/bench_cpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
     versions = {"timm": _version("timm"), "transformers": _version("transformers")}
     out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
                                "peers": versions, "date": datetime.date.today().isoformat(),
@@ -275,6 +318,22 @@ def main(argv: list[str] | None = None) -> int:
                                "auto_rule": backends.describe_auto("cpu"),
                                "kernel_threads": cpu_fused.kernel_threads(),
                                "results": results, "train_step_peak_extra_bytes_n2048": mem}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _rule(args: argparse.Namespace, device: str, command: str) -> int:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    rows = head_dim_rule(args.rounds)
+    print(f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads, float32, causal training step of "
+          f"the attention call, {args.rounds} rounds, load average before {load}")
+    print(backends.describe_auto("cpu"))
+    print(rule_table(rows))
+    out = args.out or HERE / f"results_cpu_train_rule_{timing.slug(device)}.json"
+    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                               "date": datetime.date.today().isoformat(), "command": command,
+                               "threads": torch.get_num_threads(), "load_average_before": load,
+                               "auto_rule": backends.describe_auto("cpu"), "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -259,3 +259,27 @@ def test_torch_compile_fullgraph_trains_through_the_operators():
     assert calls == [1]
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_rule_benchmark_writes_what_it_timed(tmp_path, monkeypatch):
+    """``bench_cpu_train.py --rule`` (what ``auto``'s head-dim rule for training rests on): every shape timed on both
+    backends, the ratio the medians' ratio, the file saying how it was made. Tiny shapes; the times mean nothing."""
+    import importlib.util
+    import json
+    import statistics
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu_train.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "RULE_SHAPES", [(1, 1, 8, 8), (1, 2, 16, 32)])
+    out = tmp_path / "rule.json"
+    assert bench.main(["--rule", "--rounds", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {"device", "torch", "python", "date", "command", "threads"} <= set(data)
+    assert [(r["B"], r["H"], r["N"], r["d"]) for r in data["rows"]] == [(1, 1, 8, 8), (1, 2, 16, 32)]
+    for r in data["rows"]:
+        assert all(len(r["times_s"][name]) == 2 for name in ("cpu_fused", "sdpa_padded"))
+        med = {name: statistics.median(ts) for name, ts in r["times_s"].items()}
+        assert r["sdpa_padded_over_cpu_fused"] == pytest.approx(med["sdpa_padded"] / med["cpu_fused"])
