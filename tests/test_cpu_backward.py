@@ -273,12 +273,12 @@ def test_the_rule_benchmark_writes_what_it_timed(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_cpu_train", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "RULE_SHAPES", [(1, 1, 8, 8), (1, 2, 16, 32)])
+    monkeypatch.setattr(bench, "RULE_SHAPES", [(1, 1, 8, 8), (1, 1, 4, 32)])
     out = tmp_path / "rule.json"
     assert bench.main(["--rule", "--rounds", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {"device", "torch", "python", "date", "command", "threads"} <= set(data)
-    assert [(r["B"], r["H"], r["N"], r["d"]) for r in data["rows"]] == [(1, 1, 8, 8), (1, 2, 16, 32)]
+    assert [(r["B"], r["H"], r["N"], r["d"]) for r in data["rows"]] == [(1, 1, 8, 8), (1, 1, 4, 32)]
     for r in data["rows"]:
         assert all(len(r["times_s"][name]) == 2 for name in ("cpu_fused", "sdpa_padded"))
         med = {name: statistics.median(ts) for name, ts in r["times_s"].items()}
