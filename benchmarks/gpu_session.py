@@ -30,7 +30,9 @@ The steps, in order (each a subprocess with its own time limit, ``--step-timeout
    selected explicitly (a backend the GPU lacks, such as flash on a T4, is recorded as refused); time and peak
    memory;
 6. ``sdpa``: ``benchmarks/bench_sdpa.py`` (notebook 08's table: every formulation, DIFF V2 and the baseline
-   under PyTorch's own dispatch).
+   under PyTorch's own dispatch);
+7. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
+   forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs).
 
 Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
 and ``session_<step>.log`` into ``--out-dir``; the benchmark steps also write their results part. ``--collect``
@@ -65,8 +67,8 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
 from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402  (imports torch, not triton)
 from diffattn_tutorial.measure.gpu import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
-STEPS = {  # name: (what it runs, minutes on an H200 in order from an empty Triton cache, rounded up (compile: an
-#   estimate, not yet run on a GPU machine); the command's arguments after the python)
+STEPS = {  # name: (what it runs, minutes on an H200 in order from an empty Triton cache, rounded up (compile and
+#   probe: estimates, not yet run on a GPU machine); the command's arguments after the python)
     "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 6,
                 ["-m", "diffattn_tutorial.kernels.triton.aot", "--all", "--jobs", "16", "--json",
                  "{out}/compile_facts_gpu_machine.json"]),
@@ -87,6 +89,8 @@ STEPS = {  # name: (what it runs, minutes on an H200 in order from an empty Trit
                   "{out}/results_triton_part_d128.json"]),
     "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB)", 1,
              ["benchmarks/bench_sdpa.py", "--lengths", "{n}", "--out", "{out}/results_sdpa_part.json"]),
+    "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 4,
+              ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
 }
 
 
@@ -200,6 +204,8 @@ def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
                                      f"{gpu_bench.GOALS_DEVICE} at N = 8192 only")
         session["summary"] = gpu_bench.triton_summary(merged)
     for d in dirs:
+        for p in Path(d).glob("probe_triton.json"):
+            session["probe"] = json.loads(p.read_text())
         for p in Path(d).glob("compile_facts_gpu_machine.json"):
             facts = json.loads(p.read_text())
             session["compile_facts_gpu_machine"] = {"recorded": facts["recorded"], "problems": _problems(facts)}

@@ -61,11 +61,14 @@ def test_collect_merges_steps_into_results(tmp_path):
     facts["facts"] = facts["facts"][:3]
     facts["facts"][0] = {**facts["facts"][0], "spill_stores": 8, "spill_loads": 8}  # as an older Triton might
     (steps / "compile_facts_gpu_machine.json").write_text(json.dumps(facts))
+    probe = {"ceilings": {"copy_gb_per_s": 4300.0}, "forward": [{"d": 64, "status": "ok"}], "ncu": {}}
+    (steps / "probe_triton.json").write_text(json.dumps(probe))
     dest = tmp_path / "dest"
     dest.mkdir()
     out = session.collect([steps], dest=dest)
     assert set(out["steps"]) == {"tests", "bench64", "bench128"}
     assert len(out["compile_facts_gpu_machine"]["problems"]) == 1
+    assert out["probe"] == probe
     merged = json.loads((dest / "bench_triton_nvidia-h100-80gb-hbm3.json").read_text())
     assert merged["config"]["head_dims"] == [64, 128] and len(merged["rows"]) == 16
     assert [g["met"]["fwd_speedup_vs_best_sdpa"] for g in out["goals"]] == [True, True]
@@ -118,3 +121,56 @@ def test_no_gpu_no_session(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
     assert load("gpu_session").main(["--step", "tests"]) == 2
+
+
+def test_the_probe_pins_the_forward_only_and_refuses_a_cpu(monkeypatch, capsys):
+    """``probe_triton.forward_config``: the forward launch gets the candidate, every other launch its table's list,
+    and the environment and the host's function are restored after; without a GPU the probe says so and exits 2."""
+    pytest.importorskip("triton")
+    import os
+
+    import torch
+
+    from diffattn_tutorial.kernels.triton import flash_diff
+    from diffattn_tutorial.kernels.triton.configs import AUTOTUNE_ENV, autotune_configs
+
+    probe = load("probe_triton")
+    consts = {"BLOCK_D": 64, "MAPS": 3, "DV_OUT": True, "DK_MAPS": 0, "DQ_MAPS": 3}
+    monkeypatch.setenv(AUTOTUNE_ENV, "1")
+    with probe.forward_config((128, 64, 8, 2)):
+        assert os.environ[AUTOTUNE_ENV] == "0"
+        [c] = flash_diff.autotune_configs("_diff_attn_fwd", consts, torch.bfloat16, 90)
+        assert (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == (128, 64, 8, 2)
+        assert flash_diff.autotune_configs("_diff_attn_bwd_dq", consts, torch.bfloat16, 90) == \
+            autotune_configs("_diff_attn_bwd_dq", consts, torch.bfloat16, 90)
+    assert os.environ[AUTOTUNE_ENV] == "1" and flash_diff.autotune_configs is autotune_configs
+    rows = [{"d": 64, "plan": "split", "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "status": "ok",
+             "ms": 5.0, "tflops": 300.0, "rel_err_vs_default": 2e-3},
+            {"d": 64, "plan": "split", "block_m": 128, "block_n": 128, "warps": 8, "stages": 2,
+             "status": "failed: OutOfResources: shared memory"}]
+    text = probe.table(rows)
+    assert "| 64 | split | 128 x 64 | 8 | 2 | 5.000 | 300 | 2.0e-03 |" in text and "failed: OutOfResources" in text
+    if not torch.cuda.is_available():
+        assert probe.main([]) == 2 and "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_probe_times_each_candidate_against_the_default():
+    """``probe_triton.time_candidates`` on small shapes in Triton's interpreter (the timer replaced: a CPU's times
+    mean nothing): one row per candidate, each plan's output within bf16 rounding of the default's, a shape the
+    kernels refuse recorded as failed instead of ending the probe."""
+    pytest.importorskip("triton")
+    probe = load("probe_triton")
+    calls = []
+
+    def bench(fn, return_mode):
+        calls.append(return_mode)
+        fn()
+        return 2.0
+
+    cands = [(16, "fused", (16, 16, 4, 2)), (16, "split", (16, 16, 4, 2)), (16, "no-such-plan", (16, 16, 4, 2))]
+    rows = probe.time_candidates(cands, n=40, device="cpu", shape=(1, 2), bench=bench)
+    assert [r["plan"] for r in rows] == ["fused", "split", "no-such-plan"] and calls == ["median", "median"]
+    for r in rows[:2]:
+        assert r["status"] == "ok" and r["ms"] == 2.0 and r["rel_err_vs_default"] < 1e-2, r
+        assert r["tflops"] == pytest.approx(12 * 1 * 2 * 40**2 * 16 / 2.0 / 1e9)
+    assert rows[2]["status"].startswith("failed: ValueError")
