@@ -208,3 +208,63 @@ def test_inputs_that_require_grad_are_refused():
         decode_attention(q.requires_grad_(), k, v, lam)
     with pytest.raises(ValueError, match="no gradient"):
         decode_attention(q.detach(), k, v, lam.requires_grad_())
+
+
+MAP2_PAST_INT32_SCRIPT = textwrap.dedent('''
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from diffattn_tutorial.kernels.triton import decode as dec
+    from diffattn_tutorial.kernels.triton.flash_diff import _strides
+
+    g = torch.Generator().manual_seed(0)
+    Nq, Nk, d, BIG = 16, 40, 16, 2**26  # BIG rows (or splits) x 2 BLOCK_D = 32 floats = 2**31
+    q, k = torch.randn(1, 2, Nq, d, generator=g), torch.randn(1, 2, Nk, d, generator=g)
+    v = torch.randn(1, 1, Nk, 2 * d, generator=g)
+    lam = torch.tensor(0.3).reshape(1, 1, 1, 1).expand(1, 1, Nq, 1)
+    lens = torch.full((1,), Nk, dtype=torch.int32)
+    consts = dict(GROUP=1, HEAD_DIM=d, BLOCK_D=16, CAUSAL=False, DOT_PRECISION="ieee", UPCAST=False, BLOCK_M=16,
+                  BLOCK_N=16)
+
+    def partial(o_part, lse_part, nq):
+        dec._decode_partial[(1, 1)](q, k, v, lens, o_part, lse_part, **_strides(q, "q", "bhm"),
+                                    **_strides(k, "k", "bhn"), **_strides(v, "v", "bhn"), H=1, Hkv=1, Nq=nq, Nk=Nk,
+                                    qk_scale=0.25, keys_per_split=48, **consts)
+
+    def combine(o_part, lse_part, n_splits, grid, out):
+        dec._decode_combine[grid](o_part, lse_part, lam, out, n_splits, **_strides(lam, "l", "bhm"),
+                                  **_strides(out, "o", "bhm"), H=1, Nq=Nq, HEAD_DIM=d, BLOCK_D=16, BLOCK_S=1)
+
+    # the true sizes: map 2's partials follow map 1's 16 rows of 32 floats
+    o_small, lse_small = torch.full((2, Nq, 1, 32), float("nan")), torch.full((2, Nq, 1), float("nan"))
+    partial(o_small, lse_small, Nq)
+    out_small = torch.full((1, 1, Nq, 2 * d), float("nan"))
+    combine(o_small, lse_small, 1, (Nq,), out_small)
+    assert torch.isfinite(out_small).all()
+    # told Nq = 2**26 rows (it computes the first 16): map 2's partials start 2**31 floats in; the buffers are
+    # virtual memory, only the pages written are real
+    o_big, lse_big = torch.empty(2**31 + 512), torch.empty(BIG + 16)
+    o_big[:512], o_big[2**31:], lse_big[:16], lse_big[BIG:] = (float("nan"),) * 4
+    partial(o_big, lse_big, BIG)
+    assert torch.equal(o_big[:512], o_small[0].flatten()) and torch.equal(lse_big[:16], lse_small[0].flatten())
+    assert torch.equal(o_big[2**31:], o_small[1].flatten()), "map 2's partials are not 2**31 floats in"
+    assert torch.equal(lse_big[BIG:], lse_small[1].flatten())
+    # the combine told 2**26 splits of its one row (it reads split 0): map 2's partials again 2**31 floats in
+    out_big = torch.full((1, 1, Nq, 2 * d), float("nan"))
+    combine(o_big, lse_big, BIG, (1,), out_big)
+    torch.testing.assert_close(out_big[0, 0, 0], out_small[0, 0, 0], rtol=0, atol=0)
+    print("OK")
+''')
+
+
+def test_map2_partials_past_2_31_floats_are_addressed_in_int64():
+    """The partial buffers hold map 1's ``B*H*Nq*splits`` rows of ``2 BLOCK_D`` floats, then map 2's. From
+    ``B*H*Nq*splits*2*BLOCK_D >= 2**31`` (d = 128: ``B*H*Nq*splits >= 2**23``, e.g. B = 256, H = 32, Nq = 16,
+    num_splits = 64 over a 4096-key cache; with the default split count B*H*Nq >= 2**23) map 2's offset passes
+    int32. Computed from ``tl.num_programs`` in int32 it wrapped negative: the partial kernel wrote before its
+    buffer and the combine read there (an illegal address on a GPU, a segfault here). Both kernels run at a
+    2**31 offset set by their scalars (Nq, n_splits) with one program each: a few pages of an 8 GiB virtual
+    buffer are written."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = run_python(MAP2_PAST_INT32_SCRIPT, env=env, timeout=300)
+    assert run.returncode == 0 and "OK" in run.stdout, (run.returncode, (run.stdout + run.stderr)[-3000:])

@@ -138,7 +138,8 @@ def _decode_partial(Q, K, V, LENS, O_PART, LSE_PART,
 
     # partial results, float32: O_PART (2, B*H*Nq, n_splits, 2d), LSE_PART (2, B*H*Nq, n_splits)
     rows = (b64 * H + g64 * GROUP) * Nq + offs_m  # this group's rows in (B, H, Nq) order
-    n_rows = tl.num_programs(0) // Hkv * H * Nq
+    # int64: map 2's partials start n_rows * n_splits * 2 BLOCK_D floats in, past 2**31 for large batches
+    n_rows = (tl.num_programs(0) // Hkv).to(tl.int64) * H * Nq
     part = rows * n_splits + split
     o_off = part[:, None] * BLOCK_DV + offs_dv[None, :]
     tl.store(O_PART + o_off, acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None], mask=row_ok[:, None])
@@ -173,7 +174,7 @@ def _decode_combine(O_PART, LSE_PART, LAM, OUT, n_splits,
     """One program per query row ``(b, h, i)`` (in that order): both maps merged, ``out = o1 - lam * o2``."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     row = tl.program_id(0).to(tl.int64)
-    n_rows = tl.num_programs(0)
+    n_rows = tl.num_programs(0).to(tl.int64)  # int64: map 2's partials start past 2**31 floats in at large sizes
     b = row // (H * Nq)
     h = (row // Nq) % H
     i = row % Nq
