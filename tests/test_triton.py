@@ -467,6 +467,66 @@ def test_offsets_guard_reads_only_strides_inside_a_tile():
         _check_offsets(attn_mask=wide)
 
 
+def test_the_operators_refuse_rows_too_far_apart_for_tile_offsets():
+    """``diffattn::triton_forward`` and ``triton_backward`` are public (``torch.ops``, ``torch.export``): they refuse
+    themselves, in their fake implementations too, a layout whose tile offsets would pass int32 (rows 2**23
+    elements apart), as :func:`triton_diff_attention` does; they ran it (int32 offsets wrapping on a GPU). Meta
+    tensors: shapes and strides only."""
+    meta = dict(device="meta")
+    far = torch.empty(1, 2, 2, 16, **meta).as_strided((1, 2, 2, 16), (0, 16, 2**23, 1))
+    k, v, lam = torch.empty(1, 2, 8, 16, **meta), torch.empty(1, 1, 8, 32, **meta), torch.empty((), **meta)
+    with pytest.raises(ValueError, match="q steps 8388608 elements between rows"):
+        torch.ops.diffattn.triton_forward(far, k, v, lam, None, False, 0.25, [], "fused", False)
+    q = torch.empty(1, 2, 2, 16, **meta)
+    out, o2, lse = torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
+    with pytest.raises(ValueError, match="q steps"):
+        torch.ops.diffattn.triton_backward(out, far, k, v, lam, None, out, o2, lse, False, 0.25, [], "fused",
+                                           [True, True, True])
+    mask = torch.empty(2, 8, dtype=torch.bool, **meta).as_strided((2, 8), (2**23, 1))
+    with pytest.raises(ValueError, match="attn_mask steps"):
+        torch.ops.diffattn.triton_forward(q, k, v, lam, mask, False, 0.25, [], "fused", False)
+
+
+def test_a_mask_of_one_dim_passes_the_offsets_guard():
+    """A mask broadcast from ``(Nk,)`` has no row dim; the guard read ``shape[-2]`` and raised IndexError."""
+    from diffattn_tutorial.kernels.triton.flash_diff import _check_offsets
+
+    _check_offsets(attn_mask=torch.empty(8, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="attn_mask steps"):  # its key dim is still stepped inside a tile
+        _check_offsets(attn_mask=torch.empty(8, device="meta").as_strided((8,), (2**30,)))
+
+
+def test_blocks_past_the_guarded_tile_rows_are_refused():
+    """The offsets guard allows row strides up to ``2**31 / MAX_TILE_ROWS``: a tile of more rows (``blocks=(512,
+    16)``) would pass int32 there, so such blocks are refused, by the entry point and by the operator."""
+    from diffattn_tutorial.kernels.triton.flash_diff import MAX_TILE_ROWS
+
+    meta = dict(device="meta")
+    q, k, v, lam = (torch.empty(1, 2, 4, 16, **meta), torch.empty(1, 2, 8, 16, **meta),
+                    torch.empty(1, 1, 8, 32, **meta), torch.empty((), **meta))
+    with pytest.raises(ValueError, match=f"powers of two from 16 to {MAX_TILE_ROWS}"):
+        triton_diff_attention(q, k, v, lam, blocks=(2 * MAX_TILE_ROWS, 16))
+    with pytest.raises(ValueError, match=f"powers of two from 16 to {MAX_TILE_ROWS}"):
+        torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [16, 2 * MAX_TILE_ROWS], "fused", False)
+    triton_diff_attention(q, k, v, lam, blocks=(MAX_TILE_ROWS, 16))  # meta: checked, nothing runs
+
+
+def test_an_upstream_gradient_with_rows_far_apart_is_copied_not_refused():
+    """Autograd chooses dout's layout: a seq-first ``(N, B, H, 2d)`` gradient permuted back steps ``B H 2d``
+    elements between rows (2**23 at B = 256, H = 128, d = 128). The backward refused it, naming a fix
+    (``dout.contiguous()``) the caller cannot apply; it copies it now. The launches are recorded, not run; dout
+    is a 32 MiB virtual buffer of which two rows are read."""
+    from diffattn_tutorial.kernels.triton.flash_diff import triton_backward, triton_forward
+
+    q, k, v, lam = make(1, 1, 1, 2, 8, 16, lam_kind="token")
+    dout = torch.empty(2**23 + 32).as_strided((1, 1, 2, 32), (0, 0, 2**23, 1))
+    with capture_launches() as launches:
+        out, o2, lse = triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
+        triton_backward(dout, q, k, v, lam, None, out, o2, lse, False, 0.25, [], "fused", [True, True, True])
+    strides = {launch.args["stride_gm"] for launch in launches if "stride_gm" in launch.args}
+    assert strides == {32}, strides
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU only: limits of the grid and of int32 offsets, the autotuner's choices at N = 8192
 # ------------------------------------------------------------------------------------------------

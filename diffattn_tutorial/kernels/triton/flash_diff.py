@@ -221,19 +221,36 @@ def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _tile_step(name: str, t: Tensor) -> int:
+    """The largest stride ``t`` steps inside a tile (its rows'; a mask's last two dims'), 0 if none: a broadcast
+    (size-1) dim is never stepped, and a mask of fewer than 2 dims (it broadcasts) has no row dim."""
+    dims = (-2, -1) if name == "attn_mask" else (-2,)
+    return max((abs(t.stride(i)) for i in dims if -i <= t.ndim and t.shape[i] > 1), default=0)
+
+
+def _tile_offsets_fit(name: str, t: Tensor) -> bool:
+    return _tile_step(name, t) * MAX_TILE_ROWS < 2**31
+
+
 def _check_offsets(**tensors: Tensor) -> None:
     """Tile bases are int64, offsets inside a tile int32: the strides that step inside a tile (the rows' of q, k,
     v and dout; the last two of a mask) times ``MAX_TILE_ROWS`` must stay below 2**31. The batch and head strides
     may be anything (a contiguous ``(2, 32, 8192, 64)`` q has a batch stride of 2**24)."""
     for name, t in tensors.items():
-        if t is None:
-            continue
-        dims = (-2, -1) if name == "attn_mask" else (-2,)
-        inner = [abs(t.stride(i)) for i in dims if t.shape[i] > 1]  # a broadcast (size-1) dim is never stepped
-        if inner and max(inner) * MAX_TILE_ROWS >= 2**31:
-            raise ValueError(f"backend='triton': {name} steps {max(inner)} elements between rows, too large for "
+        if t is not None and not _tile_offsets_fit(name, t):
+            step = _tile_step(name, t)
+            raise ValueError(f"backend='triton': {name} steps {step} elements between rows, too large for "
                              f"the kernels' int32 offsets inside a tile (limit {2**31 // MAX_TILE_ROWS}); pass "
                              f"{name}.contiguous() or use backend='sdpa'")
+
+
+def _dout_for_kernels(dout: Tensor) -> Tensor:
+    """The upstream gradient as the kernels read it: unit last stride, and rows close enough for int32 offsets
+    inside a tile. Autograd chose its layout, so the caller cannot pass another: a layout the kernels cannot read
+    (a seq-first ``(N, B, H, 2d)`` gradient permuted back steps ``B H 2d`` elements between rows) is copied once
+    instead of refused."""
+    dout = _unit_last_stride(dout)
+    return dout if _tile_offsets_fit("dout", dout) else dout.contiguous()
 
 
 def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) -> Tensor:
@@ -382,8 +399,10 @@ def _check_mask_arg(op: str, attn_mask: Optional[Tensor], q: Tensor, sizes: dict
 def _check_launch_args(op: str, scale: float, blocks: list[int], plan: str) -> None:
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{op}: scale must be a positive finite number (1/sqrt(d) by default), got {scale!r}")
-    if blocks and (len(blocks) != 2 or min(blocks) < 16 or any(b & (b - 1) for b in blocks)):
-        raise ValueError(f"{op}: blocks must be [] or two powers of two >= 16 [BLOCK_M, BLOCK_N], got {blocks}")
+    if blocks and (len(blocks) != 2 or min(blocks) < 16 or max(blocks) > MAX_TILE_ROWS
+                   or any(b & (b - 1) for b in blocks)):
+        raise ValueError(f"{op}: blocks must be [] or two powers of two from 16 to {MAX_TILE_ROWS} [BLOCK_M, "
+                         f"BLOCK_N] (int32 offsets inside a tile are checked for {MAX_TILE_ROWS} rows), got {blocks}")
     if plan not in PLANS:
         raise ValueError(f"{op}: plan must be one of {tuple(PLANS)}, got {plan!r}")
 
@@ -394,6 +413,7 @@ def _check_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     sizes = check_op_inputs(FORWARD_OP, q, k, v, lam)
     _check_mask_arg(FORWARD_OP, attn_mask, q, sizes)
     _check_launch_args(FORWARD_OP, scale, blocks, plan)
+    _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)  # the operator is public: it refuses what would overflow
     return sizes
 
 
@@ -406,6 +426,7 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     sizes = check_op_inputs(op, q, k, v, lam)
     _check_mask_arg(op, attn_mask, q, sizes)
     _check_launch_args(op, scale, blocks, plan)
+    _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     check_same(op, q, dout=dout, out=out)
     check_same(op, q, torch.float32, o2=o2, lse=lse)
     outs = {"dout": ("B", "H", "Nq", "2d"), "out": ("B", "H", "Nq", "2d"), "o2": ("B", "H", "Nq", "2d"),
@@ -537,8 +558,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
-    dout = _unit_last_stride(dout)
-    _check_offsets(dout=dout)
+    dout = _dout_for_kernels(dout)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
     dq, dk, dv = (_grad_buffer(t, runs) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
@@ -623,8 +643,10 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     if d > MAX_HEAD_DIM:
         raise ValueError(f"backend='triton' supports q/k head dims up to {MAX_HEAD_DIM} (V up to "
                          f"{2 * MAX_HEAD_DIM}), got d={d}; use backend='sdpa' or 'naive'")
-    if blocks is not None and (len(blocks) != 2 or min(blocks) < 16 or any(b & (b - 1) for b in blocks)):
-        raise ValueError(f"blocks must be two powers of two >= 16 (BLOCK_M, BLOCK_N), got {blocks}")
+    if blocks is not None and (len(blocks) != 2 or min(blocks) < 16 or max(blocks) > MAX_TILE_ROWS
+                               or any(b & (b - 1) for b in blocks)):
+        raise ValueError(f"blocks must be two powers of two from 16 to {MAX_TILE_ROWS} (BLOCK_M, BLOCK_N; int32 "
+                         f"offsets inside a tile are checked for {MAX_TILE_ROWS} rows), got {blocks}")
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("backend='triton' gives no gradient for attn_mask (the kernels never form the N x N "
                          "score gradient); pass attn_mask.detach() if the mask is not learned, or use "
