@@ -225,7 +225,8 @@ def _tile_step(name: str, t: Tensor) -> int:
     """The largest stride ``t`` steps inside a tile (its rows'; a mask's last two dims'), 0 if none: a broadcast
     (size-1) dim is never stepped, and a mask of fewer than 2 dims (it broadcasts) has no row dim."""
     dims = (-2, -1) if name == "attn_mask" else (-2,)
-    return max((abs(t.stride(i)) for i in dims if -i <= t.ndim and t.shape[i] > 1), default=0)
+    steps = [abs(t.stride(i)) for i in dims if -i <= t.ndim and t.shape[i] > 1]
+    return max(steps) if steps else 0  # not max(..., default=0): torch.compile traces this
 
 
 def _tile_offsets_fit(name: str, t: Tensor) -> bool:
