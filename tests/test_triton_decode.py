@@ -241,9 +241,16 @@ MAP2_PAST_INT32_SCRIPT = textwrap.dedent('''
     out_small = torch.full((1, 1, Nq, 2 * d), float("nan"))
     combine(o_small, lse_small, 1, (Nq,), out_small)
     assert torch.isfinite(out_small).all()
-    # told Nq = 2**26 rows (it computes the first 16): map 2's partials start 2**31 floats in; the buffers are
-    # virtual memory, only the pages written are real
-    o_big, lse_big = torch.empty(2**31 + 512), torch.empty(BIG + 16)
+    # told Nq = 2**26 rows (it computes the first 16): map 2's partials start 2**31 floats in. The 8 GiB buffer is
+    # a shared map of a sparse file: no memory is reserved for it (a machine that refuses to overcommit 8 GiB of
+    # anonymous memory maps it too), and only the pages written take space
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "partials")
+    with open(path, "wb") as f:
+        f.truncate((2**31 + 512) * 4)
+    o_big = torch.from_file(path, shared=True, size=2**31 + 512, dtype=torch.float32)
+    os.remove(path)  # the map stays; nothing is left behind, even after a crash
+    lse_big = torch.empty(BIG + 16)
     o_big[:512], o_big[2**31:], lse_big[:16], lse_big[BIG:] = (float("nan"),) * 4
     partial(o_big, lse_big, BIG)
     assert torch.equal(o_big[:512], o_small[0].flatten()) and torch.equal(lse_big[:16], lse_small[0].flatten())
