@@ -487,6 +487,23 @@ def test_the_operators_refuse_rows_too_far_apart_for_tile_offsets():
         torch.ops.diffattn.triton_forward(q, k, v, lam, mask, False, 0.25, [], "fused", False)
 
 
+def test_the_backward_operator_refuses_out_rows_too_far_apart():
+    """The backward's preprocess reads ``out`` and ``o2`` (one layout) with ``offs_m * stride_om`` in int32, up to
+    128 rows a tile: the public operator took them in any layout with a unit last stride, so rows 2**23 elements
+    apart passed its checks (and wrapped on a GPU). It refuses them by name, as it refuses q, k, v. Meta tensors."""
+    meta = dict(device="meta")
+    q, k, v, lam = (torch.empty(1, 2, 2, 16, **meta), torch.empty(1, 2, 8, 16, **meta),
+                    torch.empty(1, 1, 8, 32, **meta), torch.empty((), **meta))
+    out, o2, lse = torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
+    far_out = torch.empty(1, 1, 2, 32, **meta).as_strided((1, 1, 2, 32), (0, 0, 2**23, 1))
+    far_o2 = torch.empty(1, 1, 2, 32, dtype=torch.float32, **meta).as_strided((1, 1, 2, 32), (0, 0, 2**23, 1))
+    with pytest.raises(ValueError, match="out steps 8388608 elements between rows"):
+        torch.ops.diffattn.triton_backward(out, q, k, v, lam, None, far_out, far_o2, lse, False, 0.25, [], "fused",
+                                           [True, True, True])
+    torch.ops.diffattn.triton_backward(out, q, k, v, lam, None, out, o2, lse, False, 0.25, [], "fused",
+                                       [True, True, True])
+
+
 def test_a_mask_of_one_dim_passes_the_offsets_guard():
     """A mask broadcast from ``(Nk,)`` has no row dim; the guard read ``shape[-2]`` and raised IndexError."""
     from diffattn_tutorial.kernels.triton.flash_diff import _check_offsets

@@ -437,6 +437,7 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         raise ValueError(f"{op}: out, o2 and lse must be the forward operator's outputs (out and o2 with one dense "
                          f"layout, lse contiguous); got strides out {out.stride()}, o2 {o2.stride()}, lse "
                          f"{lse.stride()}: run {FORWARD_OP} with store_o2=True and pass what it returns")
+    _check_offsets(out=out)  # o2 shares its strides; the preprocess steps their rows inside a tile in int32
     if len(needs) != 3:
         raise ValueError(f"{op}: needs must be three flags [dq, dk, dv], got {needs}")
     return sizes
