@@ -275,3 +275,24 @@ def test_map2_partials_past_2_31_floats_are_addressed_in_int64():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = run_python(MAP2_PAST_INT32_SCRIPT, env=env, timeout=300)
     assert run.returncode == 0 and "OK" in run.stdout, (run.returncode, (run.stdout + run.stderr)[-3000:])
+
+
+def test_rows_too_far_apart_for_int32_tile_offsets_are_refused():
+    """The partial kernel steps key rows inside a tile in int32 (``offs_n * stride_kn``, ``offs_n * stride_vn``,
+    ``query * stride_qm``), as the flash kernels do, but nothing checked it: a cache view whose rows are
+    ``2**31 / block_n`` elements apart (a seq-first ``(Nk, B, 2Hkv, d)`` buffer permuted, at large B) read wrapped
+    addresses. The operator refuses it, in its fake implementation too, as ``diffattn::triton_forward`` does.
+    Meta tensors: strides, no data."""
+    meta = dict(device="meta")
+    q, v, lam = torch.empty(1, 2, 1, 16, **meta), torch.empty(1, 1, 64, 32, **meta), torch.empty((), **meta)
+    lengths = torch.empty(1, dtype=torch.int32, **meta)
+    far = torch.empty(1, 2, 64, 16, **meta).as_strided((1, 2, 64, 16), (0, 16, 2**25, 1))
+    with pytest.raises(ValueError, match="k steps 33554432 elements between rows"):
+        torch.ops.diffattn.triton_decode(q, far, v, lam, lengths, True, 0.25, 1, 64)
+    torch.ops.diffattn.triton_decode(q, far, v, lam, lengths, True, 0.25, 1, 32)  # 32 rows of 2**25: 2**30
+    far_v = torch.empty(1, 1, 64, 32, **meta).as_strided((1, 1, 64, 32), (0, 0, 2**26, 1))
+    with pytest.raises(ValueError, match="v steps"):
+        torch.ops.diffattn.triton_decode(q, torch.empty(1, 2, 64, 16, **meta), far_v, lam, lengths, True, 0.25, 1, 32)
+    many = torch.empty(1, 2, 4, 16, **meta).as_strided((1, 2, 4, 16), (0, 16, 2**30, 1))  # 4 queries 2**30 apart
+    with pytest.raises(ValueError, match="q steps"):
+        torch.ops.diffattn.triton_decode(many, torch.empty(1, 2, 64, 16, **meta), v, lam, lengths, True, 0.25, 1, 16)

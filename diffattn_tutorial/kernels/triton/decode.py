@@ -278,6 +278,14 @@ def _check_op(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor, sca
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{DECODE_OP}: block_n must be a power of two >= 16, got {block_n!r}")
     _check_rows(sizes["H"] // sizes["Hkv"], sizes["Nq"], sizes["d"])
+    # tile bases are int64, the rows inside a tile int32: a query row's offset (up to Nq rows), a key row's (up to
+    # block_n rows) must stay below 2**31, as the flash kernels' guard (flash_diff._check_offsets) requires
+    for name, t, rows in (("q", q, sizes["Nq"]), ("k", k, block_n), ("v", v, block_n)):
+        step = fd._tile_step(name, t)
+        if step * rows >= 2**31:
+            raise ValueError(f"{DECODE_OP}: {name} steps {step} elements between rows, too large for the kernel's "
+                             f"int32 offsets inside a tile ({rows} rows); pass {name}.contiguous() or a smaller "
+                             f"block_n")
     return sizes
 
 
