@@ -245,9 +245,9 @@ MAP2_PAST_INT32_SCRIPT = textwrap.dedent('''
     # a shared map of a sparse file: no memory is reserved for it (a machine that refuses to overcommit 8 GiB of
     # anonymous memory maps it too), and only the pages written take space
     import tempfile
-    path = os.path.join(tempfile.mkdtemp(), "partials")
-    with open(path, "wb") as f:
-        f.truncate((2**31 + 512) * 4)
+    fd, path = tempfile.mkstemp(prefix="partials")  # a file, no folder of its own (mkdtemp's stayed behind)
+    os.ftruncate(fd, (2**31 + 512) * 4)
+    os.close(fd)
     o_big = torch.from_file(path, shared=True, size=2**31 + 512, dtype=torch.float32)
     os.remove(path)  # the map stays; nothing is left behind, even after a crash
     lse_big = torch.empty(BIG + 16)
