@@ -173,3 +173,18 @@ def test_the_probe_times_each_candidate_against_the_default():
     assert rows[0]["status"] == "ok" and rows[0]["ms"] == 2.0 and rows[0]["rel_err_vs_default"] < 1e-2, rows[0]
     assert rows[0]["tflops"] == pytest.approx(12 * 1 * 1 * 16**2 * 16 / 2.0 / 1e9)
     assert rows[1]["status"].startswith("failed: ValueError")
+
+
+def test_the_notes_quote_the_recorded_step_times():
+    """``benchmarks/NOTES.md`` states each step's seconds on the recorded GPU; they are the session file's, rounded
+    as the README's generated block rounds them (``bench128``'s 46.5 s is 46 there; the notes said 47)."""
+    import re
+
+    notes = (ROOT / "benchmarks" / "NOTES.md").read_text()
+    m = re.search(r"Steps as measured on the (\S+) \(seconds[^)]*\):(.*?); each runs", notes, re.DOTALL)
+    assert m, "the notes no longer quote the steps' times"
+    [session] = [data for _, data in gpu.find_recorded("gpu_session", device_type=None)
+                 if m.group(1) in data["recorded"].get("device", "")]
+    quoted = {step: int(s) for step, s in re.findall(r"`(\w+)` (\d+)", m.group(2))}
+    assert set(quoted) == set(session["steps"])
+    assert quoted == {step: int(f"{s['seconds']:.0f}") for step, s in session["steps"].items()}
