@@ -133,14 +133,30 @@ def _ncu() -> Optional[str]:
     return found if isinstance(found, str) else (found[-1] if found else None)
 
 
-def ncu_profile(d: int, timeout: int = 180) -> dict:
-    """Nsight Compute's sections for the pinned forward at head dim ``d`` (the third launch: two warm-ups first)."""
+def forward_launches(d: int, capability: int) -> int:
+    """Forward launches per call at head dim ``d`` under the library's plan: 2 where the plan splits the maps
+    (``split``: map 2, then map 1), else 1."""
+    import triton
+
+    from diffattn_tutorial.kernels.triton.configs import plan_for
+
+    return len(plan_for(max(16, triton.next_power_of_2(d)), capability).fwd_maps)
+
+
+def ncu_profile(d: int, timeout: int = 180, capability: Optional[int] = None) -> dict:
+    """Nsight Compute's sections for the pinned forward at head dim ``d``: every forward launch of the third call
+    (two warm-up calls first; a split plan launches the forward twice per call, so both of that call's are
+    profiled, not the second call's first)."""
     ncu = _ncu()
     if ncu is None:
         return {"status": "ncu not found"}
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:_diff_attn_fwd", "--launch-skip", "2",
-           "--launch-count", "1", *[a for s in NCU_SECTIONS for a in ("--section", s)], "--csv", "--page", "details",
-           sys.executable, str(Path(__file__).resolve()), "--one", str(d)]
+    if capability is None:
+        major, minor = torch.cuda.get_device_capability()
+        capability = 10 * major + minor
+    per_call = forward_launches(d, capability)
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:_diff_attn_fwd", "--launch-skip",
+           str(2 * per_call), "--launch-count", str(per_call), *[a for s in NCU_SECTIONS for a in ("--section", s)],
+           "--csv", "--page", "details", sys.executable, str(Path(__file__).resolve()), "--one", str(d)]
     env = dict(os.environ, DIFFATTN_TRITON_AUTOTUNE="0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     try:
@@ -148,8 +164,9 @@ def ncu_profile(d: int, timeout: int = 180) -> dict:
     except subprocess.TimeoutExpired:
         return {"status": f"timed out after {timeout} s"}
     lines = [line for line in run.stdout.splitlines() if line.startswith('"')]
-    metrics = [{"kernel": r.get("Kernel Name", "")[:60], "section": r.get("Section Name"), "metric": r.get("Metric Name"),
-                "unit": r.get("Metric Unit"), "value": r.get("Metric Value")} for r in csv.DictReader(io.StringIO("\n".join(lines)))]
+    metrics = [{"id": r.get("ID"), "kernel": r.get("Kernel Name", "")[:60], "section": r.get("Section Name"),
+                "metric": r.get("Metric Name"), "unit": r.get("Metric Unit"), "value": r.get("Metric Value")}
+               for r in csv.DictReader(io.StringIO("\n".join(lines)))]
     return {"status": "ok" if run.returncode == 0 and metrics else f"exit {run.returncode}",
             "command": " ".join(cmd[:-3] + ["probe_triton.py", "--one", str(d)]), "metrics": metrics,
             "stderr_tail": run.stderr[-1500:]}

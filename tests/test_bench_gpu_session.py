@@ -175,6 +175,33 @@ def test_the_probe_times_each_candidate_against_the_default():
     assert rows[1]["status"].startswith("failed: ValueError")
 
 
+def test_the_probe_profiles_every_forward_launch_of_one_call(monkeypatch):
+    """``ncu --launch-skip`` counts the launches that match ``--kernel-name``: at d = 128 the ``split`` plan launches
+    the forward twice per call (map 2, then map 1), so "skip 2, count 1" profiled the second call's map-2 launch
+    only. Both launches of the third call are profiled now, at d = 64 its one launch; each metric keeps ncu's ID."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    probe = load("probe_triton")
+    seen = []
+    csv_out = ('==PROF== Connected\n"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+               '"0","_diff_attn_fwd","SOL","Duration","ms","2.5"\n"1","_diff_attn_fwd","SOL","Duration","ms","2.7"\n')
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        assert kw["env"]["DIFFATTN_TRITON_AUTOTUNE"] == "0" and str(ROOT) in kw["env"]["PYTHONPATH"]
+        return subprocess.CompletedProcess(cmd, 0, stdout=csv_out, stderr="")
+
+    monkeypatch.setattr(probe, "_ncu", lambda: "/usr/bin/ncu")
+    monkeypatch.setattr(probe.subprocess, "run", fake_run)
+    for d, per_call in ((64, 1), (128, 2)):
+        prof = probe.ncu_profile(d, capability=90)
+        cmd = seen[-1]
+        skip, count = cmd[cmd.index("--launch-skip") + 1], cmd[cmd.index("--launch-count") + 1]
+        assert (skip, count) == (str(2 * per_call), str(per_call)), (d, cmd)
+        assert prof["status"] == "ok" and [m["id"] for m in prof["metrics"]] == ["0", "1"]
+
+
 def test_the_notes_quote_the_recorded_step_times():
     """``benchmarks/NOTES.md`` states each step's seconds on the recorded GPU; they are the session file's, rounded
     as the README's generated block rounds them (``bench128``'s 46.5 s is 46 there; the notes said 47)."""
