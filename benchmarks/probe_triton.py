@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -97,9 +97,11 @@ def inputs(d: int, n: int = N, device: str = "cuda", shape: Optional[tuple[int, 
 
 
 def time_candidates(candidates: Sequence = CANDIDATES, n: int = N, device: str = "cuda",
-                    shape: Optional[tuple[int, int]] = None, bench=None) -> list[dict]:
+                    shape: Optional[tuple[int, int]] = None, bench=None,
+                    on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
     """One row per candidate: its forward's median ms (``bench``, default ``triton.testing.do_bench``), TFLOP/s
-    and norm-relative error against the library's default plan and configuration on the same inputs."""
+    and norm-relative error against the library's default plan and configuration on the same inputs. ``on_row``
+    is called with each row as it is made (the probe writes its file after each: a killed run keeps its rows)."""
     from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
     from diffattn_tutorial.measure import flops
 
@@ -125,6 +127,8 @@ def time_candidates(candidates: Sequence = CANDIDATES, n: int = N, device: str =
             row.update(status=f"failed: {type(e).__name__}: {str(e).strip()[:300]}")
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -210,14 +214,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from diffattn_tutorial.measure import gpu
 
     t0 = time.perf_counter()
+
+    def save() -> None:  # after every stage and row: a run killed at its step's time limit keeps what it measured
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        if args.out:  # whole or not at all: a kill while writing leaves the last whole file
+            part = gpu.write_json(args.out.with_name(args.out.name + ".part"), result)
+            os.replace(part, args.out)
+
     result = {"recorded": gpu.results_header("cuda", "benchmarks/probe_triton.py", argv if argv is not None
-                                             else sys.argv[1:]), "ceilings": ceilings()}
+                                             else sys.argv[1:]), "complete": False, "forward": [], "ncu": {}}
+    result["ceilings"] = ceilings()
+    save()
     print(json.dumps(result["ceilings"]), flush=True)
-    result["forward"] = time_candidates()
-    result["ncu"] = {} if args.no_ncu else {f"d{d}": ncu_profile(d) for d in (64, 128)}
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    if args.out:
-        gpu.write_json(args.out, result)
+    time_candidates(on_row=lambda row: (result["forward"].append(row), save()))
+    for d in () if args.no_ncu else (64, 128):
+        result["ncu"][f"d{d}"] = ncu_profile(d)
+        save()
+    result["complete"] = True
+    save()
     c = result["ceilings"]
     print(f"copy {c['copy_gb_per_s']:.0f} GB/s, bf16 matmul {c['matmul_bf16_tflops']:.0f} TFLOP/s")
     print(table(result["forward"]))

@@ -202,6 +202,33 @@ def test_the_probe_profiles_every_forward_launch_of_one_call(monkeypatch):
         assert prof["status"] == "ok" and [m["id"] for m in prof["metrics"]] == ["0", "1"]
 
 
+def test_a_probe_killed_midway_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The probe step runs under a time limit (``gpu_session --step-timeout``); killed there, it wrote nothing, so
+    ``--collect`` recorded no probe. It now writes its file (whole: written aside, then renamed) after the
+    ceilings and after each candidate, marked incomplete until the end."""
+    pytest.importorskip("triton")
+    import torch
+
+    probe = load("probe_triton")
+    out = tmp_path / "probe_triton.json"
+
+    def candidates(on_row=None):
+        for ms in (5.0, 6.0):
+            on_row({"d": 64, "status": "ok", "ms": ms})
+        raise KeyboardInterrupt  # the step's time limit, say
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "results_header", lambda *a: {"device": "test"})
+    monkeypatch.setattr(probe, "ceilings", lambda: {"copy_gb_per_s": 4000.0, "matmul_bf16_tflops": 700.0})
+    monkeypatch.setattr(probe, "time_candidates", candidates)
+    with pytest.raises(KeyboardInterrupt):
+        probe.main(["--out", str(out)])
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and kept["ceilings"]["copy_gb_per_s"] == 4000.0
+    assert [r["ms"] for r in kept["forward"]] == [5.0, 6.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["probe_triton.json"]  # no partial file beside it
+
+
 def test_the_notes_quote_the_recorded_step_times():
     """``benchmarks/NOTES.md`` states each step's seconds on the recorded GPU; they are the session file's, rounded
     as the README's generated block rounds them (``bench128``'s 46.5 s is 46 there; the notes said 47)."""
