@@ -8,7 +8,7 @@ and left open why. This probe measures, in one run (the ``probe`` step of ``benc
 2. **the forward per candidate**: each ``(head dim, plan, BLOCK_M, BLOCK_N, warps, stages)`` of :data:`CANDIDATES`
    pinned for the forward launch (the backward keeps its tables' pinned entries), at the benchmark's shapes
    (N = 8192, 16384 tokens per batch, model width 2048, bf16, non-causal): median ms, TFLOP/s (``12 B H N^2 d``)
-   and the error against the library's default plan, so a faster shape that is wrong cannot pass;
+   and the error against the library's own choice (its plan, autotuned), so a faster shape that is wrong cannot pass;
 3. **the hardware counters** of the pinned forward at d = 64 and 128 where Nsight Compute (``ncu``) runs
    (``--clock-control none``: the clocks as found), its speed-of-light, warp-state and compute sections.
 
@@ -100,7 +100,7 @@ def time_candidates(candidates: Sequence = CANDIDATES, n: int = N, device: str =
                     shape: Optional[tuple[int, int]] = None, bench=None,
                     on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
     """One row per candidate: its forward's median ms (``bench``, default ``triton.testing.do_bench``), TFLOP/s
-    and norm-relative error against the library's default plan and configuration on the same inputs. ``on_row``
+    and norm-relative error against the library's own choice (its plan, autotuned) on the same inputs. ``on_row``
     is called with each row as it is made (the probe writes its file after each: a killed run keeps its rows)."""
     from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
     from diffattn_tutorial.measure import flops
