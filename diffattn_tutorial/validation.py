@@ -135,10 +135,7 @@ def _broadcasts_to(t: Tensor, target: tuple[int, ...]) -> bool:
     """Whether ``t`` (of at most ``len(target)`` dims) broadcasts to exactly ``target``."""
     if t.ndim > len(target):
         return False
-    try:
-        return torch.broadcast_shapes(t.shape, target) == torch.Size(target)
-    except RuntimeError:
-        return False
+    return all(n == 1 or n == m for n, m in zip(reversed(t.shape), reversed(target)))  # aligned from the right
 
 
 def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:

@@ -22,8 +22,10 @@ from diffattn_tutorial.functional import (
     reparam_lambda,
     resolve_backend,
     rms_norm,
+    rms_norm_scaled,
     softmax_attention,
 )
+from diffattn_tutorial.functional import _RMSNormScaled
 
 CPU_BACKENDS = [b for b in BACKENDS if b != "triton"] + ["auto"]
 FLOAT32_ONLY = [b for b in BACKENDS if b not in ("sdpa", "auto") and torch.float64 not in get_backend(b).dtypes]
@@ -313,3 +315,53 @@ def test_empty_problems_give_an_empty_output_or_zeros(backend, case, causal):
     if grad:
         (dq,) = torch.autograd.grad(out.sum(), q, allow_unused=True)
         assert dq is None or not dq.any()
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed"])
+def test_rms_norm_scaled_forward_bits_and_backward_equal_the_formula(affine, layout):
+    """The layers' sub-norm in training: the formula's forward bits in the input's layout, and gradients of x and
+    the weight equal autograd's of the formula (float64), a zero row (a fully masked one) and a NaN row included."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 5, 3, 16) * 3).transpose(1, 2)  # (B, H, N, D) over (B, N, H, D) memory: the kernel's output
+    x = x if layout == "heads_transposed" else x.contiguous()
+    x[0, 1, 2] = 0.0
+    x[1, 2, 4] = float("nan")
+    w = (torch.rand(16) + 0.5) if affine else None
+    g = torch.randn(x.shape)
+
+    def run(fn, dtype):
+        xs = x.to(dtype).clone().requires_grad_()  # clone: a leaf of its own, in x's layout
+        ws = w.to(dtype).clone().requires_grad_() if affine else None
+        y = fn(xs, ws)
+        y.backward(g.to(dtype))
+        return y, xs.grad, ws.grad if affine else None
+
+    fast = run(lambda a, b: rms_norm_scaled(a, b, 1e-5, 0.35), torch.float32)
+    formula = run(lambda a, b: rms_norm(a, b, 1e-5) * 0.35, torch.float32)
+    exact = run(lambda a, b: rms_norm(a, b, 1e-5) * 0.35, torch.float64)
+    assert torch.equal(fast[0].nan_to_num(7.0), formula[0].nan_to_num(7.0)) and fast[0].stride() == x.stride()
+    assert fast[1][1, 2, 4].isnan().all() and fast[1][0, 1, 2].isfinite().all()
+    fine = torch.ones(x.shape[:-1], dtype=torch.bool)
+    fine[1, 2, 4] = False
+    torch.testing.assert_close(fast[1][fine], exact[1][fine].float(), rtol=1e-5, atol=1e-5)
+    if affine:  # the NaN row reaches every entry of the weight's gradient, in both
+        assert fast[2].isnan().all() and exact[2].isnan().all()
+
+
+def test_rms_norm_scaled_second_derivatives_and_weight_gradient_are_exact():
+    """gradcheck and gradgradcheck in float64 (a gradient penalty differentiates the backward), and the weight's
+    gradient where no row is NaN."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
+    f = lambda a, b: _RMSNormScaled.apply(a, b, 1e-5, 0.35)  # noqa: E731 (float64: the Function itself)
+    assert torch.autograd.gradcheck(f, (x, w)) and torch.autograd.gradgradcheck(f, (x, w))
+
+
+def test_rms_norm_scaled_other_dtypes_and_bad_weight():
+    """bfloat16 runs the formula itself (the same output); a weight of the wrong size is refused by name."""
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(rms_norm_scaled(x, None, 1e-5, 0.5), rms_norm(x, None, 1e-5) * 0.5)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm_scaled(torch.randn(3, 8), torch.ones(4), 1e-5, 0.5)

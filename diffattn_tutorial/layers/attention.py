@@ -334,15 +334,17 @@ class MultiheadDiffAttn(_Attention):
         return self.out_proj(rearrange(out, "b h n d -> b n (h d)"))
 
     def _subln_scaled(self, out: Tensor) -> Tensor:
-        """``subln(out) * (1 - lambda_init)``; in place where nothing needs ``out``'s gradient (inference): the same
-        numbers (:func:`functional.rms_norm_scaled_`), without a temporary per operation."""
-        norm = self.subln
+        """``subln(out) * (1 - lambda_init)``. For :class:`RMSNorm` in float32: in place where nothing needs
+        ``out``'s gradient (inference), else with a backward in fewer passes (:func:`functional.rms_norm_scaled`);
+        the same forward numbers either way (:func:`functional.rms_norm_scaled_`)."""
+        norm, scale = self.subln, 1 - self.lambda_init
         weight = getattr(norm, "weight", None)
-        if not _plain_rms_norm(norm) or out.requires_grad or out.dtype != torch.float32 \
-                or (weight is not None and (weight.dtype != torch.float32 or weight.requires_grad and torch.is_grad_enabled())) \
+        if not _plain_rms_norm(norm) or out.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):
+            return norm(out) * scale
+        if out.requires_grad or (weight is not None and weight.requires_grad and torch.is_grad_enabled()) \
                 or not (out.is_contiguous() or out.transpose(1, 2).is_contiguous()):
-            return norm(out) * (1 - self.lambda_init)
-        return functional.rms_norm_scaled_(out, weight, norm.eps, 1 - self.lambda_init)
+            return functional.rms_norm_scaled(out, weight, norm.eps, scale)
+        return functional.rms_norm_scaled_(out, weight, norm.eps, scale)
 
 
 class DiffAttnV2(_Attention):

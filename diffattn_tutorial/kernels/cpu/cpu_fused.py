@@ -285,6 +285,13 @@ def _new_output(q: Tensor, B: int, H: int, nq: int, width: int, dtype: torch.dty
     return q.new_empty(B, H, nq, width, dtype=dtype)
 
 
+def _output_strides(q: Tensor, H: int, nq: int, width: int) -> tuple[int, ...]:
+    """The strides of :func:`_new_output`'s tensor, without making one."""
+    if _heads_inside_rows(q):
+        return (nq * H * width, width, H * width, 1)
+    return (H * nq * width, nq * width, width, 1)
+
+
 def _layouts(*tensors: Tensor) -> ctypes.Array:
     """The element strides of batch, head and row of each 4-d tensor, as the kernel takes them."""
     return (ctypes.c_long * (3 * len(tensors)))(*(s for t in tensors for s in t.stride()[:3]))
@@ -471,8 +478,9 @@ def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Op
     _check_scale(scale)
     out = _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale)
     B, H2, nq, d = q.shape
-    like = _new_output(q, B, H2 // 2, nq, 2 * d, q.dtype)  # what the fake implementation promises
-    return out if out.dtype == like.dtype and out.stride() == like.stride() else like.copy_(out)
+    if out.dtype == q.dtype and out.stride() == _output_strides(q, H2 // 2, nq, 2 * d):
+        return out  # laid out as _new_output lays it out: what the fake implementation promises
+    return _new_output(q, B, H2 // 2, nq, 2 * d, q.dtype).copy_(out)
 
 
 @cpu_fused_forward.register_fake
@@ -496,6 +504,12 @@ def cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: T
     ``torch.empty_like`` lays out q, k and v (a transposed view's gradient is the same view of a dense tensor, as a
     projection's backward wants it), and dlam per row, ``(B, H, Nq)`` float32; fully masked rows get zero
     gradients."""
+    return _backward_checked(grad_out, q, k, v, lam, attn_mask, causal, scale)
+
+
+def _backward_checked(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+                      causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward operator's body: its checks, then the kernel."""
     check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
     _check_scale(scale)
     grads = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale)
@@ -555,6 +569,29 @@ def _ordered_sum_to(t: Tensor, shape: torch.Size) -> Tensor:
 cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+class CpuFusedTraining(torch.autograd.Function):
+    """The forward operator with its gradients in eager mode, without the dispatcher: the operators' bodies, the
+    same kernel calls and numbers, without the operators' dispatch in every step. ``torch.compile`` traces the
+    operators themselves (:func:`fused_diff_attention`), and a graph of the gradients (``create_graph=True``) is
+    built from the backward operator, whose node refuses a second derivative by name."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                scale: float) -> Tensor:
+        out = _forward_checked(q, k, v, lam, attn_mask, causal, scale)
+        _setup_context(ctx, (q, k, v, lam, attn_mask, causal, scale), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple:
+        if torch.is_grad_enabled():  # create_graph
+            return _autograd_backward(ctx, grad_out)
+        q, k, v, lam, attn_mask = ctx.saved_tensors
+        dq, dk, dv, dlam = _backward_checked(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale)
+        dlam = _ordered_sum_to(dlam.unsqueeze(-1), lam.shape).to(lam.dtype) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dlam, None, None, None
+
+
 def _no_second_derivative(ctx, *grads) -> tuple:
     raise RuntimeError("the fused CPU kernel has no second derivative (a gradient of its gradients, as a gradient "
                        "penalty takes): use diff_attention(..., backend='naive') or backend='sdpa_padded' there")
@@ -591,17 +628,19 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
     for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient).
 
-    An eager call with nothing to differentiate runs the operator's body without the dispatcher: the same checks
-    and kernel, without torch importing ``torch._dynamo`` on the operator's first call (about a second, in every
-    new process)."""
+    An eager call runs the operators' bodies without the dispatcher (:class:`CpuFusedTraining` where there is
+    something to differentiate): the same checks and kernel, without torch importing ``torch._dynamo`` on the
+    operator's first call (about a second, in every new process)."""
     if not isinstance(lam, Tensor):  # on every path (the dispatcher's own message would not name the fix)
         raise TypeError(f"lam must be a torch.Tensor, got {type(lam).__name__}: pass torch.tensor(lam)")
     grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, lam))
     if torch.is_grad_enabled():
         _refuse_mask_grad(attn_mask)
-    if not grad and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
+    if not grad:
         return _forward_checked(q, k, v, lam, attn_mask, bool(causal), float(scale))
-    return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
+    return CpuFusedTraining.apply(q, k, v, lam, attn_mask, bool(causal), float(scale))
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
