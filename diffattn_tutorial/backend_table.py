@@ -132,6 +132,10 @@ class Backend:
     """One of :data:`CAUSAL_MODES`."""
     raw_mask: bool = False
     """It takes the caller's ``attn_mask`` and ``causal`` as they are, and zeroes fully masked rows itself."""
+    run_scanning: Optional[Callable[[Call], Optional[Tensor]]] = None
+    """``run`` that also scans q, k and v for NaN and infinities as it reads them: None where it finds one. Where
+    it is given, ``diff_attention``'s eager CPU calls make no summing pass of their own over q, k and v first, and
+    take the careful path (which calls ``run``) only on None."""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name in ALIASES:
@@ -223,10 +227,15 @@ def _cpu_fused_status(device: torch.device) -> tuple[bool, str]:
     return cpu_fused.kernel_status()
 
 
-def _run_cpu_fused(c: Call) -> Tensor:
+def _run_cpu_fused(c: Call, scan: bool = False) -> Optional[Tensor]:
     from diffattn_tutorial.kernels.cpu import cpu_fused
 
-    return cpu_fused.fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale)
+    return cpu_fused.fused_diff_attention(c.q, c.k, c.v, c.lam, attn_mask=c.mask, causal=c.is_causal, scale=c.scale,
+                                          scan=scan)
+
+
+def _run_cpu_fused_scanning(c: Call) -> Optional[Tensor]:
+    return _run_cpu_fused(c, scan=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +266,7 @@ TABLE: tuple[Backend, ...] = (
             "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
             "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_FLOAT32_OR_16BIT,
             compute_dtype=torch.float32, dropout=False, mask_grad=False, family="kernel",
-            requires="a C++ compiler", causal="own"),
+            requires="a C++ compiler", causal="own", run_scanning=_run_cpu_fused_scanning),
 )
 """Every backend, in the order the lists of names show them."""
 

@@ -195,7 +195,11 @@ def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: 
         ``(B, H, Nq, 2d)`` in the dtype of ``q``.
     """
     b, call = _prepare(q, k, v, lam, causal, attn_mask, scale, dropout_p, backend)
-    if not _may_hold_nonfinite(call.q, call.k, call.v):
+    if b.run_scanning is not None and call.q.device.type == "cpu" and not torch.compiler.is_compiling():
+        out = _run(b, call, scanning=True)  # None where q, k or v holds a NaN or an infinity
+        if out is not None:
+            return out
+    elif not _may_hold_nonfinite(call.q, call.k, call.v):
         return _run(b, call)
     seen = _mask_with_causal(call) if b.raw_mask else call.mask
     nan_rows = _rows_reading_nonfinite(call.q, call.k, call.v, seen, call.is_causal)
@@ -251,12 +255,18 @@ def _mask_with_causal(call: Call) -> Optional[Tensor]:
     return _combine_masks(call.attn_mask, call.causal, call.q.shape[2], call.k.shape[2], call.q.device)
 
 
-def _run(b: Backend, call: Call) -> Tensor:
-    """Backend ``b`` on a prepared call; fully masked rows come back as zeros."""
+def _run(b: Backend, call: Call, scanning: bool = False) -> Optional[Tensor]:
+    """Backend ``b`` on a prepared call; fully masked rows come back as zeros. ``scanning``: by its
+    ``run_scanning``, None where an input is not finite."""
+    run = b.run_scanning if scanning else b.run
     if b.raw_mask:  # its own causal masking and zero rows
-        return backends.checked_output(b, call, b.run(call))
+        out = run(call)
+        return None if scanning and out is None else backends.checked_output(b, call, out)
     mask, valid = _fix_fully_masked(call.mask)
-    out = backends.checked_output(b, call, b.run(call._replace(mask=mask)))
+    out = run(call._replace(mask=mask))
+    if scanning and out is None:
+        return None
+    out = backends.checked_output(b, call, out)
     return out if valid is None else out.masked_fill(~valid, 0.0)
 
 

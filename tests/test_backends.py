@@ -58,14 +58,20 @@ def inputs(dtype=torch.float32, seed=0, nq=6, nk=7):
 
 @pytest.fixture
 def ran(monkeypatch):
-    """The names of the backends that ran, in order: every registered ``run`` wrapped by a recorder."""
+    """The names of the backends that ran, in order: every registered ``run`` (and ``run_scanning``) wrapped by a
+    recorder."""
     log = []
-    for name, b in list(backends._REGISTRY.items()):
-        def run(call, _name=name, _run=b.run):
-            log.append(_name)
-            return _run(call)
 
-        monkeypatch.setitem(backends._REGISTRY, name, dataclasses.replace(b, run=run))
+    def recorded(name, run):
+        def recording(call):
+            log.append(name)
+            return run(call)
+
+        return None if run is None else recording
+
+    for name, b in list(backends._REGISTRY.items()):
+        monkeypatch.setitem(backends._REGISTRY, name, dataclasses.replace(
+            b, run=recorded(name, b.run), run_scanning=recorded(name, b.run_scanning)))
     return log
 
 

@@ -441,3 +441,61 @@ def test_the_kernel_keeps_its_work_buffers_between_calls_and_frees_large_ones():
     frees a block above the limit after its call, and ``release_buffers`` frees it at once."""
     done = run_python(KEPT, env={**os.environ, "PYTHONPATH": str(package_root()), "OMP_NUM_THREADS": "2"}, timeout=600)
     assert done.returncode == 0 and "KEPT OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def _projected(B, H, Hkv, N, d, seed=0):
+    """q, k, v as a layer's projections give them: ``(B, N, heads * width)`` viewed as ``(B, heads, N, width)``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, 2 * H * d, generator=g).view(B, N, 2 * H, d).transpose(1, 2)
+    k = torch.randn(B, N, 2 * Hkv * d, generator=g).view(B, N, 2 * Hkv, d).transpose(1, 2)
+    v = torch.randn(B, N, Hkv * 2 * d, generator=g).view(B, N, Hkv, 2 * d).transpose(1, 2)
+    return q, k, v
+
+
+@needs_compiler
+@pytest.mark.parametrize("N", [5, 70])  # few rows (no transposed k: a scan of its own), and blocks with tails
+@pytest.mark.parametrize("where", ["q map 1, first row", "q map 2, last row", "k map 1, last key",
+                                   "k map 2, first key", "v, last key, last column", "nowhere"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_scanning_call_finds_every_nonfinite_input_and_else_gives_the_same_bits(N, where, value, grad):
+    """``scan=True``: the kernel reads q, k and v once more as it goes and returns None where one entry is not
+    finite (diff_attention then takes its careful path), wherever it sits (first or last row, either map, the
+    value's last column, GQA's second group); otherwise the very output of the call without the scan."""
+    q, k, v = _projected(1, 4, 2, N, 32)
+    lam = torch.tensor(0.3)
+    at = {"q map 1, first row": (q, (0, 6, 0, 3)), "q map 2, last row": (q, (0, 1, N - 1, 31)),
+          "k map 1, last key": (k, (0, 2, N - 1, 0)), "k map 2, first key": (k, (0, 3, 0, 17)),
+          "v, last key, last column": (v, (0, 1, N - 1, 63)), "nowhere": (None, None)}[where]
+    if at[0] is not None:
+        at[0][at[1]] = value
+    with torch.enable_grad() if grad else torch.no_grad():
+        ins = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        scanned = cpu_fused.fused_diff_attention(*ins, lam, causal=False, scale=0.2, scan=True)
+        plain = cpu_fused.fused_diff_attention(*ins, lam, causal=False, scale=0.2)
+    if where == "nowhere":
+        assert scanned is not None and torch.equal(scanned, plain)
+        assert (scanned.grad_fn is not None) == grad
+    else:
+        assert scanned is None
+
+
+@needs_compiler
+def test_diff_attention_leaves_the_scan_to_the_kernel_and_keeps_its_contract(monkeypatch):
+    """An eager CPU call on the kernel makes no summing pass of its own over q, k and v (the kernel scans them);
+    a NaN still makes exactly the rows that read it NaN, in the output and in q's gradient."""
+    from diffattn_tutorial import functional
+
+    q, k, v = _projected(1, 2, 1, 40, 32)
+    lam = torch.tensor(0.3)
+    expected = reference(q, k, v, lam)
+    monkeypatch.setattr(functional, "_may_hold_nonfinite", lambda *t: pytest.fail("a pass of its own"))
+    out = diff_attention(q, k, v, lam, backend="cpu_fused")
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+    q = q.clone().requires_grad_()
+    with torch.no_grad():
+        q[0, 1, 7, 0] = float("nan")
+    out = diff_attention(q, k, v, lam, backend="cpu_fused")
+    out.sum().backward()
+    assert out[0, 0, 7].isnan().all() and out[0, 0, :7].isfinite().all() and out[0, 1].isfinite().all()
+    assert q.grad[0, 1, 7, 0].isnan() and q.grad[0, 2:].isfinite().all()

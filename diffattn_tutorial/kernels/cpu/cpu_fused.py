@@ -65,7 +65,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     f = lib.diff_attention_cpu_forward
     ptr, c_int = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
+    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int, ptr]
     f.restype = c_int
     b = lib.diff_attention_cpu_backward
     b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr,
@@ -310,10 +310,10 @@ def _mask_view(mask: Optional[Tensor], shape: tuple) -> tuple[Optional[Tensor], 
 
 
 def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], causal: bool,
-             scale: float) -> Tensor:
+             scale: float, scan: bool = False) -> Optional[Tensor]:
     """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count.
     float32 inputs with contiguous rows and a head width that is a multiple of 32 are read where they are (no copy),
-    whatever their batch, head and row strides."""
+    whatever their batch, head and row strides. With ``scan``: None where q, k or v holds a NaN or an infinity."""
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
     d_pad = _round_up(d, VALUE_MULTIPLE // 2)  # the value width 2 * d_pad is a multiple of the 64-column tile
@@ -324,14 +324,17 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     m, strides = _mask_view(mask, (B, H, nq, nk))
     mask_ptr = None if m is None else m.data_ptr()
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
+    seen = ctypes.c_int(0)
     rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
                                         strides, _layouts(q, k, v, out), LOG2E, scale, out.data_ptr(), sizes,
-                                        int(causal), torch.get_num_threads())
+                                        int(causal), torch.get_num_threads(), ctypes.byref(seen) if scan else None)
     if rc == -2:
         raise MemoryError(f"the fused CPU kernel could not allocate its buffers (k transposed, and {block_rows} x "
                           f"{_round_up(nk, KEY_MULTIPLE)} scores per thread); use backend='sdpa_padded'")
     if rc != 0:
         raise RuntimeError(f"the fused CPU kernel refused sizes {tuple(sizes)} (code {rc}); please report this")
+    if seen.value:
+        return None
     return out if d_pad == d else out[..., : 2 * d]
 
 
@@ -472,11 +475,13 @@ def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: O
 
 
 def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                     scale: float) -> Tensor:
-    """The operator's body: its checks, then the kernel."""
+                     scale: float, scan: bool = False) -> Optional[Tensor]:
+    """The operator's body: its checks, then the kernel (with ``scan``: None where q, k or v is not finite)."""
     check_operator_inputs(q, k, v, lam, attn_mask)
     _check_scale(scale)
-    out = _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale)
+    out = _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale, scan)
+    if out is None:
+        return None
     B, H2, nq, d = q.shape
     if out.dtype == q.dtype and out.stride() == _output_strides(q, H2 // 2, nq, 2 * d):
         return out  # laid out as _new_output lays it out: what the fake implementation promises
@@ -577,19 +582,25 @@ class CpuFusedTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                scale: float) -> Tensor:
-        out = _forward_checked(q, k, v, lam, attn_mask, causal, scale)
+                scale: float, scan: bool) -> Tensor:
+        out = _forward_checked(q, k, v, lam, attn_mask, causal, scale, scan)
+        if out is None:
+            raise _NotFinite  # caught by fused_diff_attention: no node is made
         _setup_context(ctx, (q, k, v, lam, attn_mask, causal, scale), out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple:
         if torch.is_grad_enabled():  # create_graph
-            return _autograd_backward(ctx, grad_out)
+            return (*_autograd_backward(ctx, grad_out), None)
         q, k, v, lam, attn_mask = ctx.saved_tensors
         dq, dk, dv, dlam = _backward_checked(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale)
         dlam = _ordered_sum_to(dlam.unsqueeze(-1), lam.shape).to(lam.dtype) if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dlam, None, None, None
+        return dq, dk, dv, dlam, None, None, None, None
+
+
+class _NotFinite(Exception):
+    """A scanning call's inputs held a NaN or an infinity (inside :class:`CpuFusedTraining`'s forward)."""
 
 
 def _no_second_derivative(ctx, *grads) -> tuple:
@@ -618,7 +629,7 @@ del _key
 
 
 def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_mask: Optional[Tensor] = None,
-                         causal: bool = False, scale: float) -> Tensor:
+                         causal: bool = False, scale: float, scan: bool = False) -> Optional[Tensor]:
     """Differential attention by the fused CPU kernel, on inputs :func:`~diffattn_tutorial.functional.diff_attention`
     has validated: q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``, v ``(B, Hkv, Nk, 2d)``, lam broadcastable to
     ``(B, H, Nq, 1)`` (a tensor), ``attn_mask`` bool or additive broadcastable to ``(B, H, Nq, Nk)`` (entries
@@ -627,6 +638,10 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     transposed view, else contiguous), with gradients to q, k, v and lam (laid out as them). Runs the operator :data:`OP_NAME`, so it compiles (``torch.compile(fullgraph=True)``) as
     one node. Raises KernelUnavailable where the kernel cannot be built (see :func:`kernel_status`), ValueError
     for an ``attn_mask`` that requires grad (the kernel gives a mask no gradient).
+
+    ``scan=True`` (eager calls; ignored while ``torch.compile`` traces): the kernel also scans q, k and v for NaN
+    and infinities as it reads them, and the call returns None where it finds one (``diff_attention`` then takes its
+    careful path), without a pass of its own over them first.
 
     An eager call runs the operators' bodies without the dispatcher (:class:`CpuFusedTraining` where there is
     something to differentiate): the same checks and kernel, without torch importing ``torch._dynamo`` on the
@@ -639,8 +654,11 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     if torch.compiler.is_compiling():
         return cpu_fused_forward(q, k, v, lam, attn_mask, bool(causal), float(scale))
     if not grad:
-        return _forward_checked(q, k, v, lam, attn_mask, bool(causal), float(scale))
-    return CpuFusedTraining.apply(q, k, v, lam, attn_mask, bool(causal), float(scale))
+        return _forward_checked(q, k, v, lam, attn_mask, bool(causal), float(scale), bool(scan))
+    try:
+        return CpuFusedTraining.apply(q, k, v, lam, attn_mask, bool(causal), float(scale), bool(scan))
+    except _NotFinite:
+        return None
 
 
 __all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",

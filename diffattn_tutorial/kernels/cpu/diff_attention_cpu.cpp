@@ -28,6 +28,8 @@
 // so that a projection's (B, N, heads, d) output viewed as (B, heads, N, d) is read where it is (the output is
 // written in the same order as q); lam expanded to (B, H, Nq), the mask (if any) as float32 with element strides.
 // A call's buffers come from one block per calling thread, kept between its calls (see KeptBlock).
+// A scanning call (diff_attention's eager calls) also reports whether q, k or v holds a NaN or an infinity, read as
+// it reads them anyway, so that the caller needs no pass of its own over them before the call.
 // The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles;
 // a call of at most FEW_ROWS query rows (decoding a few tokens, a draft to verify, a chunk of a prompt over a long
 // cache) skips that pass, which costs as much as its scores, and takes each score as one dot product along d,
@@ -280,12 +282,37 @@ void transpose_keys(const Problem& P, long m, int j0) {
   transpose_rows(P.lk.at(P.k, m / maps, m % maps), P.lk.r, P.nk, P.d, P.kt + (size_t)m * P.d * P.nk_pad, P.nk_pad, j0);
 }
 
-// Work item of the second phase: rows [r0, r0 + block_rows) of head h in batch b.
-void block(const Problem& P, int b, int h, int r0, Scratch& w) {
+// Whether `rows` rows of width w (a multiple of 16; row stride ld) at src are all finite: x - x is 0 for a finite
+// x and NaN for an infinity or a NaN, and one NaN makes the sum NaN (no -ffast-math: the compiler keeps x - x).
+bool finite_rows(const float* src, long ld, int rows, int w) {
+  v16 acc = {};
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < w; c += VL) {
+      const v16 x = load(src + r * ld + c);
+      acc += x - x;
+    }
+  for (int i = 0; i < VL; ++i)
+    if (acc[i] != acc[i]) return false;
+  return true;
+}
+
+// Whether keys [j0, j1) of key map m (of B * 2Hkv) are finite in k, and, for the first map of a pair, in v.
+bool finite_keys(const Problem& P, long m, int j0, int j1) {
+  const long maps = 2L * P.kv_heads, b = m / maps, km = m % maps;
+  if (j1 <= j0) return true;
+  if (!finite_rows(P.lk.at(P.k, b, km, j0), P.lk.r, j1 - j0, P.d)) return false;
+  return km % 2 || finite_rows(P.lv.at(P.v, b, km / 2, j0), P.lv.r, j1 - j0, P.dv);
+}
+
+// Work item of the second phase: rows [r0, r0 + block_rows) of head h in batch b. With `seen` (a scanning call),
+// a NaN or an infinity in the rows of q sets it.
+void block(const Problem& P, int b, int h, int r0, Scratch& w, std::atomic<bool>* seen) {
   const int g = h / (P.heads / P.kv_heads), BQ = P.block_rows, rows = std::min(BQ, P.nq - r0);
   // the rows as a dense block (copied where strided, and in the last block zero-padded)
   const float* q1 = block_rows_at(P.lq.at(P.q, b, 2 * h, r0), P.lq.r, rows, BQ, P.d, w.q1);
   const float* q2 = block_rows_at(P.lq.at(P.q, b, 2 * h + 1, r0), P.lq.r, rows, BQ, P.d, w.q2);
+  if (seen && !(finite_rows(q1, P.d, rows, P.d) && finite_rows(q2, P.d, rows, P.d)))
+    seen->store(true, std::memory_order_relaxed);
   float *s1 = w.s1, *s2 = w.s2;
   const bool few = P.kt == nullptr;  // at most FEW_ROWS rows: k row-major, only the rows there are
   const float* k1 = few ? P.lk.at(P.k, b, 2 * g) : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
@@ -628,11 +655,13 @@ extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 // overlap); lam (B, H, nq) contiguous float32; the mask (if any) float32 with element strides mask_strides (0 where
 // broadcast, 1 or 0 along keys).
 // exp_scale: LOG2E; qk_scale: the softmax scale. sizes: B, H, Hkv, nq, nk, d, dv, block_rows.
+// nonfinite: null, or where to write whether q, k or v holds a NaN or an infinity (then the output is not to be
+// used): the kernel scans them as it reads them, k and v while it transposes k, q block by block.
 // Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
                                           const float* mask, const long* mask_strides, const long* layouts,
                                           float exp_scale, float qk_scale, float* out, const int* sizes, int causal,
-                                          int n_threads) {
+                                          int n_threads, int* nonfinite) {
   Problem P{q, k, v, lam, mask,
             {layouts[0], layouts[1], layouts[2]}, {layouts[3], layouts[4], layouts[5]}, {layouts[6], layouts[7], layouts[8]},
             {layouts[9], layouts[10], layouts[11]},
@@ -663,14 +692,21 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
       }
     }
   }
-  if (!few) {
-    run_items(key_maps * key_tiles, n_workers,
-              [&](int, long i) { transpose_keys(P, i / key_tiles, (int)(i % key_tiles) * SCORE_COLS); });
+  std::atomic<bool> seen{false};
+  std::atomic<bool>* scan = nonfinite ? &seen : nullptr;
+  if (!few || scan) {  // few rows: no transposed k, only the scan
+    run_items(key_maps * key_tiles, n_workers, [&](int, long i) {
+      const long m = i / key_tiles;
+      const int j0 = (int)(i % key_tiles) * SCORE_COLS;
+      if (!few) transpose_keys(P, m, j0);
+      if (scan && !finite_keys(P, m, j0, std::min(j0 + SCORE_COLS, P.nk))) seen.store(true, std::memory_order_relaxed);
+    });
   }
   run_items(items, n_workers, [&](int t, long i) {
-    block(P, (int)(i / blocks / P.heads), (int)(i / blocks % P.heads), (int)(i % blocks) * BQ, scratch[t]);
+    block(P, (int)(i / blocks / P.heads), (int)(i / blocks % P.heads), (int)(i % blocks) * BQ, scratch[t], scan);
   });
   release_large_block();
+  if (nonfinite) *nonfinite = seen.load() ? 1 : 0;
   return 0;
 }
 
