@@ -29,7 +29,10 @@ PROPERTY = r'''
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import cpu_fused
 from diffattn_tutorial.measure.cpu_threads import threads
+
+KEPT = cpu_fused.MAPS_KEPT_BYTES
 
 
 def view(t, kind, g):
@@ -53,7 +56,7 @@ def cases(draw):
                 mask=draw(st.sampled_from(["none", "bool", "additive", "padding", "fully_masked_rows"])),
                 lam=draw(st.sampled_from(["scalar", "head", "token"])),
                 layout=draw(st.sampled_from(["dense", "transposed", "sliced", "expanded"])),
-                seed=draw(st.integers(0, 2 ** 16)))
+                maps=draw(st.sampled_from(["kept", "recomputed"])), seed=draw(st.integers(0, 2 ** 16)))
 
 
 def make(c):
@@ -94,6 +97,7 @@ def gradients(q, k, v, lam, mask, grad_out, causal, backend, dtype):
 @given(cases())
 def check(c):
     q, k, v, lam, mask, grad_out = make(c)
+    cpu_fused.MAPS_KEPT_BYTES = KEPT if c["maps"] == "kept" else 0  # the backward reads the forward's maps, or not
     expected = gradients(q, k, v, lam, mask, grad_out, c["causal"], "naive", torch.float64)
     with threads(1):
         got = gradients(q, k, v, lam, mask, grad_out, c["causal"], "cpu_fused", torch.float32)
@@ -132,9 +136,13 @@ big = [torch.randn(2, 4, 500, 64), torch.randn(2, 4, 500, 64), torch.randn(2, 2,
 big = [t.requires_grad_() for t in big[:3]] + big[3:]
 diff_attention(*big, backend="cpu_fused").sum().backward()
 # The last case's partial sums (600 keys x 4 x 256 floats) over 1100 rows take the taller blocks of rows
-# (BACKWARD_ROWS_LONG).
-for B, H, Hkv, Nq, Nk, d, causal in ((1, 1, 1, 400, 430, 64, True), (1, 2, 1, 400, 300, 64, False),
-                                     (2, 2, 1, 150, 170, 64, True), (1, 1, 1, 1100, 600, 256, True)):
+# (BACKWARD_ROWS_LONG). Each case with the forward's maps kept for the backward, and recomputed.
+from diffattn_tutorial.kernels.cpu import cpu_fused
+KEPT = cpu_fused.MAPS_KEPT_BYTES
+for (B, H, Hkv, Nq, Nk, d, causal), kept in ((case, kept) for kept in (KEPT, 0) for case in (
+        (1, 1, 1, 400, 430, 64, True), (1, 2, 1, 400, 300, 64, False), (2, 2, 1, 150, 170, 64, True),
+        (1, 1, 1, 1100, 600, 256, True))):
+    cpu_fused.MAPS_KEPT_BYTES = kept
     ins = [torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g),
            torch.randn(B, Hkv, Nk, 2 * d, generator=g), torch.rand(B, H, Nq, 1, generator=g)]
     grad_out = torch.randn(B, H, Nq, 2 * d, generator=g)
@@ -147,7 +155,7 @@ for B, H, Hkv, Nq, Nk, d, causal in ((1, 1, 1, 400, 430, 64, True), (1, 2, 1, 40
     with threads(3):
         three = grads("cpu_fused", torch.float32)
     for name, a, b, e in zip(("dq", "dk", "dv", "dlam"), one, three, expected):
-        assert torch.equal(a, b), f"{name} depends on the thread count ({B, H, Hkv, Nq, Nk, d, causal})"
+        assert torch.equal(a, b), f"{name} depends on the thread count ({B, H, Hkv, Nq, Nk, d, causal, kept})"
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5 * max(1.0, e.abs().max().item()))
 print("GROUPS OK")
 """
@@ -283,3 +291,29 @@ def test_the_rule_benchmark_writes_what_it_timed(tmp_path, monkeypatch):
         assert all(len(r["times_s"][name]) == 2 for name in ("cpu_fused", "sdpa_padded"))
         med = {name: statistics.median(ts) for name, ts in r["times_s"].items()}
         assert r["sdpa_padded_over_cpu_fused"] == pytest.approx(med["sdpa_padded"] / med["cpu_fused"])
+
+
+def test_short_calls_keep_their_maps_for_the_backward_and_long_ones_recompute_them(monkeypatch):
+    """Eager training keeps the forward's two normalised maps for the backward where they are small
+    (``MAPS_KEPT_BYTES``), frees them after it, and recomputes them above that size or in a second backward; the
+    gradients agree either way."""
+    q, k, v, lam = inputs(1, 2, 1, 40, 50, 32)
+    seen = []
+    real, _ = cpu_fused._backward, cpu_fused._kernel()  # built and self-checked before the spy
+    monkeypatch.setattr(cpu_fused, "_backward", lambda *a: seen.append(a[9] if len(a) > 9 else None) or real(*a))
+
+    def grads(retain=False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+        out = diff_attention(*leaves, causal=True, backend="cpu_fused")
+        first = torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=retain)
+        assert out.grad_fn.maps is None  # freed by the backward
+        return first, (torch.autograd.grad(out, leaves, torch.ones_like(out)) if retain else None)
+
+    kept, again = grads(retain=True)
+    assert seen[0].shape == (1, 2, 2, 40, 64) and seen[1] is None  # (B, H, 2, Nq, Nk padded to 32); then none
+    monkeypatch.setattr(cpu_fused, "MAPS_KEPT_BYTES", 1 << 10)
+    recomputed, _ = grads()
+    assert seen[2] is None
+    for a, b, c in zip(kept, again, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)

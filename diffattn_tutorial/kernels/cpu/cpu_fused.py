@@ -65,11 +65,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     f = lib.diff_attention_cpu_forward
     ptr, c_int = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int, ptr]
+    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int, ptr, ptr]
     f.restype = c_int
     b = lib.diff_attention_cpu_backward
     b.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr,
-                  c_int, c_int]
+                  c_int, c_int, ptr]
     b.restype = c_int
     lib.diff_attention_cpu_use_openmp.argtypes, lib.diff_attention_cpu_use_openmp.restype = [c_int], c_int
     lib.diff_attention_cpu_release.argtypes, lib.diff_attention_cpu_release.restype = [], None
@@ -285,6 +285,23 @@ def _new_output(q: Tensor, B: int, H: int, nq: int, width: int, dtype: torch.dty
     return q.new_empty(B, H, nq, width, dtype=dtype)
 
 
+MAPS_KEPT_BYTES = 16 << 20
+"""Eager training keeps the forward's normalised maps for the backward where they take at most this many bytes
+(``B * H * 2 * Nq * Nk``, keys padded to 32, float32; the issue's layer up to N = 512): the backward then reads them
+instead of computing the scores and the softmax again, a fifth of its work. Longer calls recompute them
+(FlashAttention's trade: no N x N tensor kept). Shapes alone decide, so the gradients do not depend on the machine."""
+
+
+def _new_maps(q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """An empty ``(B, H, 2, Nq, Nk_pad)`` float32 tensor for the kernel's kept maps, or None above
+    :data:`MAPS_KEPT_BYTES`."""
+    B, H2, nq, _ = q.shape
+    nk_pad = _round_up(k.shape[2], KEY_MULTIPLE)
+    if B * H2 * nq * nk_pad * 4 > MAPS_KEPT_BYTES:
+        return None
+    return torch.empty(B, H2 // 2, 2, nq, nk_pad)
+
+
 def _output_strides(q: Tensor, H: int, nq: int, width: int) -> tuple[int, ...]:
     """The strides of :func:`_new_output`'s tensor, without making one."""
     if _heads_inside_rows(q):
@@ -310,10 +327,11 @@ def _mask_view(mask: Optional[Tensor], shape: tuple) -> tuple[Optional[Tensor], 
 
 
 def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor], causal: bool,
-             scale: float, scan: bool = False) -> Optional[Tensor]:
+             scale: float, scan: bool = False, maps: Optional[Tensor] = None) -> Optional[Tensor]:
     """Lay the inputs out as the kernel expects (see the source's header) and run it on torch's thread count.
     float32 inputs with contiguous rows and a head width that is a multiple of 32 are read where they are (no copy),
-    whatever their batch, head and row strides. With ``scan``: None where q, k or v holds a NaN or an infinity."""
+    whatever their batch, head and row strides. With ``scan``: None where q, k or v holds a NaN or an infinity.
+    ``maps`` (:func:`_new_maps`): where the kernel keeps the normalised maps for :func:`_backward`."""
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
     d_pad = _round_up(d, VALUE_MULTIPLE // 2)  # the value width 2 * d_pad is a multiple of the 64-column tile
@@ -327,7 +345,8 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
     seen = ctypes.c_int(0)
     rc = lib.diff_attention_cpu_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(), mask_ptr,
                                         strides, _layouts(q, k, v, out), LOG2E, scale, out.data_ptr(), sizes,
-                                        int(causal), torch.get_num_threads(), ctypes.byref(seen) if scan else None)
+                                        int(causal), torch.get_num_threads(), ctypes.byref(seen) if scan else None,
+                                        None if maps is None else maps.data_ptr())
     if rc == -2:
         raise MemoryError(f"the fused CPU kernel could not allocate its buffers (k transposed, and {block_rows} x "
                           f"{_round_up(nk, KEY_MULTIPLE)} scores per thread); use backend='sdpa_padded'")
@@ -339,10 +358,11 @@ def _forward(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mas
 
 
 def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor,
-              mask: Optional[Tensor], causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              mask: Optional[Tensor], causal: bool, scale: float,
+              maps: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`_forward`'s output: float32 ``dq, dk, dv`` shaped as q, k, v (and laid out as them
     where they are dense) and ``dlam`` per row, ``(B, H, Nq)`` (the caller sums it to lam's shape). Inputs read as
-    the forward reads them."""
+    the forward reads them; ``maps``: the forward's kept maps (else the kernel recomputes them)."""
     B, H2, nq, d = q.shape
     H, Hkv, nk = H2 // 2, v.shape[1], k.shape[2]
     d_pad = _round_up(d, VALUE_MULTIPLE // 2)
@@ -358,7 +378,7 @@ def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                          None if m is None else m.data_ptr(), strides, grad_out.data_ptr(),
                                          _layouts(q, k, v, grad_out, dq, dk, dv), LOG2E, scale, dq.data_ptr(),
                                          dk.data_ptr(), dv.data_ptr(), dlam.data_ptr(), sizes, int(causal),
-                                         torch.get_num_threads())
+                                         torch.get_num_threads(), None if maps is None else maps.data_ptr())
     if rc == -2:
         raise MemoryError("the fused CPU kernel's backward could not allocate its buffers (k and v transposed, "
                           "partial sums of dk and dv, and a block of scores per thread); use backend='sdpa_padded'")
@@ -475,11 +495,12 @@ def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: O
 
 
 def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                     scale: float, scan: bool = False) -> Optional[Tensor]:
-    """The operator's body: its checks, then the kernel (with ``scan``: None where q, k or v is not finite)."""
+                     scale: float, scan: bool = False, maps: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The operator's body: its checks, then the kernel (with ``scan``: None where q, k or v is not finite;
+    ``maps``: kept there for the backward)."""
     check_operator_inputs(q, k, v, lam, attn_mask)
     _check_scale(scale)
-    out = _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale, scan)
+    out = _forward(_kernel(), q, k, v, lam, attn_mask, causal, scale, scan, maps)
     if out is None:
         return None
     B, H2, nq, d = q.shape
@@ -513,11 +534,11 @@ def cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: T
 
 
 def _backward_checked(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
-                      causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward operator's body: its checks, then the kernel."""
+                      causal: bool, scale: float, maps: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward operator's body: its checks, then the kernel (from the forward's kept ``maps`` if given)."""
     check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
     _check_scale(scale)
-    grads = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale)
+    grads = _backward(_kernel(), grad_out, q, k, v, lam, attn_mask, causal, scale, maps)
     return (*(_like(g, t) for g, t in zip(grads, (q, k, v))), grads[3])
 
 
@@ -576,17 +597,20 @@ cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_con
 
 class CpuFusedTraining(torch.autograd.Function):
     """The forward operator with its gradients in eager mode, without the dispatcher: the operators' bodies, the
-    same kernel calls and numbers, without the operators' dispatch in every step. ``torch.compile`` traces the
+    same kernel calls, without the operators' dispatch in every step, and with the maps kept for the backward where
+    they are small (:data:`MAPS_KEPT_BYTES`). ``torch.compile`` traces the
     operators themselves (:func:`fused_diff_attention`), and a graph of the gradients (``create_graph=True``) is
     built from the backward operator, whose node refuses a second derivative by name."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
                 scale: float, scan: bool) -> Tensor:
-        out = _forward_checked(q, k, v, lam, attn_mask, causal, scale, scan)
+        maps = _new_maps(q, k)  # short calls: the backward reads the maps instead of computing them again
+        out = _forward_checked(q, k, v, lam, attn_mask, causal, scale, scan, maps)
         if out is None:
             raise _NotFinite  # caught by fused_diff_attention: no node is made
         _setup_context(ctx, (q, k, v, lam, attn_mask, causal, scale), out)
+        ctx.maps = maps
         return out
 
     @staticmethod
@@ -594,7 +618,8 @@ class CpuFusedTraining(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph
             return (*_autograd_backward(ctx, grad_out), None)
         q, k, v, lam, attn_mask = ctx.saved_tensors
-        dq, dk, dv, dlam = _backward_checked(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale)
+        dq, dk, dv, dlam = _backward_checked(grad_out, q, k, v, lam, attn_mask, ctx.causal, ctx.scale, ctx.maps)
+        ctx.maps = None  # freed now; a second backward (retain_graph=True) computes them again
         dlam = _ordered_sum_to(dlam.unsqueeze(-1), lam.shape).to(lam.dtype) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dlam, None, None, None, None
 

@@ -253,6 +253,7 @@ struct Problem {
   Layout lq, lk, lv, lo;  // of q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and out (B, H, nq, dv)
   float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: few rows)
   float* out;
+  float* maps;  // null, or where to keep the two normalised maps for the backward, (B, H, 2, nq, nk_pad)
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
   float qk_scale;                       // the softmax scale: scores in natural units, as naive's
   long mask_b, mask_h, mask_q, mask_k;  // element strides of the (B, H, Nq, Nk) mask view (0 where broadcast)
@@ -345,8 +346,18 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w, std::atomic<bool>
     float* p2 = s2 + (size_t)r * P.nk_pad;
     const float l1 = softmax_numerators(p1, nvis, kpad, mrow, P.mask_k, P.exp_scale);
     const float l2 = softmax_numerators(p2, nvis, kpad, mrow, P.mask_k, P.exp_scale);
-    if (l1 == 0.0f || l2 == 0.0f) { std::memset(p1, 0, sizeof(float) * kpad); continue; }
+    float* m1 = P.maps && row < P.nq ? P.maps + (((size_t)b * P.heads + h) * 2 * P.nq + row) * P.nk_pad : nullptr;
+    float* m2 = m1 ? m1 + (size_t)P.nq * P.nk_pad : nullptr;
+    if (l1 == 0.0f || l2 == 0.0f) {
+      std::memset(p1, 0, sizeof(float) * kpad);
+      if (m1) std::memset(m1, 0, sizeof(float) * kpad), std::memset(m2, 0, sizeof(float) * kpad);
+      continue;
+    }
     const v16 a1 = splat(1.0f / l1), a2 = splat((row < P.nq ? lam[r] : 0.0f) / l2);
+    if (m1) {  // kept: P1 / l1 and P2 / l2, the row's keys up to kpad (0 beyond the keys it sees)
+      const v16 i2 = splat(1.0f / l2);
+      for (int j = 0; j < kpad; j += VL) store(m1 + j, load(p1 + j) * a1), store(m2 + j, load(p2 + j) * i2);
+    }  // a loop of its own: the one below compiles as without kept maps (the same fused multiply-adds, the same bits)
     for (int j = 0; j < kpad; j += VL) store(p1 + j, load(p1 + j) * a1 - load(p2 + j) * a2);
   }
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK)
@@ -486,6 +497,7 @@ struct Grad {
   Layout lq, lk, lv, ldo, lgq, lgk, lgv;       // of q, k, v, dout and of their gradients
   float *kt, *vt;                              // transposed: (.., d or dv, nk_pad)
   float* part;                                 // partial sums, per item: dk1, dk2 (nk_pad, d) and dv (nk_pad, dv)
+  const float* maps;                           // null (recompute the maps), or the forward's kept maps
   float *gq, *gk, *gv, *glam;                  // the gradients: shaped as q, k, v and (B, H, nq)
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows, groups;
   float qk_scale;
@@ -525,8 +537,10 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
     for (int r = 0; r < BQ; r += SCORE_ROWS) {
-      score_tile(q1 + (size_t)r * G.d, G.d, k1t, ld, j0, s1 + (size_t)r * ld, ld, G.qk_scale);
-      score_tile(q2 + (size_t)r * G.d, G.d, k2t, ld, j0, s2 + (size_t)r * ld, ld, G.qk_scale);
+      if (!G.maps) {
+        score_tile(q1 + (size_t)r * G.d, G.d, k1t, ld, j0, s1 + (size_t)r * ld, ld, G.qk_scale);
+        score_tile(q2 + (size_t)r * G.d, G.d, k2t, ld, j0, s2 + (size_t)r * ld, ld, G.qk_scale);
+      }
       score_tile(dout + (size_t)r * G.dv, G.dv, vt, ld, j0, dp + (size_t)r * ld, ld, 1.0f);
     }
   for (int r = 0; r < BQ; ++r) {  // row r: p1, p2 := dS1 s, dS2 s and dpr := D, in place
@@ -534,8 +548,21 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
     float *p1 = s1 + (size_t)r * ld, *p2 = s2 + (size_t)r * ld, *dpr = dp + (size_t)r * ld;
     const int nvis = G.causal ? std::clamp(row + 1 + shift, 0, kmax) : kmax;
     const float* mrow = G.mask && row < G.nq ? G.mask + b * G.mask_b + h * G.mask_h + row * G.mask_q : nullptr;
-    const float l1 = row < G.nq ? softmax_numerators(p1, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
-    const float l2 = row < G.nq ? softmax_numerators(p2, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
+    float l1, l2;
+    if (G.maps) {  // the forward's P1 / l1 and P2 / l2 (a fully masked row: zeros, so zero gradients)
+      l1 = l2 = row < G.nq ? 1.0f : 0.0f;
+      if (row < G.nq) {
+        const float* m1 = G.maps + (((size_t)b * G.heads + h) * 2 * G.nq + row) * G.nk_pad;
+        const float* m2 = m1 + (size_t)G.nq * G.nk_pad;
+        std::copy(m1, m1 + nvis, p1);
+        std::copy(m2, m2 + nvis, p2);
+        std::fill(p1 + nvis, p1 + kpad, 0.0f);
+        std::fill(p2 + nvis, p2 + kpad, 0.0f);
+      }
+    } else {
+      l1 = row < G.nq ? softmax_numerators(p1, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
+      l2 = row < G.nq ? softmax_numerators(p2, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
+    }
     if (l1 == 0.0f || l2 == 0.0f) {  // a fully masked row (or padding): no softmax, zero gradients
       std::memset(p1, 0, sizeof(float) * kpad);
       std::memset(p2, 0, sizeof(float) * kpad);
@@ -563,7 +590,7 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
       store(p1 + j, y1 * a1 * (x - e1));
       store(p2 + j, y2 * a2 * (x - e2));
     }
-    dlam[r] = -delta2;
+    dlam[r] = 0.0f - delta2;  // +0 for a fully masked row's kept zeros
   }
   float* gq1 = G.lgq.at(G.gq, b, 2 * h, r0);
   float* gq2 = G.lgq.at(G.gq, b, 2 * h + 1, r0);
@@ -657,15 +684,17 @@ extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 // exp_scale: LOG2E; qk_scale: the softmax scale. sizes: B, H, Hkv, nq, nk, d, dv, block_rows.
 // nonfinite: null, or where to write whether q, k or v holds a NaN or an infinity (then the output is not to be
 // used): the kernel scans them as it reads them, k and v while it transposes k, q block by block.
+// maps: null, or (B, H, 2, nq, nk_pad) float32 where to keep each row's two normalised maps, P1 / l1 and P2 / l2,
+// for diff_attention_cpu_backward (written up to the keys the row's block reads; zero rows where fully masked).
 // Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
                                           const float* mask, const long* mask_strides, const long* layouts,
                                           float exp_scale, float qk_scale, float* out, const int* sizes, int causal,
-                                          int n_threads, int* nonfinite) {
+                                          int n_threads, int* nonfinite, float* maps) {
   Problem P{q, k, v, lam, mask,
             {layouts[0], layouts[1], layouts[2]}, {layouts[3], layouts[4], layouts[5]}, {layouts[6], layouts[7], layouts[8]},
             {layouts[9], layouts[10], layouts[11]},
-            nullptr, out,
+            nullptr, out, maps,
             sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], qk_scale,
             mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
   P.nk_pad = (P.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -714,18 +743,19 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
 // The gradients of diff_attention_cpu_forward's output: dout (B, H, nq, dv) float32 with contiguous rows, the other
 // inputs as the forward's; dq, dk, dv shaped as q, k, v (float32, contiguous rows, written in full, not
 // overlapping) and dlam (B, H, nq) contiguous float32. layouts: the element strides of batch, head and row of q, k,
-// v, dout, dq, dk and dv. sizes: B, H, Hkv, nq, nk, d, dv, block_rows. Returns 0; -1 for sizes it cannot take;
-// -2 when out of memory.
+// v, dout, dq, dk and dv. sizes: B, H, Hkv, nq, nk, d, dv, block_rows. maps: null (the maps are recomputed from q
+// and k), or the forward's kept maps (then q and k are read for dk and dq only, and the mask not at all).
+// Returns 0; -1 for sizes it cannot take; -2 when out of memory.
 extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const float* v, const float* lam,
                                            const float* mask, const long* mask_strides, const float* dout,
                                            const long* layouts, float exp_scale, float qk_scale, float* dq,
                                            float* dk, float* dv, float* dlam, const int* sizes, int causal,
-                                           int n_threads) {
+                                           int n_threads, const float* maps) {
   const long* L = layouts;
   Grad G{q, k, v, lam, mask, dout,
          {L[0], L[1], L[2]}, {L[3], L[4], L[5]}, {L[6], L[7], L[8]}, {L[9], L[10], L[11]},
          {L[12], L[13], L[14]}, {L[15], L[16], L[17]}, {L[18], L[19], L[20]},
-         nullptr, nullptr, nullptr, dq, dk, dv, dlam,
+         nullptr, nullptr, nullptr, maps, dq, dk, dv, dlam,
          sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], 1, qk_scale,
          mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
   G.nk_pad = (G.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
@@ -757,6 +787,7 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
     }
   }
   run_items(transposes, n_workers, [&](int, long i) {
+    if (i < kmaps * ktiles && G.maps) return;  // kept maps: no scores, no k transposed
     if (i < kmaps * ktiles)
       return transpose_rows(G.lk.at(G.k, i / ktiles / (2 * G.kv_heads), i / ktiles % (2 * G.kv_heads)), G.lk.r, G.nk,
                             G.d, G.kt + (size_t)(i / ktiles) * G.d * G.nk_pad, G.nk_pad, (int)(i % ktiles) * SCORE_COLS);
