@@ -317,3 +317,35 @@ def test_short_calls_keep_their_maps_for_the_backward_and_long_ones_recompute_th
     for a, b, c in zip(kept, again, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+DEFAULT_DTYPE = r"""
+import torch
+from diffattn_tutorial.functional import diff_attention
+g = torch.Generator().manual_seed(0)
+ins = [torch.randn(1, 4, 40, 32, generator=g), torch.randn(1, 4, 50, 32, generator=g),
+       torch.randn(1, 2, 50, 64, generator=g), torch.rand(1, 2, 40, 1, generator=g)]
+mask = torch.rand(1, 1, 40, 50, generator=g) < 0.8
+
+
+def grads():
+    leaves = [t.clone().requires_grad_() for t in ins]
+    out = diff_attention(*leaves, attn_mask=mask, backend="cpu_fused")
+    return [out.detach()] + list(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+
+expected = grads()
+for default in (torch.float16, torch.bfloat16, torch.float64):
+    torch.set_default_dtype(default)
+    for a, b in zip(grads(), expected):
+        assert a.dtype == torch.float32 and torch.equal(a, b), default
+    torch.set_default_dtype(torch.float32)
+print("DEFAULT DTYPE OK")
+"""
+
+
+def test_the_kernels_float32_buffers_do_not_follow_torchs_default_dtype():
+    """The kept maps, dlam and a bool mask's additive copy are float32 whatever ``torch.set_default_dtype`` says:
+    the kernel writes and reads float32 there (a float16 default made the kept maps half as long as it writes)."""
+    proc = run_python(DEFAULT_DTYPE, timeout=300)
+    assert proc.returncode == 0 and "DEFAULT DTYPE OK" in proc.stdout, f"exit {proc.returncode}: {proc.stderr[-3000:]}"

@@ -256,7 +256,7 @@ def _float_mask(mask: Tensor) -> Tensor:
     additive entry ``<= finfo(dtype).min`` becomes ``-inf``: masked, as ``diff_attention`` and the Triton kernel
     count it (a row of them sees no key and gives zero, not a uniform average)."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+        return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
     low = mask <= torch.finfo(mask.dtype).min
     return mask.float().masked_fill(low, float("-inf")) if low.any() else mask.float()
 
@@ -299,7 +299,7 @@ def _new_maps(q: Tensor, k: Tensor) -> Optional[Tensor]:
     nk_pad = _round_up(k.shape[2], KEY_MULTIPLE)
     if B * H2 * nq * nk_pad * 4 > MAPS_KEPT_BYTES:
         return None
-    return torch.empty(B, H2 // 2, 2, nq, nk_pad)
+    return q.new_empty(B, H2 // 2, 2, nq, nk_pad, dtype=torch.float32)  # not torch's default dtype or device
 
 
 def _output_strides(q: Tensor, H: int, nq: int, width: int) -> tuple[int, ...]:
@@ -372,7 +372,7 @@ def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     block_rows = _backward_block_rows(nq, _round_up(nk, KEY_MULTIPLE), d_pad)
     m, strides = _mask_view(mask, (B, H, nq, nk))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # laid out as q, k, v where dense
-    dlam = torch.empty(B, H, nq)
+    dlam = torch.empty(B, H, nq, dtype=torch.float32)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(),
                                          None if m is None else m.data_ptr(), strides, grad_out.data_ptr(),
