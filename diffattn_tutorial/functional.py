@@ -144,16 +144,17 @@ class _RMSNormScaled(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x, weight, r = ctx.saved_tensors
         ws = weight * ctx.scale if weight is not None else ctx.scale
-        dims = tuple(range(g.ndim - 1))  # every dim but the last: the rows
+        dims = tuple(range(g.ndim - 1))  # every dim but the last: the rows (none for a 1-D x: sum(()) sums all)
+        rows_sum = (lambda t: t.sum(dims)) if dims else (lambda t: t)
         if torch.is_grad_enabled():  # create_graph: differentiable, out of place
             r = torch.rsqrt(x.square().mean(-1, keepdim=True) + ctx.eps)
             xh, a = x * r, g * ws
             dx = (a - xh * (a * xh).mean(-1, keepdim=True)) * r
-            return dx, (g * xh).sum(dims) * ctx.scale if ctx.needs_input_grad[1] else None, None, None
+            return dx, rows_sum(g * xh) * ctx.scale if ctx.needs_input_grad[1] else None, None, None
         xh, a = x * r, g * ws
         m = (a * xh).mean(-1, keepdim=True)  # (..., 1)
         dx = a.addcmul_(xh, m, value=-1).mul_(r)
-        dw = xh.mul_(g).sum(dims).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
+        dw = rows_sum(xh.mul_(g)).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
 
 

@@ -359,6 +359,20 @@ def test_rms_norm_scaled_second_derivatives_and_weight_gradient_are_exact():
     assert torch.autograd.gradcheck(f, (x, w)) and torch.autograd.gradgradcheck(f, (x, w))
 
 
+def test_rms_norm_scaled_takes_a_single_row():
+    """A 1-D x (one row, as ``rms_norm`` takes it): the weight's gradient is that row's, not summed to a scalar."""
+    torch.manual_seed(2)
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
+    f = lambda a, b: _RMSNormScaled.apply(a, b, 1e-5, 0.35)  # noqa: E731 (float64: the Function itself)
+    assert torch.autograd.gradcheck(f, (x, w)) and torch.autograd.gradgradcheck(f, (x, w))
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    rms_norm_scaled(xf, wf, 1e-5, 0.35).backward(torch.ones(6))
+    (rms_norm(x, w, 1e-5) * 0.35).backward(torch.ones(6, dtype=torch.float64))
+    torch.testing.assert_close(xf.grad.double(), x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wf.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_rms_norm_scaled_other_dtypes_and_bad_weight():
     """bfloat16 runs the formula itself (the same output); a weight of the wrong size is refused by name."""
     x = torch.randn(3, 8, dtype=torch.bfloat16)
