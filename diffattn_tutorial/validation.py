@@ -84,7 +84,8 @@ def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tens
     if causal:  # row i sees keys j <= i + Nk - Nq: it reads a NaN key iff the first one is among them
         first = torch.where(key_nan.any(-1), key_nan.int().argmax(-1), nk)  # (B, H)
         i = torch.arange(nq, device=q.device)
-        return (rows | (first.unsqueeze(-1) <= i + (nk - nq))).unsqueeze(-1)
+        sees = i + (nk - nq) >= 0  # Nq > Nk: the first rows see no key, are fully masked and read nothing
+        return ((rows & sees) | (first.unsqueeze(-1) <= i + (nk - nq))).unsqueeze(-1)
     return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
 
 

@@ -136,6 +136,22 @@ def test_nan_query_row_under_gqa_and_grad(backend):
     assert q.grad[0].isfinite().all()
 
 
+@pytest.mark.parametrize("backend", FAST)
+def test_a_nan_query_in_a_row_that_causal_masks_fully_gives_zeros(backend):
+    """Causal with Nq > Nk: the first Nq - Nk rows see no key, so they are zero even where their query is NaN (a
+    fully masked row reads nothing), in every backend alike; cpu_fused, which applies causal itself, made them
+    NaN."""
+    runs_here(backend)
+    q, k, v = inputs(Nq=8, Nk=5)
+    q[0, 1, 1, 0] = float("nan")  # row 1: fully masked (row i sees keys j <= i - 3)
+    q[0, 2, 6, 0] = float("nan")  # row 6 of head 1: sees keys 0..3, so NaN
+    out = diff_attention(q, k, v, 0.3, causal=True, backend=backend)
+    expected = torch.zeros(2, 8, dtype=torch.bool)
+    expected[1, 6] = True
+    assert torch.equal(out[0].isnan().any(-1), expected)
+    assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hugging Face's finfo(dtype).min masks in float16 and bfloat16
 # ---------------------------------------------------------------------------------------------------------
