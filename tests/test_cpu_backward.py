@@ -349,3 +349,24 @@ def test_the_kernels_float32_buffers_do_not_follow_torchs_default_dtype():
     the kernel writes and reads float32 there (a float16 default made the kept maps half as long as it writes)."""
     proc = run_python(DEFAULT_DTYPE, timeout=300)
     assert proc.returncode == 0 and "DEFAULT DTYPE OK" in proc.stdout, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+
+
+def test_kept_maps_give_fully_masked_rows_zero_gradients_as_recomputed_ones(monkeypatch):
+    """Causal with Nq > Nk: the first rows see no key and are kept as zero maps. A NaN in their output's gradient
+    (dout . v in dP) reaches dv (0 * NaN) but not dq, dk or dlam, with the maps kept as where they are recomputed."""
+    q, k, v, lam = inputs(1, 1, 1, 40, 7, 32)
+
+    def grads(kept):
+        monkeypatch.setattr(cpu_fused, "MAPS_KEPT_BYTES", kept)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+        out = diff_attention(*leaves, causal=True, backend="cpu_fused")
+        grad_out = torch.ones_like(out)
+        grad_out[0, 0, 5] = float("nan")  # row 5 sees no key (row i sees keys j <= i - 33)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    kept, recomputed = grads(cpu_fused.MAPS_KEPT_BYTES), grads(0)
+    for name, a, b in zip(("dq", "dk", "dlam"), kept[:2] + kept[3:], recomputed[:2] + recomputed[3:]):
+        assert a.isfinite().all() and b.isfinite().all(), name
+    assert kept[0][0, :, :33].eq(0).all()
+    for a, b in zip(kept, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -558,6 +558,9 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
         std::copy(m2, m2 + nvis, p2);
         std::fill(p1 + nvis, p1 + kpad, 0.0f);
         std::fill(p2 + nvis, p2 + kpad, 0.0f);
+        // kept as zeros (a live row's largest entry is 1 / l > 0): fully masked, handled as where recomputed, so that
+        // a NaN or an infinity in dP (dout . v) does not reach dq, dk and dlam through 0 * NaN
+        if (std::all_of(p1, p1 + nvis, [](float x) { return x == 0.0f; })) l1 = l2 = 0.0f;
       }
     } else {
       l1 = row < G.nq ? softmax_numerators(p1, nvis, kpad, mrow, G.mask_k, G.exp_scale) : 0.0f;
