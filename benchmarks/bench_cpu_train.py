@@ -25,8 +25,9 @@ for an attention that does naive's arithmetic at a matmul's speed.
 
 The kernel alone: its achieved GFLOP/s forward and backward at each N (FLOPs counted as
 ``measure.flops.formulation_flops("naive", ...)``: naive's arithmetic, the backward at the FlashAttention
-convention of 2.5 times the forward), next to this CPU's float32 matmul peak measured in the same run (a 2048^3
-``torch.mm``). Memory: the peak extra memory of one training step of the attention call at N=2048, ``cpu_fused``
+convention of 2.5 times the forward), and where eager training keeps the forward's maps for the backward
+(``cpu_fused.MAPS_KEPT_BYTES``) both again with the maps kept, next to this CPU's float32 matmul peak measured in
+the same run (a 2048^3 ``torch.mm``). Memory: the peak extra memory of one training step of the attention call at N=2048, ``cpu_fused``
 against ``sdpa_padded`` (:func:`diffattn_tutorial.measure.timing.peak_extra_memory`). Writes
 ``benchmarks/results_cpu_train_<cpu>.json``.
 
@@ -143,24 +144,33 @@ def layer_times(n: int, rounds: int, own_threads: bool = False) -> dict:
 
 
 def kernel_rates(n: int, rounds: int) -> dict:
-    """The kernel alone (``cpu_fused_forward`` and ``cpu_fused_backward``), non-causal, and a 2048^3 float32
-    ``torch.mm`` (this CPU's matmul peak) in the same rounds: median seconds and GFLOP/s."""
+    """The kernel alone (``cpu_fused_forward`` and ``cpu_fused_backward``: the maps computed again in the backward),
+    non-causal; where eager training keeps the forward's maps for the backward (``cpu_fused.MAPS_KEPT_BYTES``) the
+    same two calls with the maps kept (``forward, maps kept``, ``backward, maps kept``); and a 2048^3 float32
+    ``torch.mm`` (this CPU's matmul peak) in the same rounds: median seconds and GFLOP/s (naive's arithmetic)."""
     q, k, v, lam = timing.make_inputs(1, HEADS, n, WIDTH // HEADS // 2)
     scale, grad_out = q.shape[-1] ** -0.5, torch.randn(1, HEADS, n, v.shape[-1])
-    fwd = lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, scale)  # noqa: E731
-    bwd = lambda: torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam, None, False, scale)  # noqa: E731
+    calls = {"forward": lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, scale),
+             "backward": lambda: torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam, None, False, scale)}
+    maps = cpu_fused._new_maps(q, k)  # None where training recomputes them
+    if maps is not None:
+        calls["forward, maps kept"] = lambda: cpu_fused._forward_checked(q, k, v, lam, None, False, scale, maps=maps)
+        calls["backward, maps kept"] = lambda: cpu_fused._backward_checked(grad_out, q, k, v, lam, None, False,
+                                                                            scale, maps)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    mm = lambda: a @ b  # noqa: E731
-    fwd(), bwd(), mm()
-    ts = {"forward": [], "backward": [], "matmul": []}
+    calls["matmul"] = lambda: a @ b
+    for fn in calls.values():
+        fn()
+    ts = {name: [] for name in calls}
     for _ in range(rounds):
-        for name, fn in (("forward", fwd), ("backward", bwd), ("matmul", mm)):
+        for name, fn in calls.items():
             t0 = time.perf_counter()
             fn()
             ts[name].append(time.perf_counter() - t0)
     d = q.shape[-1]
-    count = {"forward": flops.formulation_flops("naive", 1, HEADS, n, d, pass_="fwd"),
-             "backward": flops.formulation_flops("naive", 1, HEADS, n, d, pass_="bwd"), "matmul": 2 * 2048 ** 3}
+    fwd, bwd = (flops.formulation_flops("naive", 1, HEADS, n, d, pass_=p) for p in ("fwd", "bwd"))
+    count = {"forward": fwd, "backward": bwd, "forward, maps kept": fwd, "backward, maps kept": bwd,
+             "matmul": 2 * 2048 ** 3}
     return {name: {"median_s": statistics.median(t), "gflop_per_s": count[name] / statistics.median(t) / 1e9}
             for name, t in ts.items()}
 
@@ -304,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     print(bound_table(results))
     for n, r in results.items():
         k = r["kernel"]
+        kept = "" if "forward, maps kept" not in k else (
+            f"; with the maps kept: forward {k['forward, maps kept']['gflop_per_s']:.0f}, backward "
+            f"{k['backward, maps kept']['gflop_per_s']:.0f}")
         print(f"N={n}: kernel forward {k['forward']['gflop_per_s']:.0f} GFLOP/s, backward "
-              f"{k['backward']['gflop_per_s']:.0f} GFLOP/s; float32 matmul in the same rounds "
+              f"{k['backward']['gflop_per_s']:.0f} GFLOP/s{kept}; float32 matmul in the same rounds "
               f"{k['matmul']['gflop_per_s']:.0f} GFLOP/s")
     if mem is not None:
         print("training step peak extra MiB at N=2048: " + ", ".join(
