@@ -12,6 +12,7 @@ from diffattn_tutorial.backends import get_backend
 from diffattn_tutorial.functional import (
     BACKENDS,
     FORWARD_ONLY,
+    _RMSNormScaled,
     causal_mask,
     diff_attention,
     diff_attention_maps,
@@ -25,7 +26,6 @@ from diffattn_tutorial.functional import (
     rms_norm_scaled,
     softmax_attention,
 )
-from diffattn_tutorial.functional import _RMSNormScaled
 
 CPU_BACKENDS = [b for b in BACKENDS if b != "triton"] + ["auto"]
 FLOAT32_ONLY = [b for b in BACKENDS if b not in ("sdpa", "auto") and torch.float64 not in get_backend(b).dtypes]
