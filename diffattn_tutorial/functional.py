@@ -206,15 +206,17 @@ def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: 
     nan_rows = _rows_reading_nonfinite(call.q, call.k, call.v, seen, call.is_causal)
     if call.is_causal or seen is not None:  # hidden keys must stay harmless, whatever they hold
         call = call._replace(k=_zero_nonfinite(call.k), v=_zero_nonfinite(call.v))
-    out = _run(b, call).masked_fill(nan_rows, float("nan"))  # a fused kernel turns a NaN query row into numbers
-    return out + _nan_gradient_for_nonfinite(call.q) if call.q.requires_grad else out
+    q = call.q  # its non-finite entries zeroed below: a fully masked row reads nothing, its gradient stays zero too
+    out = _run(b, call._replace(q=_zero_nonfinite(q))).masked_fill(nan_rows, float("nan"))
+    return out + _nan_gradient_for_nonfinite(q, nan_rows) if q.requires_grad else out
 
 
-def _nan_gradient_for_nonfinite(q: Tensor) -> Tensor:
-    """``(B, H, Nq, 1)``: NaN in the rows of a non-finite query entry (rows the output already holds as NaN), 0
-    elsewhere, with a NaN gradient to exactly those entries of ``q``: the masked fill alone would give them a finite
-    gradient, and a training step would go on with a NaN it cannot see."""
-    bad = ~torch.isfinite(q)
+def _nan_gradient_for_nonfinite(q: Tensor, nan_rows: Tensor) -> Tensor:
+    """``(B, H, Nq, 1)``: NaN in the rows of a non-finite query entry that read it (``nan_rows``: the output already
+    holds them as NaN; a fully masked row reads nothing and stays zero), 0 elsewhere, with a NaN gradient to exactly
+    those entries of ``q``: the masked fill alone would give them a finite gradient, and a training step would go on
+    with a NaN it cannot see."""
+    bad = ~torch.isfinite(q) & nan_rows.repeat_interleave(2, dim=1)  # (B, 2H, Nq, d): both maps of a row that reads
     poison = torch.where(bad, q, 0.0) * torch.where(bad, float("nan"), 0.0)  # (B, 2H, Nq, d)
     B, H2, Nq, _ = q.shape
     return poison.sum(-1).view(B, H2 // 2, 2, Nq).sum(2).unsqueeze(-1)  # pairs 2i, 2i+1 -> head i

@@ -152,6 +152,30 @@ def test_a_nan_query_in_a_row_that_causal_masks_fully_gives_zeros(backend):
     assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
 
 
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_a_nan_query_in_a_fully_masked_row_gives_zeros_and_zero_gradients_with_grad_too(backend, mask_kind):
+    """With q requiring grad, a NaN query in a row the mask hides every key from: the row is still zero and its
+    query gets a zero gradient (it reads nothing); a NaN query in a row that sees keys still gets NaN, and a NaN
+    gradient to exactly that entry."""
+    runs_here(backend)
+    q, k, v = inputs(Nq=6, Nk=5)
+    allowed = torch.ones(6, 5, dtype=torch.bool)
+    allowed[2] = False  # row 2 sees no key
+    mask = allowed if mask_kind == "bool" else torch.zeros(6, 5).masked_fill(~allowed, float("-inf"))
+    q[0, 0, 2, 1] = float("nan")  # head 0, the hidden row
+    q[0, 3, 4, 0] = float("nan")  # head 1 (its second map), a row that sees keys
+    q.requires_grad_()
+    out = diff_attention(q, k, v, 0.3, attn_mask=mask, backend=backend)
+    expected = torch.zeros(2, 6, dtype=torch.bool)
+    expected[1, 4] = True
+    assert torch.equal(out[0].isnan().any(-1), expected)
+    assert torch.equal(out[0, 0, 2], torch.zeros_like(out[0, 0, 2]))
+    out.nan_to_num(0.0).sum().backward()
+    assert q.grad[0, 0, 2].abs().max() == 0 and q.grad[0, 3, 4, 0].isnan()
+    assert q.grad.isnan().sum() == 1
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hugging Face's finfo(dtype).min masks in float16 and bfloat16
 # ---------------------------------------------------------------------------------------------------------
