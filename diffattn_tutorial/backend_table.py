@@ -79,6 +79,7 @@ class Needs(NamedTuple):
     mask_grad: bool = False  # a gradient to an additive mask (a learned bias)
     dropout: bool = False
     compiling: bool = False  # traced by torch.compile
+    transforms: bool = False  # traced by a torch.func transform (grad, vmap, jacrev, ...)
     queries: Optional[int] = None  # Nq, the query rows of the call (None: any number)
     head_dim: Optional[int] = None  # d, the q/k head dim of the call (None: any)
 
@@ -122,6 +123,9 @@ class Backend:
     """Whether a learned additive mask gets its gradient."""
     compiles: bool = True
     """Whether it runs inside ``torch.compile(fullgraph=True)`` (as PyTorch ops or a registered operator)."""
+    transforms: bool = True
+    """Whether it runs under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``, ...): PyTorch ops do; a kernel
+    handed its inputs' memory does not (a transform's tensors have none of their own)."""
     family: str = "maps"
     """``"maps"`` (explicit maps), ``"sdpa"`` (scaled_dot_product_attention calls) or ``"kernel"`` (a fused one)."""
     origin: str = ""
@@ -260,12 +264,12 @@ TABLE: tuple[Backend, ...] = (
             _run_chunked),
     Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and "
             "backward; on a CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status,
-            devices=("cuda", "cpu"), dtypes=_FLOAT32_OR_16BIT, dropout=False, mask_grad=False, family="kernel",
-            requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
+            devices=("cuda", "cpu"), dtypes=_FLOAT32_OR_16BIT, dropout=False, mask_grad=False, transforms=False,
+            family="kernel", requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
     Backend("cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
             "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
             "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_FLOAT32_OR_16BIT,
-            compute_dtype=torch.float32, dropout=False, mask_grad=False, family="kernel",
+            compute_dtype=torch.float32, dropout=False, mask_grad=False, transforms=False, family="kernel",
             requires="a C++ compiler", causal="own", run_scanning=_run_cpu_fused_scanning),
 )
 """Every backend, in the order the lists of names show them."""

@@ -243,7 +243,8 @@ def _chosen_for(c: Choice, needs: Needs) -> bool:
     queries_ok = c.max_queries is None or (needs.queries is not None and needs.queries <= c.max_queries)
     training_ok = not needs.grad or (c.training and (c.train_min_head_dim is None or (
         needs.head_dim is not None and needs.head_dim >= c.train_min_head_dim)))
-    return dtype_ok and queries_ok and training_ok and (b.compiles or not needs.compiling)
+    return (dtype_ok and queries_ok and training_ok and (b.compiles or not needs.compiling)
+            and (b.transforms or not needs.transforms))
 
 
 def _order(alias: str, device: torch.device) -> tuple[Choice, ...]:
@@ -309,6 +310,9 @@ def _refuse(b: Backend, device: torch.device, needs: Needs) -> None:
         raise ValueError(f"attn_mask requires grad (a learned bias?), but backend {name!r} gives a mask no "
                          f"gradient; use backend='auto', {_words([repr(n) for n in others], 'or')} for it, or "
                          f"pass attn_mask.detach() if it is not to be learned")
+    if needs.transforms and not b.transforms:
+        raise ValueError(f"backend {name!r} does not run under torch.func transforms (grad, vmap, jacrev, ...): it "
+                         f"hands its inputs' memory to a kernel; use backend='auto' or {auto_for()!r} there")
     ok, why = b.status(device)
     if not ok:
         raise RuntimeError(f"backend {name!r} is unavailable here: {why}")
@@ -335,7 +339,7 @@ def _condition(c: Choice) -> str:
         words.append(f"with {rows} (decoding)")
     if not b.compiles:
         words.append("outside torch.compile")
-    return " ".join(words)
+    return " ".join(words) + ("" if b.transforms else ", outside torch.func transforms")
 
 
 def _auto_rule(device: torch.device, usable: Callable[[Backend], bool], notes: bool, tick: str = "") -> str:
@@ -392,12 +396,12 @@ def _yes(flag: bool) -> str:
 def backend_table() -> str:
     """The README's backend table, in Markdown (a header and one row per name of :data:`BACKENDS`, then
     ``auto``): what each is, where it runs, the dtypes it takes, and what it can do."""
-    rows = ["| backend | what it is | runs on | dtypes | backward | dropout | learned mask | torch.compile |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| backend | what it is | runs on | dtypes | backward | dropout | learned mask | torch.compile | torch.func |",
+            "|---|---|---|---|---|---|---|---|---|"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for name in BACKENDS:
         if name == "sdpa":
-            rows.append(f"| `sdpa` | {ALIASES['sdpa']}: {_sdpa_rule(cpu, tick='`')} | as chosen | | | | | |")
+            rows.append(f"| `sdpa` | {ALIASES['sdpa']}: {_sdpa_rule(cpu, tick='`')} | as chosen | | | | | | |")
             continue
         b = _REGISTRY[name]
         dtypes = ", ".join(_dtype_name(d) for d in b.dtypes)
@@ -405,10 +409,10 @@ def backend_table() -> str:
             dtypes += f" (computed in {_dtype_name(b.compute_dtype)})"
         where = _where(b) + (f" (needs {b.requires})" if b.requires else "")
         rows.append(f"| `{name}` | {b.summary} | {where} | {dtypes} | {_yes(b.backward)} | {_yes(b.dropout)} | "
-                    f"{_yes(b.mask_grad)} | {_yes(b.compiles)} |")
+                    f"{_yes(b.mask_grad)} | {_yes(b.compiles)} | {_yes(b.transforms)} |")
     auto = "; ".join(f"on {_DEVICE_WORDS[d.type]}: {_auto_rule(d, lambda b: True, notes=True, tick='`')}"
                      for d in (cpu, gpu))
-    rows.append(f"| `auto` | {auto} | as chosen | | | | | |")
+    rows.append(f"| `auto` | {auto} | as chosen | | | | | | |")
     return "\n".join(rows) + "\n"
 
 

@@ -49,6 +49,7 @@ from diffattn_tutorial.validation import (  # noqa: F401 (causal_mask, check_dif
     _zero_nonfinite,
     causal_mask,
     check_diff_inputs,
+    under_torch_func,
 )
 
 Tensor = torch.Tensor
@@ -160,8 +161,10 @@ class _RMSNormScaled(torch.autograd.Function):
 
 def rms_norm_scaled(x: Tensor, weight: Optional[Tensor], eps: float, scale: float) -> Tensor:
     """``rms_norm(x, weight, eps) * scale`` with its gradients: the same forward bits, and for float32 (the
-    layers' sub-norm in training) a backward in fewer passes (:class:`_RMSNormScaled`)."""
-    if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):
+    layers' sub-norm in training) a backward in fewer passes (:class:`_RMSNormScaled`; not under ``torch.func``
+    transforms, which take the formula's own operations)."""
+    if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32) \
+            or under_torch_func(x, weight):  # torch.func transforms: the formula's own operations
         return rms_norm(x, weight, eps) * scale
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
@@ -232,7 +235,8 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
     _check_scale_dropout(scale, dropout_p)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
-                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(), queries=Nq, head_dim=d)
+                  dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(),
+                  transforms=under_torch_func(q, k, v, lam_t, mask), queries=Nq, head_dim=d)
     name = backends.resolve(backend, q.device, needs)
     b = backends.get_backend(REFERENCE if Nk == 0 or q.numel() == 0 else name)  # nothing to compute: zeros
     is_causal = causal and b.applies_causal(Nq, Nk, mask is not None)

@@ -57,7 +57,8 @@ def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optiona
         valid = mask.any(-1, keepdim=True)
     else:
         valid = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
-    if not torch.compiler.is_compiling() and bool(valid.all()):  # compiled: no data-dependent branch, always fix
+    may_branch = not (torch.compiler.is_compiling() or under_torch_func(valid))  # compiled, vmapped: always fix
+    if may_branch and bool(valid.all()):
         return mask, None
     if mask.dtype == torch.bool:
         return mask | ~valid, valid
@@ -89,12 +90,19 @@ def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tens
     return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
 
 
+def under_torch_func(*tensors: Optional[Tensor]) -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) is tracing one of ``tensors``: such
+    a tensor has no memory of its own to hand a kernel, and under ``vmap`` no branch may depend on its values.
+    False while ``torch.compile`` traces (which handles the transforms in its graph, and cannot trace this check)."""
+    return not torch.compiler.is_compiling() and any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
 def _may_hold_nonfinite(*tensors: Tensor) -> bool:
     """False when every entry of ``tensors`` is finite: on a CPU one summing pass each (a NaN or an infinity
     anywhere makes the total non-finite; a sum that merely overflows only sends the call down the careful
     path). On other devices always True, so that no call waits for the device to answer, and under
-    ``torch.compile`` (a ``.item()`` would break the graph)."""
-    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent branch in a graph
+    ``torch.compile`` and ``torch.func`` transforms (a ``.item()`` would break the graph or the ``vmap``)."""
+    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling() or under_torch_func(*tensors):
         return True
     with torch.no_grad():
         return not bool(torch.isfinite(sum(t.sum(dtype=torch.float32) for t in tensors)))

@@ -258,20 +258,22 @@ def test_auto_skips_a_backend_that_does_not_work_here(monkeypatch, ran):
 def test_the_prose_comes_from_the_registry():
     assert backends.describe_auto("cpu") == ('On a CPU, `backend="auto"` runs `naive` for calls with one query row '
                                              '(decoding), else `cpu_fused` for float32 inference and for training '
-                                             'with a head dim of at least 32 and no learned mask (needs a C++ '
-                                             'compiler), else `sdpa_padded` (`sdpa_wide` with dropout).')
+                                             'with a head dim of at least 32 and no learned mask, outside torch.func '
+                                             'transforms (needs a C++ compiler), else `sdpa_padded` (`sdpa_wide` '
+                                             'with dropout).')
     assert backends.describe_auto("cuda") == 'On a GPU, `backend="auto"` runs `sdpa_split` (`sdpa_wide` with dropout).'
     for ask in (backends.describe_auto, backends.backend_status, backends.auto_order):
         with pytest.raises(ValueError, match="device 'gpu' is not a torch device: give 'cpu', 'cuda'"):
             ask("gpu")
     table = backends.backend_table().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [f"| `{n}`" for n in (*BACKENDS, "auto")]
-    assert "| float32, float16, bfloat16 (computed in float32) | yes | no | no | yes |" in table[2 + BACKENDS.index(
+    assert "| float32, float16, bfloat16 (computed in float32) | yes | no | no | yes | no |" in table[2 + BACKENDS.index(
         "cpu_fused")]
     if fused_ok():
         assert backend_status("cpu")["auto"][1] == ("-> naive for calls with one query row (decoding), else cpu_fused "
                                                     "for float32 inference and for training with a head dim of at least 32 and no "
-                                                    "learned mask, else sdpa_padded (sdpa_wide with dropout)")
+                                                    "learned mask, outside torch.func transforms, else sdpa_padded (sdpa_wide "
+                                                    "with dropout)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -219,7 +219,7 @@ def test_half_precision_inputs_are_computed_in_float32():
 def test_auto_runs_it_for_float32_inference_and_training_with_heads_of_32_or_more():
     q, k, v, lam = inputs(1, 2, 1, 40, 40, 32)
     assert ("else cpu_fused for float32 inference and for training with a head dim of at least 32 and no learned "
-            "mask, else sdpa_padded") in backend_status()["auto"][1]
+            "mask, outside torch.func transforms, else sdpa_padded") in backend_status()["auto"][1]
     with torch.no_grad():
         assert torch.equal(diff_attention(q, k, v, lam), diff_attention(q, k, v, lam, backend="cpu_fused"))
     qg = q.clone().requires_grad_()
@@ -388,6 +388,27 @@ def test_the_operator_called_first_in_a_process_loads_a_working_kernel():
             "print(cf.kernel_status()[0], bool(torch.allclose(out, ref, atol=1e-5)))\n")
     done = run_python(code, env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
     assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]
+
+
+@needs_compiler
+def test_a_first_use_under_torch_func_leaves_a_working_kernel():
+    """The kernel's first use may be its status, asked inside a torch.func transform (``backend_status()`` in a
+    function under ``grad`` or ``vmap``), where fresh tensors are the transform's, with no memory to hand the kernel:
+    its self-check used to fail there and leave the kernel unusable for the whole process."""
+    code = ("import torch\n"
+            "from torch.func import grad, vmap\n"
+            "from diffattn_tutorial.functional import backend_status, diff_attention\n"
+            "seen = []\n"
+            "def f(x):\n"
+            "    seen.append(backend_status()['cpu_fused'][0])\n"
+            "    return x.sum()\n"
+            "grad(f)(torch.randn(3)); vmap(f)(torch.randn(2, 3))\n"
+            "q, k, v, lam = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 16), torch.tensor(0.5)\n"
+            "out = diff_attention(q, k, v, lam, backend='cpu_fused')\n"
+            "ref = diff_attention(q, k, v, lam, backend='naive')\n"
+            "print(*seen, bool(torch.allclose(out, ref, atol=1e-5)))\n")
+    done = run_python(code, env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr[-2000:]
 
 
 @needs_compiler

@@ -133,7 +133,8 @@ def _first_load() -> ctypes.CDLL:
         raise KernelUnavailable(f"the compiled kernel {path} could not be loaded ({e}); delete it to rebuild, "
                                 f"or use backend='sdpa_padded'") from e
     _THREADS.update(built=_use_openmp(lib, True), openmp=_choose_threads(lib))
-    _self_check(lib)
+    with torch._C._DisableFuncTorch():  # a first use under torch.func (its status asked) checks plain tensors
+        _self_check(lib)
     return lib
 
 
