@@ -352,21 +352,28 @@ def test_the_kernels_float32_buffers_do_not_follow_torchs_default_dtype():
 
 
 def test_kept_maps_give_fully_masked_rows_zero_gradients_as_recomputed_ones(monkeypatch):
-    """Causal with Nq > Nk: the first rows see no key and are kept as zero maps. A NaN in their output's gradient
-    (dout . v in dP) reaches dv (0 * NaN) but not dq, dk or dlam, with the maps kept as where they are recomputed."""
+    """Causal with Nq > Nk, and a mask's fully masked row: rows that see no key (kept as zero maps). A NaN in their
+    output's gradient reaches no gradient (their output is the constant 0), dv included (not as 0 * NaN), with the
+    maps kept as where they are recomputed, and as on naive."""
     q, k, v, lam = inputs(1, 1, 1, 40, 7, 32)
+    mask = torch.ones(40, 7, dtype=torch.bool)
+    mask[9] = False
 
-    def grads(kept):
+    def grads(kept, masking, backend="cpu_fused"):
         monkeypatch.setattr(cpu_fused, "MAPS_KEPT_BYTES", kept)
         leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-        out = diff_attention(*leaves, causal=True, backend="cpu_fused")
+        kw = dict(causal=True) if masking == "causal" else dict(attn_mask=mask)
+        out = (diff_attention(*leaves, backend=backend, **kw) if backend != "op" else
+               cpu_fused.fused_diff_attention(*leaves, scale=32 ** -0.5, **kw))  # the operator itself, too
         grad_out = torch.ones_like(out)
-        grad_out[0, 0, 5] = float("nan")  # row 5 sees no key (row i sees keys j <= i - 33)
+        grad_out[0, 0, 5 if masking == "causal" else 9] = float("nan")  # causal: row i sees keys j <= i - 33
         return torch.autograd.grad(out, leaves, grad_out)
 
-    kept, recomputed = grads(cpu_fused.MAPS_KEPT_BYTES), grads(0)
-    for name, a, b in zip(("dq", "dk", "dlam"), kept[:2] + kept[3:], recomputed[:2] + recomputed[3:]):
-        assert a.isfinite().all() and b.isfinite().all(), name
-    assert kept[0][0, :, :33].eq(0).all()
-    for a, b in zip(kept, recomputed):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    for masking in ("causal", "mask"):
+        naive = grads(0, masking, "naive")
+        for kept in (cpu_fused.MAPS_KEPT_BYTES, 0):
+            for backend in ("cpu_fused", "op"):
+                got = grads(kept, masking, backend)
+                for name, a, b in zip(("dq", "dk", "dv", "dlam"), got, naive):
+                    assert a.isfinite().all(), (masking, kept, backend, name)
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

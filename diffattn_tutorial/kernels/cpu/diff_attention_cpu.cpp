@@ -517,6 +517,14 @@ struct GradScratch {
   }
 };
 
+// The block dout (BQ x dv, dense: the caller's gradient itself or buf) with row r zero, through buf: a fully masked
+// row's dP is zero, and its dout (which may hold a NaN: the row's output is a constant 0) must not reach dv as 0 * NaN.
+inline const float* zero_row(const float* dout, int r, int BQ, int dv, float* buf) {
+  if (dout != buf) std::copy(dout, dout + (size_t)BQ * dv, buf);
+  std::fill(buf + (size_t)r * dv, buf + (size_t)(r + 1) * dv, 0.0f);
+  return buf;
+}
+
 // Rows [r0, r0 + block_rows) of head h in batch b: dq and dlam written, dk and dv added to the item's partial sums.
 void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part, int& written) {
   const int g = h / (G.heads / G.kv_heads), BQ = G.block_rows, rows = std::min(BQ, G.nq - r0);
@@ -570,7 +578,10 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
       std::memset(p1, 0, sizeof(float) * kpad);
       std::memset(p2, 0, sizeof(float) * kpad);
       std::memset(dpr, 0, sizeof(float) * kpad);
-      if (row < G.nq) dlam[r] = 0.0f;
+      if (row < G.nq) {
+        dlam[r] = 0.0f;
+        dout = zero_row(dout, r, BQ, G.dv, w.dout);
+      }
       continue;
     }
     const float il1 = 1.0f / l1, il2 = 1.0f / l2, lr = lam[r];
