@@ -396,8 +396,8 @@ def _yes(flag: bool) -> str:
 def backend_table() -> str:
     """The README's backend table, in Markdown (a header and one row per name of :data:`BACKENDS`, then
     ``auto``): what each is, where it runs, the dtypes it takes, and what it can do."""
-    rows = ["| backend | what it is | runs on | dtypes | backward | dropout | learned mask | torch.compile | torch.func |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| backend | what it is | runs on | dtypes | backward | dropout | learned mask | torch.compile "
+            "| torch.func |", "|---|---|---|---|---|---|---|---|---|"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for name in BACKENDS:
         if name == "sdpa":

@@ -94,7 +94,9 @@ def under_torch_func(*tensors: Optional[Tensor]) -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) is tracing one of ``tensors``: such
     a tensor has no memory of its own to hand a kernel, and under ``vmap`` no branch may depend on its values.
     False while ``torch.compile`` traces (which handles the transforms in its graph, and cannot trace this check)."""
-    return not torch.compiler.is_compiling() and any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    if torch.compiler.is_compiling():
+        return False
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def _may_hold_nonfinite(*tensors: Tensor) -> bool:
