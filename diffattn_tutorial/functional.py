@@ -164,7 +164,7 @@ def rms_norm_scaled(x: Tensor, weight: Optional[Tensor], eps: float, scale: floa
     layers' sub-norm in training) a backward in fewer passes (:class:`_RMSNormScaled`; not under ``torch.func``
     transforms, which take the formula's own operations)."""
     if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32) \
-            or under_torch_func(x, weight):  # torch.func transforms: the formula's own operations
+            or under_torch_func():  # torch.func transforms: the formula's own operations
         return rms_norm(x, weight, eps) * scale
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
@@ -236,7 +236,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     _check_scale_dropout(scale, dropout_p)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
                   dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(),
-                  transforms=under_torch_func(q, k, v, lam_t, mask), queries=Nq, head_dim=d)
+                  transforms=under_torch_func(), queries=Nq, head_dim=d)
     name = backends.resolve(backend, q.device, needs)
     b = backends.get_backend(REFERENCE if Nk == 0 or q.numel() == 0 else name)  # nothing to compute: zeros
     is_causal = causal and b.applies_causal(Nq, Nk, mask is not None)

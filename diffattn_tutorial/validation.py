@@ -57,7 +57,7 @@ def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optiona
         valid = mask.any(-1, keepdim=True)
     else:
         valid = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
-    may_branch = not (torch.compiler.is_compiling() or under_torch_func(valid))  # compiled, vmapped: always fix
+    may_branch = not (torch.compiler.is_compiling() or under_torch_func())  # compiled, vmapped: always fix
     if may_branch and bool(valid.all()):
         return mask, None
     if mask.dtype == torch.bool:
@@ -90,13 +90,16 @@ def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tens
     return (rows | key_nan.any(-1, keepdim=True)).unsqueeze(-1)
 
 
-def under_torch_func(*tensors: Optional[Tensor]) -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) is tracing one of ``tensors``: such
-    a tensor has no memory of its own to hand a kernel, and under ``vmap`` no branch may depend on its values.
-    False while ``torch.compile`` traces (which handles the transforms in its graph, and cannot trace this check)."""
-    if torch.compiler.is_compiling():
-        return False
-    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+def under_torch_func() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) is running: its tensors have no
+    memory of their own to hand a kernel, and under ``vmap`` no branch may depend on their values. Asked of the
+    transforms' stack, not of the tensors at hand (under ``grad`` even a fresh tensor is the transform's). While
+    ``torch.compile`` traces, answered eagerly and kept as a constant (``backend_table.constant_under_compile``'s
+    mark, set here below the backend table): a transform it traces is on that stack then too."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+under_torch_func._dynamo_marked_constant = True
 
 
 def _may_hold_nonfinite(*tensors: Tensor) -> bool:
@@ -104,7 +107,7 @@ def _may_hold_nonfinite(*tensors: Tensor) -> bool:
     anywhere makes the total non-finite; a sum that merely overflows only sends the call down the careful
     path). On other devices always True, so that no call waits for the device to answer, and under
     ``torch.compile`` and ``torch.func`` transforms (a ``.item()`` would break the graph or the ``vmap``)."""
-    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling() or under_torch_func(*tensors):
+    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling() or under_torch_func():
         return True
     with torch.no_grad():
         return not bool(torch.isfinite(sum(t.sum(dtype=torch.float32) for t in tensors)))

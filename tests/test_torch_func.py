@@ -115,3 +115,19 @@ def test_per_sample_gradients_of_a_layer_equal_a_loop_of_backward_calls(layer):
         loss(dict(m.named_parameters()), x[i]).backward()
         for n, p in m.named_parameters():
             torch.testing.assert_close(per_sample[n][i], p.grad, atol=1e-6, rtol=1e-5, msg=lambda s, n=n: f"{n}: {s}")
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_transform_inside_torch_compile_runs_a_pytorch_backend_under_auto(transform):
+    """``torch.compile(fullgraph=True)`` of a function that applies a transform: the transform is traced into the
+    graph, and ``auto`` must see it there too (the kernel's operator has no rule for a transform)."""
+    q, k, v, lam = inputs(B=1, H=2, nq=40, nk=40, d=32)  # a head dim where auto would train on the kernel
+
+    def f(backend):
+        call = lambda q: diff_attention(q, k, v, lam, causal=True, backend=backend)  # noqa: E731
+        return (lambda q: grad(lambda q: call(q).sum())(q)) if transform == "grad" else vmap(call)
+
+    x = q if transform == "grad" else torch.stack([q, q.flip(2)])
+    torch.testing.assert_close(torch.compile(f("auto"), backend="eager", fullgraph=True)(x), f("naive")(x),
+                               atol=1e-5, rtol=1e-4)
