@@ -18,13 +18,16 @@ table's business (:mod:`diffattn_tutorial.backend_table`); masks, NaN rows and r
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from diffattn_tutorial.validation import _combine_masks, _fix_fully_masked
+from diffattn_tutorial.validation import _combine_masks, _fix_fully_masked, forward_ad_active, under_torch_func
 
 Tensor = torch.Tensor
 
@@ -108,7 +111,10 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]
         if mask is not None:
             m = mask[:, :, s:e] if mask.shape[2] == nq else mask
             m = (m[..., :kmax] if m.shape[-1] == nk else m).unsqueeze(2)  # one mask for both maps
-            scores = scores.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else scores.add_(m)
+            if under_torch_func():  # vmap over the mask alone: a batched mask, unbatched scores (not in place)
+                scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+            else:
+                scores = scores.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else scores.add_(m)
         attn = torch.softmax(scores, dim=-1, dtype=softmax_dtype(q)).to(q.dtype)
         if dropout_p > 0:
             attn = F.dropout(attn, p=dropout_p)
@@ -118,12 +124,29 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Optional[Tensor]
     return torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, v.shape[-1])
 
 
+def _math_sdpa_only() -> bool:
+    """Whether a forward-mode derivative is being taken (``torch.func.jvp``, ``jacfwd``, ``hessian``,
+    ``torch.autograd.forward_ad``), or a second one by nested ``torch.func`` transforms (``grad(grad(f))``,
+    ``jacrev(jacrev(f))``): SDPA's fused kernels (flash on a CPU) have no forward-mode derivative and no derivative of
+    their backward; its math one (PyTorch ops) has both."""
+    if torch.compiler.is_compiling():
+        return False
+    if forward_ad_active():
+        return True
+    if torch._C._functorch.maybe_current_level() is None:  # no torch.func transform
+        return False
+    keys = [i.key() for i in retrieve_all_functorch_interpreters()]
+    return keys.count(torch._C._functorch.TransformType.Grad) >= 2
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: float,
-          dropout_p: float) -> Tensor:
-    """One ``scaled_dot_product_attention`` call; KV heads shared by ``q.shape[1] // k.shape[1]`` queries."""
+         dropout_p: float) -> Tensor:
+    """One ``scaled_dot_product_attention`` call; KV heads shared by ``q.shape[1] // k.shape[1]`` queries (SDPA's
+    math kernel where a forward-mode or nested derivative is taken)."""
     gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          scale=scale, enable_gqa=gqa)
+    with sdpa_kernel(SDPBackend.MATH) if _math_sdpa_only() else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=gqa)
 
 
 def sdpa_wide(q, k, v, lam, mask, is_causal, scale, dropout_p):
@@ -164,6 +187,6 @@ def sdpa_padded(q, k, v, lam, mask, is_causal, scale, dropout_p):
     (q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)
     o1 = sdpa(F.pad(q1, (0, d)), F.pad(k1, (0, d)), v, mask, is_causal, scale, 0.0)
     o2 = sdpa(F.pad(q2, (0, d)), F.pad(k2, (0, d)), v, mask, is_causal, scale, 0.0)
-    if o1.requires_grad or lam.requires_grad:
+    if o1.requires_grad or lam.requires_grad or under_torch_func():  # vmap: a batched lam, an unbatched o2
         return o1 - lam * o2
     return o1.sub_(o2.mul_(lam))  # inference: the first output holds the result, no third buffer

@@ -91,15 +91,23 @@ def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tens
 
 
 def under_torch_func() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) is running: its tensors have no
-    memory of their own to hand a kernel, and under ``vmap`` no branch may depend on their values. Asked of the
-    transforms' stack, not of the tensors at hand (under ``grad`` even a fresh tensor is the transform's). While
-    ``torch.compile`` traces, answered eagerly and kept as a constant (``backend_table.constant_under_compile``'s
-    mark, set here below the backend table): a transform it traces is on that stack then too."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ``jvp``, ...) is running, or a forward-mode
+    derivative is being taken without one (a ``torch.autograd.forward_ad.dual_level``): the transforms' tensors have
+    no memory of their own to hand a kernel, under ``vmap`` no branch may depend on their values, and a kernel handed
+    a dual tensor's memory would drop its tangent. Asked of the transforms' stack, not of the tensors at hand (under
+    ``grad`` even a fresh tensor is the transform's). While ``torch.compile`` traces, answered eagerly and kept as a
+    constant (``backend_table.constant_under_compile``'s mark, set here below the backend table): a transform it
+    traces is on that stack then too."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad_active()
 
 
 under_torch_func._dynamo_marked_constant = True
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode derivative may be taken (``torch.func.jvp``, ``jacfwd``, ``hessian``, or a
+    ``torch.autograd.forward_ad.dual_level``): PyTorch opens a dual level for each."""
+    return torch.autograd.forward_ad._current_level >= 0
 
 
 def _may_hold_nonfinite(*tensors: Tensor) -> bool:

@@ -342,7 +342,8 @@ class MultiheadDiffAttn(_Attention):
         if not _plain_rms_norm(norm) or out.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):
             return norm(out) * scale
         if out.requires_grad or (weight is not None and weight.requires_grad and torch.is_grad_enabled()) \
-                or not (out.is_contiguous() or out.transpose(1, 2).is_contiguous()):
+                or not (out.is_contiguous() or out.transpose(1, 2).is_contiguous()) \
+                or functional.under_torch_func():  # vmap: a batched weight, an unbatched out
             return functional.rms_norm_scaled(out, weight, norm.eps, scale)
         return functional.rms_norm_scaled_(out, weight, norm.eps, scale)
 
