@@ -181,6 +181,9 @@ def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: 
                    backend: str = "auto") -> Tensor:
     """Differential attention: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``.
 
+    A second derivative (``create_graph=True`` and a gradient of the gradients, as a gradient penalty takes) needs
+    ``backend="naive"``: the fused kernels, the CPU's and SDPA's, have no derivative of their backward.
+
     Args:
         q: ``(B, 2H, Nq, d)``, the two maps of differential head ``i`` at heads ``2i`` and ``2i+1``.
         k: ``(B, 2Hkv, Nk, d)``, the two key maps of KV group ``g`` at ``2g`` and ``2g+1``.

@@ -631,7 +631,8 @@ class _NotFinite(Exception):
 
 def _no_second_derivative(ctx, *grads) -> tuple:
     raise RuntimeError("the fused CPU kernel has no second derivative (a gradient of its gradients, as a gradient "
-                       "penalty takes): use diff_attention(..., backend='naive') or backend='sdpa_padded' there")
+                       "penalty takes): use diff_attention(..., backend='naive') there (SDPA's fused CPU kernel, "
+                       "which backend='sdpa_padded' reaches, has none either)")
 
 
 cpu_fused_backward.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
