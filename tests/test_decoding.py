@@ -118,6 +118,32 @@ def test_static_cache_mask_and_refusals():
         StaticKVCache(4).attn_mask()
 
 
+
+@pytest.mark.parametrize("layer", [MultiheadDiffAttn, DiffAttnV2])
+def test_gradients_through_static_cache_steps_equal_the_dynamic_caches(layer):
+    """Written in place, a second step recorded by autograd overwrote what the first step's backward reads
+    (PyTorch's "modified by an inplace operation" at backward time); where autograd records, the cache now writes
+    new buffers, and three steps' gradients equal those through a KVCache."""
+    torch.manual_seed(0)
+    m, x = layer(32, 2), torch.randn(1, 3, 32)
+
+    def grads(cache):
+        m.zero_grad()
+        out = []
+        for t in range(3):
+            if isinstance(cache, StaticKVCache):
+                cache.seek(torch.tensor([t]))
+                out.append(m(x[:, t:t + 1], attn_mask=cache.attn_mask(), cache=cache))
+            else:
+                out.append(m(x[:, t:t + 1], causal=True, cache=cache))
+        torch.cat(out, 1).square().sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    static, dynamic = grads(StaticKVCache(4)), grads(KVCache())
+    for n in dynamic:
+        torch.testing.assert_close(static[n], dynamic[n], rtol=1e-5, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # TinyLM.generate: sampling, compiling the decode step, refusals
 # --------------------------------------------------------------------------------------------------------------

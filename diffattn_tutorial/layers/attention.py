@@ -81,7 +81,8 @@ class KVCache:
 
 
 class StaticKVCache:
-    """Keys and values preallocated for ``max_len`` positions, ``(B, heads, max_len, dim)`` each, written in place.
+    """Keys and values preallocated for ``max_len`` positions, ``(B, heads, max_len, dim)`` each, written in place
+    (where autograd records the step, into new buffers of the same shape: the earlier steps' backward reads the old).
 
     Every step has the same shapes (what ``torch.compile`` needs to compile a decode step once): the layer
     attends over the whole buffer, and the mask from :meth:`attn_mask` hides the positions not written yet.
@@ -128,8 +129,12 @@ class StaticKVCache:
         elif self.k.shape[:2] != k.shape[:2] or self.k.shape[3] != k.shape[3] or self.v.shape[3] != v.shape[3]:
             raise ValueError(f"this cache holds keys of shape {tuple(self.k.shape)}, the new ones are "
                              f"{tuple(k.shape)}: use one StaticKVCache per layer and batch")
-        self.k.index_copy_(2, self.positions, k)
-        self.v.index_copy_(2, self.positions, v)
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
+            # autograd records the step: new buffers, as the earlier steps' backward reads the old ones
+            self.k, self.v = self.k.index_copy(2, self.positions, k), self.v.index_copy(2, self.positions, v)
+        else:
+            self.k.index_copy_(2, self.positions, k)
+            self.v.index_copy_(2, self.positions, v)
         return self.k, self.v
 
     def reset(self) -> None:
