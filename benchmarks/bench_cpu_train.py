@@ -184,10 +184,11 @@ def train_step(q, k, v, lam, causal=False, backend="auto"):
     return out.detach()
 
 
-RULE_SHAPES = [(32, 4, 64, 8), (8, 2, 32, 16), (8, 2, 64, 16), (8, 2, 128, 16), (4, 4, 128, 16), (8, 2, 64, 32),
+RULE_SHAPES = [(32, 2, 103, 16), (8, 2, 32, 16), (8, 2, 64, 16), (8, 2, 128, 16), (4, 4, 128, 16), (8, 2, 64, 32),
                (4, 4, 128, 32), (1, 4, 512, 64)]
-"""``(B, H, N, d)`` for ``--rule``: the toy models' heads (d = 8 at batch 32), d = 16 and 32 at the sizes the rule
-was first measured at, and the issue's layer (d = 64)."""
+"""``(B, H, N, d)`` for ``--rule``: the toy DIFF model's attention call (notebook 07: batch 32, 2 differential heads of
+q/k width 16, its longest sequences of 103 tokens), d = 16 and 32 at the sizes the rule was first measured at, and
+the issue's layer (d = 64)."""
 
 
 def head_dim_rule(rounds: int) -> list[dict]:

@@ -282,9 +282,9 @@ and no head-dim rule for decoding is made yet."""
 
 CPU_FUSED_TRAIN_MIN_HEAD_DIM = 32
 """On a CPU ``"auto"`` trains with the fused kernel only where the head dim is at least this: narrower heads are
-padded to 32 columns, and a training step of the toy models' heads (d = 8) runs slower than ``sdpa_padded``'s; at
-d = 16 the latest run favours the kernel, by little at short lengths, and awaits a second run before the rule moves
-(``python benchmarks/bench_cpu_train.py --rule``; ``benchmarks/NOTES.md``)."""
+padded to 32 columns, which costs the kernel most of its lead. The course's toy DIFF model (notebook 07: 2
+differential heads with q/k maps 16 wide) trains below the rule, on ``sdpa_padded``; what the kernel would gain there
+is measured by ``python benchmarks/bench_cpu_train.py --rule`` (``benchmarks/NOTES.md``)."""
 
 AUTO: dict[str, tuple[Choice, ...]] = {
     "cpu": (Choice("naive", max_queries=DECODE_QUERIES),
