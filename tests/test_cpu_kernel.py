@@ -50,6 +50,7 @@ def fused(q, k, v, lam, **kw):
     (2, 2, 1, 49, 1, 64),      # one key
     (1, 2, 2, 24, 300, 128),   # exactly one 24-row block; wide heads
     (1, 3, 1, 97, 97, 16),     # three heads per KV group
+    (1, 2, 1, 530, 45, 32),    # more rows than the row-major scores take: k transposed, the score tiles
 ])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lam_kind", ["scalar", "head", "token"])
@@ -187,12 +188,12 @@ def test_the_same_numbers_on_any_thread_count_and_for_any_strides():
 
 
 @needs_compiler
-@pytest.mark.parametrize("Nq", [1, 3, 16, 17])  # 17: one row past the few-rows path, through the tiles
+@pytest.mark.parametrize("Nq", [1, 3, 17, 512, 513])  # 513: one row past the row-major scores, through the tiles
 @pytest.mark.parametrize("causal", [False, True])
-def test_few_query_rows_over_a_long_cache(Nq, causal):
-    """At most 16 query rows (decoding, a draft to verify, a chunk of a prompt): the kernel takes each score as a dot
-    product along d without transposing k, and computes only the rows there are. Masks, GQA, a row that sees no key
-    and thread counts behave as on the tiled path."""
+def test_row_major_scores_and_the_tiles_give_the_formula(Nq, causal):
+    """At most 512 query rows (decoding, a draft to verify, a chunk of a prompt, a short sequence): the kernel takes
+    each score as a dot product along d without transposing k, and computes only the rows there are. Masks, GQA, a
+    row that sees no key and thread counts behave as on the tiled path of longer calls."""
     B, H, Hkv, Nk = 2, 4, 2, 333
     q, k, v, lam = inputs(B, H, Hkv, Nq, Nk, 64, seed=3, lam_kind="token")
     mask = torch.rand(B, 1, Nq, Nk, generator=torch.Generator().manual_seed(4)) > 0.2
@@ -203,6 +204,49 @@ def test_few_query_rows_over_a_long_cache(Nq, causal):
     assert out[1, :, 0].abs().max() == 0
     with threads(3):
         assert torch.equal(fused(q, k, v, lam, causal=causal, attn_mask=mask), out)
+
+
+NARROW_BUILD = r"""
+import torch
+from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import build, cpu_fused
+from diffattn_tutorial.measure.cpu_threads import threads
+
+build.NATIVE_FLAGS = (*build.NATIVE_FLAGS, "-DDIFFATTN_NARROW")  # the tiles of an AVX2 or NEON build, on any CPU
+ok, why = cpu_fused.kernel_status()  # its self-check: both forward paths and the backward against float64
+assert ok, why
+assert cpu_fused.vector_floats() == 8
+g = torch.Generator().manual_seed(5)
+for nq, nk, causal in ((3, 200, False), (77, 77, True), (530, 45, False), (600, 600, True)):
+    q, k = torch.randn(2, 4, nq, 32, generator=g), torch.randn(2, 2, nk, 32, generator=g)
+    v, lam = torch.randn(2, 1, nk, 64, generator=g), torch.rand(2, 2, nq, 1, generator=g)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    out = diff_attention(*ins, causal=causal, backend="cpu_fused")
+    out.backward(torch.ones_like(out))
+    ref = [t.double().requires_grad_() for t in (q, k, v, lam)]
+    expected = diff_attention(*ref, causal=causal, backend="naive")
+    expected.backward(torch.ones_like(expected))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+    for a, b in zip(ins, ref):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), threads(3):
+        assert torch.equal(diff_attention(q, k, v, lam, causal=causal, backend="cpu_fused"), out.detach())
+print("narrow build ok")
+"""
+
+
+@needs_compiler
+def test_the_kernel_is_built_for_the_widest_vectors_whose_tiles_stay_in_registers():
+    """AVX-512 builds take 16-float vectors; every other target 8-float vectors and smaller tiles, which the narrow
+    build gives on any CPU (``-DDIFFATTN_NARROW``): before, a build for AVX2 spilled its 16-float tiles to the stack on
+    every step and ran about ten times slower than naive. The narrow build, in a child, equals naive's float64 answer
+    forward and backward on both score paths and on any thread count."""
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") \
+        if os.path.exists("/proc/cpuinfo") else ""
+    if flags:
+        assert cpu_fused.vector_floats() == (16 if " avx512f" in flags else 8)
+    run = run_python(NARROW_BUILD, timeout=600)
+    assert run.returncode == 0 and "narrow build ok" in run.stdout, run.stderr[-3000:]
 
 
 @needs_compiler

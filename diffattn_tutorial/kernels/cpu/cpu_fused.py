@@ -76,7 +76,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.diff_attention_cpu_kept_bytes.argtypes, lib.diff_attention_cpu_kept_bytes.restype = [], ctypes.c_long
     lib.diff_attention_cpu_keep_at_most.argtypes = [ctypes.c_long]
     lib.diff_attention_cpu_keep_at_most.restype = ctypes.c_long
-    for name in ("diff_attention_cpu_on_openmp", "diff_attention_cpu_last_threads"):
+    for name in ("diff_attention_cpu_on_openmp", "diff_attention_cpu_last_threads", "diff_attention_cpu_vector_floats"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
     return lib
 
@@ -162,6 +162,12 @@ def kernel_threads() -> str:
     return "openmp" if _kernel().diff_attention_cpu_on_openmp() else "own"
 
 
+def vector_floats() -> int:
+    """Floats per vector of the loaded kernel: 16 where it was built for AVX-512, else 8 (AVX2, NEON, ...; its tiles
+    are sized so that their sums stay in registers). Raises KernelUnavailable where the kernel cannot be had."""
+    return _kernel().diff_attention_cpu_vector_floats()
+
+
 def release_buffers() -> None:
     """Free the work buffers the kernel keeps for the calling thread between its calls. A call carves k transposed,
     its blocks of scores (and in the backward the partial sums of dk and dv) from one block per calling thread,
@@ -198,9 +204,12 @@ def _self_check(lib: ctypes.CDLL) -> None:
     mask = torch.randn(29, 37, generator=g).expand(2, 2, 29, 37)
     from diffattn_tutorial.formulations import naive_reference  # the reference (a layer above the kernels)
 
-    for causal, m in ((False, None), (True, None), (False, mask)):
-        out = _forward(lib, q, k, v, lam, m, causal, 24 ** -0.5)
-        ref = naive_reference(q.double(), k.double(), v.double(), lam.double(), causal=causal,
+    tall = torch.randn(1, 2, 523, 24, generator=g)  # more rows than ROW_MAJOR_ROWS: k transposed, the score tiles
+    cases = ((q, k, v, lam, False, None), (q, k, v, lam, True, None), (q, k, v, lam, False, mask),
+             (tall, k[:1, :2], v[:1, :1], lam[:1, :1, :1], False, None))
+    for qq, kk, vv, ll, causal, m in cases:
+        out = _forward(lib, qq, kk, vv, ll, m, causal, 24 ** -0.5)
+        ref = naive_reference(qq.double(), kk.double(), vv.double(), ll.double(), causal=causal,
                               attn_mask=None if m is None else m.double())
         err = (out.double() - ref).abs().max().item()
         if not err < 1e-4:

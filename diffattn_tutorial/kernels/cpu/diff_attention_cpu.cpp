@@ -30,10 +30,11 @@
 // A call's buffers come from one block per calling thread, kept between its calls (see KeptBlock).
 // A scanning call (diff_attention's eager calls) also reports whether q, k or v holds a NaN or an infinity, read as
 // it reads them anyway, so that the caller needs no pass of its own over them before the call.
-// The kernel first transposes k to (d, Nk) per map, in parallel, for the score tiles;
-// a call of at most FEW_ROWS query rows (decoding a few tokens, a draft to verify, a chunk of a prompt over a long
-// cache) skips that pass, which costs as much as its scores, and takes each score as one dot product along d,
-// and its tiles hold only the rows there are.
+// A call of at most ROW_MAJOR_ROWS query rows (decoding, a draft to verify, a chunk of a prompt over a long cache, a
+// short sequence) reads k where it is and takes each score as one dot product along d, VL keys at a time (their
+// partial sums added up in one tree, sums); a longer call first transposes k to (d, Nk) per map, in parallel, for
+// the score tiles. Transposing costs as much as one query row's scores: measured on a CPU with AVX-512 and built for
+// AVX2, the row-major scores are faster up to 512 rows and within a few percent beyond (benchmarks/NOTES.md).
 // Build: c++ -O3 -march=native -fopenmp -std=c++17 -shared -fPIC -pthread (no PyTorch headers; called through
 // ctypes; without -fopenmp it starts threads of its own).
 
@@ -55,48 +56,66 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2, four NEON
-typedef int32_t vi16 __attribute__((vector_size(64)));
-constexpr int VL = 16;
+// The vector type and the register tiles, per target. Each tile's accumulators must stay in registers: on AVX-512
+// (32 registers of 16 floats) the wide tiles; elsewhere (AVX2: 16 registers of 8 floats; NEON: 32 of 4) vectors of 8
+// floats and tiles of at most 12 accumulators. A 16-float vector there is two or four registers, and the wide tiles'
+// accumulators spill to the stack on every step: about ten times slower than naive. DIFFATTN_NARROW builds the
+// narrow tiles on any target (the tests build both).
+#if defined(__AVX512F__) && !defined(DIFFATTN_NARROW)
+#define DIFFATTN_WIDE 1
+constexpr int VL = 16;          // floats per vector
+constexpr int SCORE_ROWS = 8;   // score tile: 8 query rows x 2 vectors of keys = 16 accumulators
+constexpr int OUT_ROWS = 6;     // output tile: 6 query rows x 4 vectors of value columns = 24 accumulators
+constexpr int DQ_ROWS = 12;     // dq tile: 12 query rows x 2 vectors = 24 accumulators
+constexpr int KT_VECS = 2;      // dk and dv tiles: 8 keys x 2 vectors = 16 accumulators
+#else
+constexpr int VL = 8;
+constexpr int SCORE_ROWS = 6;   // 6 x 2 = 12 accumulators
+constexpr int OUT_ROWS = 3;     // 3 x 4 = 12
+constexpr int DQ_ROWS = 6;      // 6 x 2 = 12
+constexpr int KT_VECS = 1;      // 8 x 1 = 8
+#endif
+typedef float vec __attribute__((vector_size(4 * VL)));
+typedef int32_t veci __attribute__((vector_size(4 * VL)));
 
-constexpr int SCORE_ROWS = 8;    // score tile: 8 query rows x 32 keys = 16 vector accumulators
-constexpr int SCORE_COLS = 32;
-constexpr int OUT_ROWS = 6;      // output tile: 6 query rows x 64 value columns = 24 vector accumulators
-constexpr int OUT_COLS = 64;
-constexpr int KEY_CHUNK = 256;   // keys per pass of P . V (a 256 x 64 slice of V stays in L1/L2)
-constexpr int FEW_ROWS = 16;     // calls of at most this many query rows: row-major scores, tiles of the rows there are
+constexpr int TILE_KEYS = 2 * VL;  // keys per score tile
+constexpr int OUT_COLS = 4 * VL;   // value columns per output tile
+constexpr int SCORE_COLS = 32;     // keys are padded to a multiple of this (of every tile's keys; a unit of transposing)
+constexpr int KEY_CHUNK = 256;     // keys per pass of P . V (a 256 x 64 slice of V stays in L1/L2)
+constexpr int ROW_MAJOR_ROWS = 512;  // calls of at most this many query rows: row-major scores (no transposed k)
 
-inline v16 splat(float x) { return v16{} + x; }
-inline v16 load(const float* p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
-inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
-inline float hsum(v16 x) { float t = 0; for (int i = 0; i < VL; ++i) t += x[i]; return t; }
-inline float hmax(v16 x) { float t = x[0]; for (int i = 1; i < VL; ++i) t = x[i] > t ? x[i] : t; return t; }
+inline vec splat(float x) { return vec{} + x; }
+inline vec load(const float* p) { vec r; std::memcpy(&r, p, sizeof r); return r; }
+inline void store(float* p, vec x) { std::memcpy(p, &x, sizeof x); }
+inline float hsum(vec x) { float t = 0; for (int i = 0; i < VL; ++i) t += x[i]; return t; }
+inline float hmax(vec x) { float t = x[0]; for (int i = 1; i < VL; ++i) t = x[i] > t ? x[i] : t; return t; }
 
 // 2^x for x <= 0; x < -127 gives 0. x = n + f with n = round(x), |f| <= 1/2; 2^f by the Cephes exp2f
 // polynomial (relative error ~1e-7), 2^n by writing n into the float's exponent bits.
-inline v16 exp2_neg(v16 x) {
+inline vec exp2_neg(vec x) {
   x = x < -127.0f ? splat(-127.0f) : x;
-  const v16 round_magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 n = (x + round_magic) - round_magic;
-  const v16 f = x - n;
-  v16 p = splat(1.535336188319500e-4f);
+  const vec round_magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vec n = (x + round_magic) - round_magic;
+  const vec f = x - n;
+  vec p = splat(1.535336188319500e-4f);
   p = p * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return p * (v16)bits;
+  const veci bits = (__builtin_convertvector(n, veci) + 127) << 23;
+  return p * (vec)bits;
 }
 
-// S[r][j0 : j0 + 32] = scale * sum_c q[r][c] * kt[c][j0 : j0 + 32] for SCORE_ROWS rows of q (row stride d).
+// S[r][j0 : j0 + TILE_KEYS] = scale * sum_c q[r][c] * kt[c][j0 : j0 + TILE_KEYS] for SCORE_ROWS rows of q (row
+// stride d).
 inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, float* s, int lds, float scale) {
-  v16 acc[SCORE_ROWS][2] = {};
+  vec acc[SCORE_ROWS][2] = {};
   for (int c = 0; c < d; ++c) {
-    const v16 k0 = load(kt + (size_t)c * ldk + j0), k1 = load(kt + (size_t)c * ldk + j0 + VL);
+    const vec k0 = load(kt + (size_t)c * ldk + j0), k1 = load(kt + (size_t)c * ldk + j0 + VL);
     for (int r = 0; r < SCORE_ROWS; ++r) {
-      const v16 a = splat(q[(size_t)r * d + c]);
+      const vec a = splat(q[(size_t)r * d + c]);
       acc[r][0] += a * k0;
       acc[r][1] += a * k1;
     }
@@ -107,37 +126,92 @@ inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, 
   }
 }
 
+// Lane j of sums(a): the sum of the VL lanes of a[BITREV[j]] (VL dot products' partial sums, added up in one tree
+// of VL - 1 vector additions instead of VL horizontal sums). Each level adds pairs of lanes of two vectors, x's into
+// the first half of each block of 2s lanes and y's into the second: lanes end in bit-reversed order, which BITREV
+// undoes.
+#ifdef __clang__
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, veci{__VA_ARGS__})
+#endif
+#ifdef DIFFATTN_WIDE
+constexpr int BITREV[VL] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline vec fold8(vec x, vec y) {
+  return SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline vec fold4(vec x, vec y) {
+  return SHUFFLE(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         SHUFFLE(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline vec fold2(vec x, vec y) {
+  return SHUFFLE(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         SHUFFLE(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline vec fold1(vec x, vec y) {
+  return SHUFFLE(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         SHUFFLE(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+inline vec sums(const vec* a) {
+  vec r[8], t[4];
+  for (int i = 0; i < 8; ++i) r[i] = fold8(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) t[i] = fold4(r[2 * i], r[2 * i + 1]);
+  return fold1(fold2(t[0], t[1]), fold2(t[2], t[3]));
+}
+#else
+constexpr int BITREV[VL] = {0, 4, 2, 6, 1, 5, 3, 7};
+inline vec fold4(vec x, vec y) { return SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15); }
+inline vec fold2(vec x, vec y) { return SHUFFLE(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(x, y, 2, 3, 10, 11, 6, 7, 14, 15); }
+inline vec fold1(vec x, vec y) { return SHUFFLE(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(x, y, 1, 9, 3, 11, 5, 13, 7, 15); }
+inline vec sums(const vec* a) {
+  vec r[4];
+  for (int i = 0; i < 4; ++i) r[i] = fold4(a[2 * i], a[2 * i + 1]);
+  return fold1(fold2(r[0], r[1]), fold2(r[2], r[3]));
+}
+#endif
+
 // S[r][j] = scale * q[r] . k[j] for j in [0, nk) and `rows` rows of q, with k row-major (row stride ldk; no
-// transposed copy): one dot product along d (a multiple of 32) per score, FEW_ROWS rows at most.
+// transposed copy): one dot product along d (a multiple of 32) per score; VL keys at a time,
+// their partial sums added up together (sums), the keys after the last VL one by one.
 inline void score_rows(const float* q, int rows, int d, const float* k, long ldk, int nk, float* s, int lds,
                        float scale) {
-  for (int j = 0; j < nk; ++j) {
+  const int n16 = nk / VL * VL;
+  for (int j0 = 0; j0 < n16; j0 += VL)
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + (size_t)r * d;
+      vec acc[VL];
+      for (int i = 0; i < VL; ++i) acc[i] = load(qr) * load(k + (size_t)(j0 + BITREV[i]) * ldk);
+      for (int c = VL; c < d; c += VL) {
+        const vec qc = load(qr + c);
+        for (int i = 0; i < VL; ++i) acc[i] += qc * load(k + (size_t)(j0 + BITREV[i]) * ldk + c);
+      }
+      store(s + (size_t)r * lds + j0, sums(acc) * splat(scale));
+    }
+  for (int j = n16; j < nk; ++j) {
     const float* kr = k + (size_t)j * ldk;
     for (int r = 0; r < rows; ++r) {
       const float* qr = q + (size_t)r * d;
-      v16 acc0 = load(qr) * load(kr), acc1 = load(qr + VL) * load(kr + VL);
-      for (int c = 2 * VL; c < d; c += 2 * VL) {
-        acc0 += load(qr + c) * load(kr + c);
-        acc1 += load(qr + c + VL) * load(kr + c + VL);
-      }
-      s[(size_t)r * lds + j] = hsum(acc0 + acc1) * scale;
+      vec acc = load(qr) * load(kr);
+      for (int c = VL; c < d; c += VL) acc += load(qr + c) * load(kr + c);
+      s[(size_t)r * lds + j] = hsum(acc) * scale;
     }
   }
 }
 
-// O[r][c0 : c0 + 64] (+)= sum_{j0 <= j < j1} P[r][j] * V[j][c0 : c0 + 64] for R rows (OUT_ROWS, or fewer at the
-// end of a few-rows call).
+// O[r][c0 : c0 + OUT_COLS] (+)= sum_{j0 <= j < j1} P[r][j] * V[j][c0 : c0 + OUT_COLS] for R rows (OUT_ROWS, or
+// fewer at the end of a block).
 template <int R = OUT_ROWS>
 inline void out_tile(const float* p, int ldp, int j0, int j1, const float* v, long ldv, int c0, float* o, long ldo,
                      bool first) {
-  v16 acc[R][4];
+  vec acc[R][4];
   for (int r = 0; r < R; ++r)
-    for (int x = 0; x < 4; ++x) acc[r][x] = first ? v16{} : load(o + r * ldo + c0 + VL * x);
+    for (int x = 0; x < 4; ++x) acc[r][x] = first ? vec{} : load(o + r * ldo + c0 + VL * x);
   for (int j = j0; j < j1; ++j) {
     const float* vr = v + (size_t)j * ldv + c0;
-    const v16 v0 = load(vr), v1 = load(vr + VL), v2 = load(vr + 2 * VL), v3 = load(vr + 3 * VL);
+    const vec v0 = load(vr), v1 = load(vr + VL), v2 = load(vr + 2 * VL), v3 = load(vr + 3 * VL);
     for (int r = 0; r < R; ++r) {
-      const v16 a = splat(p[(size_t)r * ldp + j]);
+      const vec a = splat(p[(size_t)r * ldp + j]);
       acc[r][0] += a * v0;
       acc[r][1] += a * v1;
       acc[r][2] += a * v2;
@@ -172,16 +246,16 @@ inline float softmax_numerators(float* s, int nvis, int npad, const float* mask,
   } else if (mask) {
     for (int j = 0; j < nvis; ++j) s[j] += mask[0];
   }
-  v16 mv = splat(-INFINITY);
-  for (int j = 0; j < nv; j += VL) { const v16 x = load(s + j); mv = x > mv ? x : mv; }
+  vec mv = splat(-INFINITY);
+  for (int j = 0; j < nv; j += VL) { const vec x = load(s + j); mv = x > mv ? x : mv; }
   float m = hmax(mv);
   for (int j = nv; j < nvis; ++j) m = s[j] > m ? s[j] : m;
   if (row_max) *row_max = m;
   if (m == -INFINITY) return 0.0f;
   mv = splat(m);
-  const v16 es = splat(exp_scale);
-  v16 sum = {};
-  for (int j = 0; j < nv; j += VL) { const v16 e = exp2_neg((load(s + j) - mv) * es); store(s + j, e); sum += e; }
+  const vec es = splat(exp_scale);
+  vec sum = {};
+  for (int j = 0; j < nv; j += VL) { const vec e = exp2_neg((load(s + j) - mv) * es); store(s + j, e); sum += e; }
   float total = hsum(sum);
   for (int j = nv; j < nvis; ++j) { s[j] = std::exp2((s[j] - m) * exp_scale); total += s[j]; }
   for (int j = nvis; j < npad; ++j) s[j] = 0.0f;
@@ -216,7 +290,7 @@ float* work_block(size_t n) {
   if (kept.size < n) {
     kept.data.reset();
     kept.size = 0;
-    kept.data.reset(new float[n + VL]);  // + VL: room to align the start to 64 bytes
+    kept.data.reset(new float[n + 16]);  // + 16: room to align the start to 64 bytes
     kept.size = n;
   }
   auto at = reinterpret_cast<std::uintptr_t>(kept.data.get());
@@ -251,7 +325,7 @@ const float* block_rows_at(const float* src, long ld, int rows, int full, int w,
 struct Problem {
   const float *q, *k, *v, *lam, *mask;
   Layout lq, lk, lv, lo;  // of q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and out (B, H, nq, dv)
-  float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: few rows)
+  float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: row-major scores)
   float* out;
   float* maps;  // null, or where to keep the two normalised maps for the backward, (B, H, 2, nq, nk_pad)
   int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
@@ -286,10 +360,10 @@ void transpose_keys(const Problem& P, long m, int j0) {
 // Whether `rows` rows of width w (a multiple of 16; row stride ld) at src are all finite: x - x is 0 for a finite
 // x and NaN for an infinity or a NaN, and one NaN makes the sum NaN (no -ffast-math: the compiler keeps x - x).
 bool finite_rows(const float* src, long ld, int rows, int w) {
-  v16 acc = {};
+  vec acc = {};
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < w; c += VL) {
-      const v16 x = load(src + r * ld + c);
+      const vec x = load(src + r * ld + c);
       acc += x - x;
     }
   for (int i = 0; i < VL; ++i)
@@ -315,9 +389,9 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w, std::atomic<bool>
   if (seen && !(finite_rows(q1, P.d, rows, P.d) && finite_rows(q2, P.d, rows, P.d)))
     seen->store(true, std::memory_order_relaxed);
   float *s1 = w.s1, *s2 = w.s2;
-  const bool few = P.kt == nullptr;  // at most FEW_ROWS rows: k row-major, only the rows there are
-  const float* k1 = few ? P.lk.at(P.k, b, 2 * g) : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
-  const float* k2 = few ? P.lk.at(P.k, b, 2 * g + 1) : k1 + (size_t)P.d * P.nk_pad;
+  const bool row_major = P.kt == nullptr;  // at most ROW_MAJOR_ROWS rows: k read where it is
+  const float* k1 = row_major ? P.lk.at(P.k, b, 2 * g) : P.kt + ((size_t)b * 2 * P.kv_heads + 2 * g) * P.d * P.nk_pad;
+  const float* k2 = row_major ? P.lk.at(P.k, b, 2 * g + 1) : k1 + (size_t)P.d * P.nk_pad;
   const float* vg = P.lv.at(P.v, b, g);
   const float* lam = P.lam + ((size_t)b * P.heads + h) * P.nq + r0;
   float* o_rows = P.lo.at(P.out, b, h, r0);
@@ -327,13 +401,14 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w, std::atomic<bool>
   const int shift = P.nk - P.nq;  // causal: row i sees keys j < i + 1 + shift
   const int kmax = P.causal ? std::clamp(r0 + BQ + shift, 0, P.nk) : P.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
-  const int used = few ? rows : BQ;  // rows computed: the tiles' padding rows only where tiles are full
-  if (few) {
+  // rows computed: the rows there are, in the tiled path up to a whole score tile (padding rows of q are zero)
+  const int used = row_major ? rows : (rows + SCORE_ROWS - 1) / SCORE_ROWS * SCORE_ROWS;
+  if (row_major) {
     score_rows(q1, rows, P.d, k1, P.lk.r, kmax, s1, P.nk_pad, P.qk_scale);
     score_rows(q2, rows, P.d, k2, P.lk.r, kmax, s2, P.nk_pad, P.qk_scale);
   } else {
-    for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
-      for (int r = 0; r < BQ; r += SCORE_ROWS) {
+    for (int j0 = 0; j0 < kpad; j0 += TILE_KEYS)
+      for (int r = 0; r < used; r += SCORE_ROWS) {
         score_tile(q1 + (size_t)r * P.d, P.d, k1, P.nk_pad, j0, s1 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
         score_tile(q2 + (size_t)r * P.d, P.d, k2, P.nk_pad, j0, s2 + (size_t)r * P.nk_pad, P.nk_pad, P.qk_scale);
       }
@@ -353,9 +428,9 @@ void block(const Problem& P, int b, int h, int r0, Scratch& w, std::atomic<bool>
       if (m1) std::memset(m1, 0, sizeof(float) * kpad), std::memset(m2, 0, sizeof(float) * kpad);
       continue;
     }
-    const v16 a1 = splat(1.0f / l1), a2 = splat((row < P.nq ? lam[r] : 0.0f) / l2);
+    const vec a1 = splat(1.0f / l1), a2 = splat((row < P.nq ? lam[r] : 0.0f) / l2);
     if (m1) {  // kept: P1 / l1 and P2 / l2, the row's keys up to kpad (0 beyond the keys it sees)
-      const v16 i2 = splat(1.0f / l2);
+      const vec i2 = splat(1.0f / l2);
       for (int j = 0; j < kpad; j += VL) store(m1 + j, load(p1 + j) * a1), store(m2 + j, load(p2 + j) * i2);
     }  // a loop of its own: the one below compiles as without kept maps (the same fused multiply-adds, the same bits)
     for (int j = 0; j < kpad; j += VL) store(p1 + j, load(p1 + j) * a1 - load(p2 + j) * a2);
@@ -434,19 +509,19 @@ void run_items(long items, int n_workers, Item item) {
 
 constexpr int MIN_ITEMS = 8;  // row groups per head: enough that B x H x G items keep a few threads busy
 
-// O[r][c0 : c0 + 16 NV] (+)= sum_{j0 <= j < j1} P[r][j] * X[j][c0 : c0 + 16 NV] for ROWS rows (row strides
+// O[r][c0 : c0 + VL NV] (+)= sum_{j0 <= j < j1} P[r][j] * X[j][c0 : c0 + VL NV] for ROWS rows (row strides
 // ldp, ldx, ldo).
 template <int ROWS, int NV>
 inline void mul_tile(const float* p, int ldp, int j0, int j1, const float* x, long ldx, int c0, float* o, long ldo,
                      bool first) {
-  v16 acc[ROWS][NV];
+  vec acc[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
-    for (int u = 0; u < NV; ++u) acc[r][u] = first ? v16{} : load(o + r * ldo + c0 + VL * u);
+    for (int u = 0; u < NV; ++u) acc[r][u] = first ? vec{} : load(o + r * ldo + c0 + VL * u);
   for (int j = j0; j < j1; ++j) {
-    v16 xv[NV];
+    vec xv[NV];
     for (int u = 0; u < NV; ++u) xv[u] = load(x + j * ldx + c0 + VL * u);
     for (int r = 0; r < ROWS; ++r) {
-      const v16 a = splat(p[(size_t)r * ldp + j]);
+      const vec a = splat(p[(size_t)r * ldp + j]);
       for (int u = 0; u < NV; ++u) acc[r][u] += a * xv[u];
     }
   }
@@ -454,13 +529,13 @@ inline void mul_tile(const float* p, int ldp, int j0, int j1, const float* x, lo
     for (int u = 0; u < NV; ++u) store(o + r * ldo + c0 + VL * u, acc[r][u]);
 }
 
-// rows x (width, multiple of 16 NV; row stride ldo) (+)= P (rows x [j0, j1)) . X in tiles of ROWS rows and 16 NV
-// columns (dq: 12 x 32).
+// rows x (width, multiple of VL NV; row stride ldo) (+)= P (rows x [j0, j1)) . X in tiles of ROWS rows and VL NV
+// columns (dq: DQ_ROWS x 2 vectors).
 template <int ROWS, int NV>
 inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const float* x, long ldx, int width, float* o,
                      long ldo, bool first) {
   for (int r = 0; r < rows; r += ROWS)
-    for (int c0 = 0; c0 < width; c0 += 16 * NV)
+    for (int c0 = 0; c0 < width; c0 += VL * NV)
       mul_tile<ROWS, NV>(p + (size_t)r * ldp, ldp, j0, j1, x, ldx, c0, o + r * ldo, ldo, first);
 }
 
@@ -468,27 +543,27 @@ inline void mul_rows(const float* p, int ldp, int rows, int j0, int j1, const fl
 // (query rows j, keys r, row stride ldp), X (nj, ldx).
 inline void mul_tile_t(const float* p, int ldp, int nj, const float* x, int ldx, int c0, float* o, int ldo,
                        bool first) {
-  v16 acc[8][2];
+  vec acc[8][KT_VECS];
   for (int r = 0; r < 8; ++r)
-    for (int u = 0; u < 2; ++u) acc[r][u] = first ? v16{} : load(o + (size_t)r * ldo + c0 + VL * u);
+    for (int u = 0; u < KT_VECS; ++u) acc[r][u] = first ? vec{} : load(o + (size_t)r * ldo + c0 + VL * u);
   for (int j = 0; j < nj; ++j) {
-    const v16 x0 = load(x + (size_t)j * ldx + c0), x1 = load(x + (size_t)j * ldx + c0 + VL);
+    vec xv[KT_VECS];
+    for (int u = 0; u < KT_VECS; ++u) xv[u] = load(x + (size_t)j * ldx + c0 + VL * u);
     const float* pj = p + (size_t)j * ldp;
     for (int r = 0; r < 8; ++r) {
-      const v16 a = splat(pj[r]);
-      acc[r][0] += a * x0;
-      acc[r][1] += a * x1;
+      const vec a = splat(pj[r]);
+      for (int u = 0; u < KT_VECS; ++u) acc[r][u] += a * xv[u];
     }
   }
   for (int r = 0; r < 8; ++r)
-    for (int u = 0; u < 2; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
+    for (int u = 0; u < KT_VECS; ++u) store(o + (size_t)r * ldo + c0 + VL * u, acc[r][u]);
 }
 
 // keys x (width, multiple of 32) += P^T . X, P (nj x keys, row stride ldp), X (nj x width): dk_m and dv. Rows from
 // `fresh` on are written, not added to (no earlier block of rows has reached those keys).
 inline void mul_rows_t(const float* p, int ldp, int keys, int nj, const float* x, int width, float* o, int fresh) {
   for (int r = 0; r < keys; r += 8)
-    for (int c0 = 0; c0 < width; c0 += 2 * VL)
+    for (int c0 = 0; c0 < width; c0 += KT_VECS * VL)
       mul_tile_t(p + r, ldp, nj, x, width, c0, o + (size_t)r * width, width, r >= fresh);
 }
 
@@ -543,7 +618,7 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
   const int ld = G.nk_pad, shift = G.nk - G.nq;
   const int kmax = G.causal ? std::clamp(r0 + BQ + shift, 0, G.nk) : G.nk;
   const int kpad = (kmax + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
-  for (int j0 = 0; j0 < kpad; j0 += SCORE_COLS)
+  for (int j0 = 0; j0 < kpad; j0 += TILE_KEYS)
     for (int r = 0; r < BQ; r += SCORE_ROWS) {
       if (!G.maps) {
         score_tile(q1 + (size_t)r * G.d, G.d, k1t, ld, j0, s1 + (size_t)r * ld, ld, G.qk_scale);
@@ -586,9 +661,9 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
     }
     const float il1 = 1.0f / l1, il2 = 1.0f / l2, lr = lam[r];
     const int nv = nvis / VL * VL;
-    v16 d1 = {}, d2 = {};
+    vec d1 = {}, d2 = {};
     for (int j = 0; j < nv; j += VL) {
-      const v16 x = load(dpr + j);
+      const vec x = load(dpr + j);
       d1 += load(p1 + j) * x;
       d2 += load(p2 + j) * x;
     }
@@ -596,10 +671,10 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
     for (int j = nv; j < nvis; ++j) { delta1 += p1[j] * dpr[j]; delta2 += p2[j] * dpr[j]; }
     delta1 *= il1;
     delta2 *= il2;
-    const v16 a1 = splat(il1 * G.qk_scale), a2 = splat(-lr * il2 * G.qk_scale), e1 = splat(delta1), e2 = splat(delta2);
-    const v16 i1 = splat(il1), i2 = splat(lr * il2);
+    const vec a1 = splat(il1 * G.qk_scale), a2 = splat(-lr * il2 * G.qk_scale), e1 = splat(delta1), e2 = splat(delta2);
+    const vec i1 = splat(il1), i2 = splat(lr * il2);
     for (int j = 0; j < kpad; j += VL) {
-      const v16 x = load(dpr + j), y1 = load(p1 + j), y2 = load(p2 + j);
+      const vec x = load(dpr + j), y1 = load(p1 + j), y2 = load(p2 + j);
       store(dpr + j, y1 * i1 - y2 * i2);
       store(p1 + j, y1 * a1 * (x - e1));
       store(p2 + j, y2 * a2 * (x - e2));
@@ -614,8 +689,8 @@ void grad_rows(const Grad& G, int b, int h, int r0, GradScratch& w, float* part,
   float* dq2 = direct ? gq2 : w.dq2;
   for (int j0 = 0; j0 < std::max(kpad, 1); j0 += KEY_CHUNK) {
     const int j1 = std::min({kpad, G.nk, j0 + KEY_CHUNK});  // dS is 0 beyond nk: k's rows there are never read
-    mul_rows<12, 2>(s1, ld, BQ, j0, j1, k1, G.lk.r, G.d, dq1, ldq, j0 == 0);
-    mul_rows<12, 2>(s2, ld, BQ, j0, j1, k2, G.lk.r, G.d, dq2, ldq, j0 == 0);
+    mul_rows<DQ_ROWS, 2>(s1, ld, BQ, j0, j1, k1, G.lk.r, G.d, dq1, ldq, j0 == 0);
+    mul_rows<DQ_ROWS, 2>(s2, ld, BQ, j0, j1, k2, G.lk.r, G.d, dq2, ldq, j0 == 0);
   }
   for (int r = 0; !direct && r < rows; ++r) {
     std::copy(dq1 + (size_t)r * G.d, dq1 + (size_t)(r + 1) * G.d, gq1 + r * G.lgq.r);
@@ -656,7 +731,7 @@ void sum_keys(const Grad& G, int b, int g, int j0) {
     for (int j = j0; j < j1; ++j)
       for (int c = 0; c < widths[a]; c += VL) {
         const size_t at = offsets[a] + (size_t)j * widths[a] + c;
-        v16 acc = load(first + at);
+        vec acc = load(first + at);
         for (int x = 1; x < parts; ++x) acc += load(first + (size_t)x * G.part_size() + at);
         store(outs[a] + j * strides[a] + c, acc);
       }
@@ -686,6 +761,9 @@ extern "C" int diff_attention_cpu_on_openmp() {
   return 0;
 #endif
 }
+
+// Floats per vector of this build: 16 where it was built for AVX-512, else 8 (the tiles above).
+extern "C" int diff_attention_cpu_vector_floats() { return VL; }
 
 // How the last step of the last call ran its work items: 0 on the calling thread alone (one thread, or one item),
 // 1 on OpenMP's pool, 2 on threads it started.
@@ -719,12 +797,12 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
   const long key_maps = (long)P.batch * 2 * P.kv_heads, key_tiles = P.nk_pad / SCORE_COLS;
   const long blocks = (P.nq + BQ - 1) / BQ, items = (long)P.batch * P.heads * blocks;
   const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max(items, key_maps * key_tiles)));
-  const bool few = P.nq <= FEW_ROWS;
+  const bool row_major = P.nq <= ROW_MAJOR_ROWS;
   std::vector<Scratch> scratch;
   Carver c;
   for (int pass = 0; pass < 2; ++pass) {  // sizes, then pieces of the block
     c.used = 0;
-    P.kt = few ? nullptr : c.take((size_t)key_maps * P.d * P.nk_pad);
+    P.kt = row_major ? nullptr : c.take((size_t)key_maps * P.d * P.nk_pad);
     scratch.clear();
     for (int t = 0; t < n_workers; ++t) scratch.emplace_back(P, c);
     if (pass == 0) {
@@ -737,11 +815,11 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
   }
   std::atomic<bool> seen{false};
   std::atomic<bool>* scan = nonfinite ? &seen : nullptr;
-  if (!few || scan) {  // few rows: no transposed k, only the scan
+  if (!row_major || scan) {  // row-major scores: no transposed k, only the scan
     run_items(key_maps * key_tiles, n_workers, [&](int, long i) {
       const long m = i / key_tiles;
       const int j0 = (int)(i % key_tiles) * SCORE_COLS;
-      if (!few) transpose_keys(P, m, j0);
+      if (!row_major) transpose_keys(P, m, j0);
       if (scan && !finite_keys(P, m, j0, std::min(j0 + SCORE_COLS, P.nk))) seen.store(true, std::memory_order_relaxed);
     });
   }
@@ -774,7 +852,7 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
          mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
   G.nk_pad = (G.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   const int BQ = G.block_rows;
-  if (BQ <= 0 || BQ % SCORE_ROWS || BQ % 12 || G.d % 32 || G.dv % OUT_COLS || G.d <= 0 || G.nq < 0 || G.nk < 0 ||
+  if (BQ <= 0 || BQ % SCORE_ROWS || BQ % DQ_ROWS || G.d % 32 || G.dv % OUT_COLS || G.d <= 0 || G.nq < 0 || G.nk < 0 ||
       G.kv_heads <= 0 || G.heads % G.kv_heads)
     return -1;
   const long B = G.batch, kmaps = B * 2 * G.kv_heads, vmaps = B * G.kv_heads, heads = B * G.heads,
