@@ -4,11 +4,16 @@ For a key count ``Nk`` (a KV cache) and query counts ``Nq`` from 1 (one new toke
 ``sdpa_padded`` and ``cpu_fused`` on the same float32 inputs (B=1, H=8 differential heads, d=64, no mask,
 inference), ``--rounds`` rounds each timing every candidate once in turn; reports the median milliseconds and
 which is fastest, next to what ``backend="auto"`` runs for that call. The SDPA forms pad q and k on every call;
-the fused kernel takes calls of at most 16 query rows without transposing K, one dot product per score.
+the fused kernel takes calls of at most 512 query rows without transposing K, one dot product per score.
+
+``--flags`` builds the kernel with other target flags in place of ``-march=native``: ``--flags=-march=x86-64-v3``
+gives on an x86-64 CPU with AVX-512 the build an AVX2 CPU runs (8-float vectors and their tiles).
 
     python benchmarks/bench_cpu_queries.py [--keys 512 4096] [--queries 1 4 16 64 256] [--rounds 7] [--threads 1]
+    python benchmarks/bench_cpu_queries.py --flags=-march=x86-64-v3
 
-Writes ``benchmarks/results_cpu_queries_<cpu>.json`` (the CPU name says the thread count).
+Writes ``benchmarks/results_cpu_queries_<cpu>.json`` (the CPU name says the thread count; with ``--flags``, the flags
+are added to the name).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from diffattn_tutorial.backends import Needs, resolve
 from diffattn_tutorial.functional import diff_attention
+from diffattn_tutorial.kernels.cpu import build, cpu_fused
 from diffattn_tutorial.measure.gpu import results_header, write_json
 from diffattn_tutorial.measure.timing import slug
 
@@ -77,16 +83,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--flags", default=None, help="kernel target flags in place of -march=native")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.flags is not None:
+        build.NATIVE_FLAGS = tuple(args.flags.split())  # before the kernel's first use: its build and cache key
     header = results_header("cpu", "benchmarks/bench_cpu_queries.py", argv if argv is not None else sys.argv[1:])
     rows = run(args.keys, args.queries, args.rounds)
+    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
     print(f"{header['device']}, {args.threads} thread(s), torch {header['torch']}, B=1 H={H} d={D} float32, "
-          f"{args.rounds} rounds (median)")
+          f"{args.rounds} rounds (median); kernel built with {' '.join(kernel['flags'])} "
+          f"({kernel['vector_floats']}-float vectors)")
     print(table(rows))
-    out = args.out or HERE / f"results_cpu_queries_{slug(header['device'])}.json"
-    write_json(out, {**header, "threads": args.threads, "rows": rows})
+    name = slug(header["device"]) + ("" if args.flags is None else "_" + slug(args.flags))
+    out = args.out or HERE / f"results_cpu_queries_{name}.json"
+    write_json(out, {**header, "threads": args.threads, "kernel": kernel, "rows": rows})
     print(f"wrote {out}")
     return 0
 

@@ -36,7 +36,10 @@ against ``sdpa_padded`` (:func:`diffattn_tutorial.measure.timing.peak_extra_memo
 ``cpu_fused`` and on ``sdpa_padded``, at the course's small shapes (:data:`RULE_SHAPES`), rounds interleaved, and
 writes ``benchmarks/results_cpu_train_rule_<cpu>.json``.
 
-    python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory] [--own-threads]
+``--flags`` builds the kernel with other target flags in place of ``-march=native`` (``--flags=-march=x86-64-v3``: on
+an x86-64 CPU with AVX-512, the build an AVX2 CPU runs); the results file's name then ends in the flags.
+
+    python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory] [--own-threads] [--flags F]
     python benchmarks/bench_cpu_train.py --rule [--rounds 15]
 """
 
@@ -59,7 +62,7 @@ import torch
 
 from diffattn_tutorial import backends
 from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import build, cpu_fused
 from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 from diffattn_tutorial.measure import flops, timing
 
@@ -289,9 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--own-threads", action="store_true", help="also time our layer with the kernel on threads of "
                                                                "its own (not torch's OpenMP pool)")
     ap.add_argument("--rule", action="store_true", help="time auto's head-dim rule for training instead (RULE_SHAPES)")
+    ap.add_argument("--flags", default=None, help="kernel target flags in place of -march=native")
     ap.add_argument("--out", type=Path, default=None, help="results file (default "
                                                            "benchmarks/results_cpu_train[_rule]_<cpu>.json)")
     args = ap.parse_args(argv)
+    if args.flags is not None:
+        build.NATIVE_FLAGS = tuple(args.flags.split())  # before the kernel's first use: its build and cache key
     device = timing.device_name("cpu")
     command = "python benchmarks/bench_cpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.rule:
@@ -307,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         results[n] = {"times_s": times, "ratio": ratios(times), "bound": bounds(n, times),
                       "kernel": kernel_rates(n, args.rounds)}
     mem = None if args.no_memory else memory(2048)
+    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
     print(f"{device}, torch {torch.__version__}, width {WIDTH}, {HEADS} differential heads, B=1, float32, "
-          f"{args.rounds} rounds, load average before {load}")
+          f"{args.rounds} rounds, load average before {load}; kernel built with {' '.join(kernel['flags'])} "
+          f"({kernel['vector_floats']}-float vectors)")
     print(backends.describe_auto("cpu"))
     print(table(results))
     print(f"What a ratio of {GOAL} leaves our attention (peer / {GOAL} - our projections), and the rate it would need:")
@@ -324,13 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     if mem is not None:
         print("training step peak extra MiB at N=2048: " + ", ".join(
             f"{name} {b / 2**20:.1f}" for name, b in mem.items() if b is not None))
-    out = args.out or HERE / f"results_cpu_train_{timing.slug(device)}.json"
+    flags = "" if args.flags is None else "_" + timing.slug(args.flags)
+    out = args.out or HERE / f"results_cpu_train_{timing.slug(device)}{flags}.json"
     versions = {"timm": _version("timm"), "transformers": _version("transformers")}
     out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
                                "peers": versions, "date": datetime.date.today().isoformat(),
                                "command": command.strip(), "load_average_before": load,
                                "auto_rule": backends.describe_auto("cpu"),
-                               "kernel_threads": cpu_fused.kernel_threads(),
+                               "kernel_threads": cpu_fused.kernel_threads(), "kernel": kernel,
                                "results": results, "train_step_peak_extra_bytes_n2048": mem}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
