@@ -163,8 +163,7 @@ def kernel_threads() -> str:
 
 
 def vector_floats() -> int:
-    """Floats per vector of the loaded kernel: 16 where it was built for AVX-512, else 8 (AVX2, NEON, ...; its tiles
-    are sized so that their sums stay in registers). Raises KernelUnavailable where the kernel cannot be had."""
+    """Floats per vector of the loaded kernel: 16 built for AVX-512, else 8 (and smaller tiles). Raises KernelUnavailable."""
     return _kernel().diff_attention_cpu_vector_floats()
 
 
@@ -205,9 +204,8 @@ def _self_check(lib: ctypes.CDLL) -> None:
     from diffattn_tutorial.formulations import naive_reference  # the reference (a layer above the kernels)
 
     tall = torch.randn(1, 2, 523, 24, generator=g)  # more rows than ROW_MAJOR_ROWS: k transposed, the score tiles
-    cases = ((q, k, v, lam, False, None), (q, k, v, lam, True, None), (q, k, v, lam, False, mask),
-             (tall, k[:1, :2], v[:1, :1], lam[:1, :1, :1], False, None))
-    for qq, kk, vv, ll, causal, m in cases:
+    for qq, kk, vv, ll, causal, m in ((q, k, v, lam, False, None), (q, k, v, lam, True, None), (q, k, v, lam, False,
+                                      mask), (tall, k[:1, :2], v[:1, :1], lam[:1, :1, :1], False, None)):
         out = _forward(lib, qq, kk, vv, ll, m, causal, 24 ** -0.5)
         ref = naive_reference(qq.double(), kk.double(), vv.double(), ll.double(), causal=causal,
                               attn_mask=None if m is None else m.double())

@@ -130,7 +130,7 @@ inline void score_tile(const float* q, int d, const float* kt, int ldk, int j0, 
 // of VL - 1 vector additions instead of VL horizontal sums). Each level adds pairs of lanes of two vectors, x's into
 // the first half of each block of 2s lanes and y's into the second: lanes end in bit-reversed order, which BITREV
 // undoes.
-#ifdef __clang__
+#if defined(__clang__) || __GNUC__ >= 12  // Clang's builtin, which GCC has since 12
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, veci{__VA_ARGS__})
