@@ -235,6 +235,12 @@ print("narrow build ok")
 """
 
 
+def test_vector_floats_is_public_as_kernel_threads_is():
+    """README and notebook 08 name ``cpu_fused.vector_floats()`` beside ``kernel_threads()``: it is in the module's
+    ``__all__`` as that one is (a star import dropped it)."""
+    assert {"kernel_threads", "vector_floats"} <= set(cpu_fused.__all__)
+
+
 @needs_compiler
 def test_the_kernel_is_built_for_the_widest_vectors_whose_tiles_stay_in_registers():
     """AVX-512 builds take 16-float vectors; every other target 8-float vectors and smaller tiles, which the narrow

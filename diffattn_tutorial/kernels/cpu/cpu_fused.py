@@ -695,6 +695,6 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
         return None
 
 
-__all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler",
-           "library_path", "kernel_status", "kernel_threads", "check_operator_inputs", "cpu_fused_forward",
+__all__ = ["SOURCE", "BLOCK_ROWS", "OP_NAME", "BACKWARD_OP_NAME", "KernelUnavailable", "compiler", "library_path",
+           "kernel_status", "kernel_threads", "vector_floats", "check_operator_inputs", "cpu_fused_forward",
            "cpu_fused_backward", "fused_diff_attention", "release_buffers"]
