@@ -37,7 +37,8 @@ against ``sdpa_padded`` (:func:`diffattn_tutorial.measure.timing.peak_extra_memo
 writes ``benchmarks/results_cpu_train_rule_<cpu>.json``.
 
 ``--flags`` builds the kernel with other target flags in place of ``-march=native`` (``--flags=-march=x86-64-v3``: on
-an x86-64 CPU with AVX-512, the build an AVX2 CPU runs); the results file's name then ends in the flags.
+an x86-64 CPU with AVX-512, the build an AVX2 CPU runs); the results file's name then ends in the flags (``--rule``'s
+too).
 
     python benchmarks/bench_cpu_train.py [--n 512 2048 4096] [--rounds 5] [--no-memory] [--own-threads] [--flags F]
     python benchmarks/bench_cpu_train.py --rule [--rounds 15]
@@ -352,11 +353,14 @@ def _rule(args: argparse.Namespace, device: str, command: str) -> int:
           f"the attention call, {args.rounds} rounds, load average before {load}")
     print(backends.describe_auto("cpu"))
     print(rule_table(rows))
-    out = args.out or HERE / f"results_cpu_train_rule_{timing.slug(device)}.json"
+    flags = "" if args.flags is None else "_" + timing.slug(args.flags)  # another build's: not the native record
+    out = args.out or HERE / f"results_cpu_train_rule_{timing.slug(device)}{flags}.json"
+    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
     out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
                                "date": datetime.date.today().isoformat(), "command": command,
                                "threads": torch.get_num_threads(), "load_average_before": load,
-                               "auto_rule": backends.describe_auto("cpu"), "rows": rows}, indent=1) + "\n")
+                               "auto_rule": backends.describe_auto("cpu"), "kernel": kernel, "rows": rows},
+                              indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -298,6 +298,31 @@ def test_the_rule_benchmark_writes_what_it_timed(tmp_path, monkeypatch):
         assert r["sdpa_padded_over_cpu_fused"] == pytest.approx(med["sdpa_padded"] / med["cpu_fused"])
 
 
+def test_the_rule_benchmark_with_flags_names_its_file_after_them(tmp_path, monkeypatch):
+    """``--rule --flags=...`` (another build's tiles) wrote the default rule file, over the native build's record, and
+    did not say which build it timed; its file's name now ends in the flags, as the other run's does, and says them."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from diffattn_tutorial.kernels.cpu import build
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu_train.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "RULE_SHAPES", [(1, 1, 8, 32)])
+    monkeypatch.setattr(bench, "HERE", tmp_path)
+    monkeypatch.setattr(build, "NATIVE_FLAGS", build.NATIVE_FLAGS)  # main sets it; restored after
+    flags = " ".join(build.NATIVE_FLAGS)  # the loaded kernel's own: nothing is built again
+    assert bench.main(["--rule", "--rounds", "1", f"--flags={flags}"]) == 0
+    written = [p.name for p in tmp_path.iterdir()]
+    assert written == [f"results_cpu_train_rule_{bench.timing.slug(bench.timing.device_name('cpu'))}_"
+                       f"{bench.timing.slug(flags)}.json"], written
+    data = json.loads((tmp_path / written[0]).read_text())
+    assert data["kernel"] == {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
+
+
 def test_short_calls_keep_their_maps_for_the_backward_and_long_ones_recompute_them(monkeypatch):
     """Eager training keeps the forward's two normalised maps for the backward where they are small
     (``MAPS_KEPT_BYTES``), frees them after it, and recomputes them above that size or in a second backward; the
