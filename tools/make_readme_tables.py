@@ -409,7 +409,9 @@ def gpu_block(folder: Path = RECORDED) -> str:
         parts.append(f"**Recorded on {rec.get('device', NOT_RECORDED)}** (compute capability "
                      f"{rec.get('capability', NOT_RECORDED)}, torch {rec.get('torch', NOT_RECORDED)}, CUDA "
                      f"{rec.get('cuda', NOT_RECORDED)}, Triton {rec.get('triton', NOT_RECORDED)}, "
-                     f"{rec.get('date', NOT_RECORDED)}; `{_rel(folder / (name + '.json'))}`). Steps: {steps}.")
+                     f"{rec.get('date', NOT_RECORDED)}; `{_rel(folder / (name + '.json'))}`). Steps: {steps}."
+                     + "".join(f" Rerun on the same kind of GPU, {r['date']}: `{r['step']}` {r['status']}: {r['why']}."
+                               for r in data.get("reruns", [])))
         triton = folder / (name.replace("gpu_session", "bench_triton", 1) + ".json")
         if triton.exists():
             res = _load(triton)
