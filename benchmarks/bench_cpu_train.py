@@ -314,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         results[n] = {"times_s": times, "ratio": ratios(times), "bound": bounds(n, times),
                       "kernel": kernel_rates(n, args.rounds)}
     mem = None if args.no_memory else memory(2048)
-    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
-    print(f"{device}, torch {torch.__version__}, width {WIDTH}, {HEADS} differential heads, B=1, float32, "
+    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats(),
+              "compiler": build.compiler_version()}
+    cpu = timing.cpu_identity()
+    print(f"{device} ({', '.join(f'{k} {v}' for k, v in cpu.items())}), torch {torch.__version__}, width {WIDTH}, {HEADS} differential heads, B=1, float32, "
           f"{args.rounds} rounds, load average before {load}; kernel built with {' '.join(kernel['flags'])} "
           f"({kernel['vector_floats']}-float vectors)")
     print(backends.describe_auto("cpu"))
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = "" if args.flags is None else "_" + timing.slug(args.flags)
     out = args.out or HERE / f"results_cpu_train_{timing.slug(device)}{flags}.json"
     versions = {"timm": _version("timm"), "transformers": _version("transformers")}
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+    out.write_text(json.dumps({"device": device, "cpu": cpu, "torch": torch.__version__, "python": platform.python_version(),
                                "peers": versions, "date": datetime.date.today().isoformat(),
                                "command": command.strip(), "load_average_before": load,
                                "auto_rule": backends.describe_auto("cpu"),
@@ -355,8 +357,10 @@ def _rule(args: argparse.Namespace, device: str, command: str) -> int:
     print(rule_table(rows))
     flags = "" if args.flags is None else "_" + timing.slug(args.flags)  # another build's: not the native record
     out = args.out or HERE / f"results_cpu_train_rule_{timing.slug(device)}{flags}.json"
-    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+    kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats(),
+              "compiler": build.compiler_version()}
+    out.write_text(json.dumps({"device": device, "cpu": timing.cpu_identity(), "torch": torch.__version__,
+                               "python": platform.python_version(),
                                "date": datetime.date.today().isoformat(), "command": command,
                                "threads": torch.get_num_threads(), "load_average_before": load,
                                "auto_rule": backends.describe_auto("cpu"), "kernel": kernel, "rows": rows},

@@ -320,7 +320,9 @@ def test_the_rule_benchmark_with_flags_names_its_file_after_them(tmp_path, monke
     assert written == [f"results_cpu_train_rule_{bench.timing.slug(bench.timing.device_name('cpu'))}_"
                        f"{bench.timing.slug(flags)}.json"], written
     data = json.loads((tmp_path / written[0]).read_text())
-    assert data["kernel"] == {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
+    assert data["kernel"] == {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats(),
+                              "compiler": build.compiler_version()}
+    assert data["kernel"]["compiler"] and data["cpu"] == bench.timing.cpu_identity() and data["cpu"]["name"]
 
 
 def test_short_calls_keep_their_maps_for_the_backward_and_long_ones_recompute_them(monkeypatch):

@@ -59,6 +59,25 @@ def device_name(device: str | torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def cpu_identity() -> dict:
+    """What a CPU results file records beside :func:`device_name`: the processor's name and, where Linux lists
+    them, its vendor, family and model numbers (two machines of one name can differ in generation: AMD's family 25
+    is Zen 3 and 4, family 26 Zen 5)."""
+    found = {"name": platform.processor() or platform.machine()}
+    keys = {"model name": "name", "vendor_id": "vendor", "cpu family": "family", "model": "model"}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key in keys and keys[key] not in found.keys() - {"name"}:
+                    found[keys[key]] = value
+                if not key:  # the first processor's block ends
+                    break
+    except OSError:
+        pass
+    return found
+
+
 def slug(text: str) -> str:
     """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``, for file names."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")

@@ -84,6 +84,15 @@ def compiler() -> Optional[list[str]]:
     return next(([path] for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
 
 
+def compiler_version() -> Optional[str]:
+    """The first line of the C++ compiler's ``--version`` (what a results file records), or None without one."""
+    cxx = compiler()
+    try:
+        return _run([*cxx, "--version"]).stdout.splitlines()[0] if cxx else None
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return None
+
+
 def _source_text() -> str:
     return resources.files(__package__).joinpath(SOURCE).read_text()
 
@@ -313,4 +322,4 @@ def loaded_note() -> str:
     return str(_LOADED.get("why", "fused C++ kernel"))
 
 
-__all__ = ["SOURCE", "TIMEOUT_S", "KernelUnavailable", "compiler", "library_path", "load_once", "loaded", "loaded_note"]
+__all__ = ["SOURCE", "TIMEOUT_S", "KernelUnavailable", "compiler", "compiler_version", "library_path", "load_once", "loaded", "loaded_note"]
