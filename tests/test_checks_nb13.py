@@ -90,7 +90,7 @@ def combine(outs, lses, lam, *, shift="splits", normalise=True, base=math.e, sig
     o = (w * outs).sum(0) / (w.sum(0) if normalise else 1.0)
     m0 = lses.amax(0)
     total = {"right": m0 + torch.log(torch.exp(lses - m0).sum(0)), "no_max": torch.log(torch.exp(lses - m0).sum(0)),
-             "max_only": m0, "sum": lses.sum(0)}[lse]
+             "max_only": m0, "sum": lses.sum(0), "overflow": torch.log(torch.exp(lses).sum(0))}[lse]
     return o[:, :, maps[0]] + sign * lam * o[:, :, maps[1]], total
 
 
@@ -110,6 +110,7 @@ def test_combine_splits_accepts_right_answer(capsys):
     (dict(lse="no_max"), "max was not added back"),
     (dict(lse="max_only"), "largest split's only"),
     (dict(lse="sum"), "sum of the splits' log-sum-exps"),
+    (dict(lse="overflow"), r"log\(sum_s exp\(lse_s\)\) overflows"),
 ])
 def test_combine_splits_mistakes_are_named(kw, match):
     with pytest.raises(CheckFailed, match=match):

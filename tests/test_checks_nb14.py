@@ -100,7 +100,7 @@ def test_shared_blocked_pairs():
 # --- TASK 3 -----------------------------------------------------------------------------------------------------
 
 
-def finetune(model, batches, *, lr, warmup_steps, shift=0, after=False, zero=True, none=False, n=None):
+def finetune(model, batches, *, lr, warmup_steps, shift=0, after=False, zero=True, none=False, n=None, item=True):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for t, batch in enumerate(batches):
@@ -114,7 +114,7 @@ def finetune(model, batches, *, lr, warmup_steps, shift=0, after=False, zero=Tru
         opt.step()
         if after:
             set_warmup(model, mix)
-        losses.append(loss.item())
+        losses.append(loss.item() if item else loss)
     return losses[:n] if n else losses
 
 
@@ -124,7 +124,7 @@ def test_finetune_accepts_the_right_answer_and_names_mistakes(capsys):
     assert "PASSED" in capsys.readouterr().out
     for kwargs, hint in [(dict(none=True), "warm-up is missing"), (dict(shift=1), "one step ahead"),
                          (dict(after=True), "set after the step"), (dict(zero=False), "never zeroed"),
-                         (dict(n=3), "list of 5 losses")]:
+                         (dict(n=3), "list of 5 losses"), (dict(item=False), r"not tensors")]:
         with pytest.raises(CheckFailed, match=hint):
             check_finetune(lambda m, b, **kw: finetune(m, b, **kw, **kwargs))
 

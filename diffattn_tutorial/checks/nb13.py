@@ -187,6 +187,9 @@ def check_combine_splits(fn: Callable) -> None:
                 "the lse is the largest split's only: the other splits add log(sum_s exp(lse_s - m)) to it": m,
                 "the lse is the sum of the splits' log-sum-exps; log-sum-exps combine by log-sum-exp, not by a sum":
                     lses.sum(0),
+                "log(sum_s exp(lse_s)) overflows (or underflows) where the log-sum-exps are in the hundreds: "
+                "subtract their max m before the exponential and add m back after the log":
+                    torch.log(torch.exp(lses).sum(0)),
             })
     passed("the partial results of every split merge into exactly the attention over all the keys, for both maps, "
            "and their log-sum-exps into the log-sum-exp over all the keys.")

@@ -200,11 +200,14 @@ def check_finetune(fn: Callable) -> None:
     if not isinstance(got, (list, tuple)) or len(got) != _FT_STEPS:
         fail(f"{what} should return a list of {_FT_STEPS} losses, one per batch, got {type(got).__name__}"
              + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""))
+    if any(isinstance(x, torch.Tensor) for x in got):
+        fail(f"{what} should return Python numbers, loss.item(), not tensors (each would carry its step's autograd "
+             f"history; loss.item() is the plain number the losses are compared as)")
     try:
         got_t = torch.tensor([float(x) for x in got], dtype=torch.float64)
     except (TypeError, ValueError):
         fail(f"{what} should return numbers (loss.item()), got {[type(x).__name__ for x in got][:2]}")
-    expect(got_t, want, what=f"{what}: the losses", wrong=wrong,
+    expect(got_t, want, what=f"{what}: the loss of each step", wrong=wrong,
            default_hint="One SGD step per batch on retrieval_loss, set_warmup(model, min(1, t / warmup_steps)) "
                         "before each forward.")
     params = torch.cat([p.detach().flatten() for p in learner.parameters()])
