@@ -230,12 +230,12 @@ def counting_backend(name):
     return backend, compiles
 
 
-def test_compiled_static_step_compiles_once_per_model_and_buffer_and_gives_the_same_tokens(fresh_dynamo, monkeypatch):
+@torch._dynamo.config.patch(recompile_limit=1)  # monkeypatch's undo hid the entry for the rest of the process
+def test_compiled_static_step_compiles_once_per_model_and_buffer_and_gives_the_same_tokens(fresh_dynamo):
     """One compilation for every step and every later call with the same buffer (a power of two) and batch size;
     each model and buffer size has its own compiled step, so torch._dynamo's recompile limit (lowered to 1 here,
     8 by default) is never reached: a learner comparing kinds and lengths in one kernel hit it (a hard failure
     under ``fullgraph=True``). aot_eager traces as inductor does (the cache's in-place writes functionalised)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     backend, compiles = counting_backend("aot_eager")
     small = dict(max_len=160, d_model=32, n_layers=1, n_kv_heads=2)
     m, p = lm("diff", **small), prompt()
