@@ -7,10 +7,9 @@ Setting it here, before any test module is collected, makes that independent of 
 
 import os
 
+import process_state
 import pytest
 import torch
-
-import process_state
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,12 +1,14 @@
 """What a test must leave as it found it: the process state that a later test in the same worker would inherit.
 
-``snapshot()`` reads it; ``changes(before, after)`` names what differs. ``conftest.py`` fails any test that leaves
+``snapshot()`` reads it; ``changes(before, after)`` names what differs. Libraries add warnings filters when they are
+first imported; when a test imported new modules, only filters it removed count. ``conftest.py`` fails any test that leaves
 a difference, so the suite passes in any order and any split across workers.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -41,6 +43,7 @@ def snapshot() -> dict[str, object]:
         "environment": dict(os.environ),
         "backend registry": _registry(),
         "warnings filters": list(warnings.filters),
+        "modules": frozenset(sys.modules),
     }
 
 
@@ -53,9 +56,15 @@ def _dict_changes(name: str, before: dict, after: dict) -> list[str]:
 def changes(before: dict[str, object], after: dict[str, object]) -> list[str]:
     """One line per entry that differs; a config entry that disappeared shows as ``<unset>``."""
     out = []
+    imported = before["modules"] != after["modules"]
     for name, old in before.items():
         new = after[name]
-        if isinstance(old, dict) and isinstance(new, dict):
+        if name == "modules":
+            continue  # not state a test restores: read to tell a library's import-time filters from a test's
+        if name == "warnings filters" and imported:
+            # importing numpy, IPython, urllib3, ... adds filters of their own; a filter the test removed still counts
+            out += [f"warnings filters: {f} removed" for f in old if f not in new]
+        elif isinstance(old, dict) and isinstance(new, dict):
             out += _dict_changes(name, old, new)
         elif old != new:
             out.append(f"{name}: {old!s:.200} -> {new!s:.200}")

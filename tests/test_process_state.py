@@ -39,3 +39,12 @@ def test_planted_changes_are_each_named():
     for name in ("default dtype", "torch threads", "DIFFATTN_PLANTED", "warnings filters"):
         assert name in text, (name, text)
     assert process_state.changes(before, process_state.snapshot()) == []
+
+
+def test_a_filter_added_without_an_import_is_named_and_an_import_time_one_is_not():
+    before = process_state.snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert any("warnings filters" in line for line in process_state.changes(before, process_state.snapshot()))
+        imported = dict(process_state.snapshot(), modules=before["modules"] | {"a_library_imported_now"})
+        assert process_state.changes(before, imported) == []
