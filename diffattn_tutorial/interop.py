@@ -103,7 +103,7 @@ def _check_exportable(module: object, cls: type, exporter: str) -> None:
     export would compute another function."""
     if not isinstance(module, cls):
         raise TypeError(f"{exporter} expects a {cls.__name__}, got {type(module).__name__}")
-    if hasattr(module, "lambda_mix"):
+    if getattr(module, "lambda_mix", None) is not None:
         raise ValueError(f"this {type(module).__name__} is in its negative-branch warm-up (lambda_mix = "
                          f"{float(module.lambda_mix):g}); export it after diffattn_tutorial.layers.convert."
                          f"finish_warmup(model), which needs lambda_mix = 1")

@@ -219,7 +219,7 @@ def test_warmup_mix_refuses_what_is_no_step_count_by_name(step, warmup_steps, na
 # --- item 12: the baseline's form -------------------------------------------------------------------------------
 
 def test_a_cross_attention_baseline_is_refused_for_being_one():
-    with pytest.raises(ValueError, match=r"cross-attention \(kdim=16") as info:
+    with pytest.raises(ValueError, match=r"cross-attention baseline \(kdim=16") as info:
         to_diff_v2(_baseline(kdim=16))
     assert "bias" not in str(info.value)
     with pytest.raises(ValueError, match=r"projection biases"):
