@@ -105,7 +105,7 @@ def test_from_llama_refuses_a_misspelled_loose_key_naming_the_close_one(key, clo
         interop.from_llama(case["state_dict"], **_llama_loose(case), **{key: 1e-5})
 
 
-@pytest.mark.parametrize("damage", [lambda t: t[:30], lambda t: t.sum()])
+@pytest.mark.parametrize("damage", [lambda t: t[:-2], lambda t: t.sum()])  # 30 rows of 32, or 0-d
 def test_from_llama_names_a_wrong_projection_shape(damage):
     case = golden.load("llama/gqa_untied")
     sd = dict(case["state_dict"])
@@ -132,7 +132,7 @@ def test_a_path_or_numpy_arrays_instead_of_a_state_dict_are_named(name, load):
     with pytest.raises(TypeError, match=rf"{name}\(\): .*state dict of tensors.*weights_only=True.*load_file"):
         load("layer.pt")
     sd = {k: v.numpy() for k, v in MultiheadDiffAttn(32, 2).state_dict().items()}
-    with pytest.raises(TypeError, match=rf"{name}\(\): .*'q_proj.weight' is a numpy.ndarray.*torch.from_numpy"):
+    with pytest.raises(TypeError, match=rf"{name}\(\): '[\w.]+' is a numpy.ndarray, not a tensor.*torch.from_numpy"):
         load(sd)
 
 
