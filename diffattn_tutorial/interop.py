@@ -97,13 +97,30 @@ def _detached(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
+def _state_dict(state_dict: Any, loader: str) -> Mapping[str, Tensor]:
+    """``state_dict`` when it is a mapping of names to tensors; else a ``TypeError`` saying what to pass (a path,
+    a model or numpy arrays are not loaded here)."""
+    how = ("pass a state dict of tensors, e.g. torch.load(path, weights_only=True) or "
+           "safetensors.torch.load_file(path)")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{loader}(): got a {type(state_dict).__name__} ({str(state_dict)[:60]!r}), not a state dict; "
+                        f"{how}")
+    bad = [(k, v) for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        k, v = bad[0]
+        kind = f"{type(v).__module__}.{type(v).__name__}".removeprefix("builtins.")
+        raise TypeError(f"{loader}(): {k!r} is a {kind}, not a tensor; {how} (numpy arrays: "
+                        f"{{k: torch.from_numpy(v) for k, v in sd.items()}})")
+    return state_dict
+
+
 def _check_exportable(module: object, cls: type, exporter: str) -> None:
     """Refuse what ``exporter`` cannot export: another class than ``cls``, or a converted layer still in its
     negative-branch warm-up (``layers.convert``): no reference has the factor ``lambda_mix`` on its lambda, so its
     export would compute another function."""
     if not isinstance(module, cls):
         raise TypeError(f"{exporter} expects a {cls.__name__}, got {type(module).__name__}")
-    if hasattr(module, "lambda_mix"):
+    if getattr(module, "lambda_mix", None) is not None:
         raise ValueError(f"this {type(module).__name__} is in its negative-branch warm-up (lambda_mix = "
                          f"{float(module.lambda_mix):g}); export it after diffattn_tutorial.layers.convert."
                          f"finish_warmup(model), which needs lambda_mix = 1")
@@ -116,6 +133,7 @@ def from_unilm(state_dict: StateDict, *, embed_dim: int, num_heads: int, depth: 
     Names match one to one (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``lambda_*``, ``subln``).
     Extra keyword arguments go to the module (e.g. ``backend``).
     """
+    state_dict = _state_dict(state_dict, "from_unilm")
     _check_options(from_unilm, module_kwargs, MultiheadDiffAttn, ("depth", "num_kv_heads", "subln_affine"))
     layer = MultiheadDiffAttn(embed_dim, num_heads, depth=depth, num_kv_heads=num_kv_heads,
                               subln_affine=subln_affine, **module_kwargs)
@@ -124,16 +142,37 @@ def from_unilm(state_dict: StateDict, *, embed_dim: int, num_heads: int, depth: 
 
 
 def to_unilm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
-    """unilm's state_dict for a layer that unilm can express (no biases, no qk-norm, paper lambda)."""
+    """unilm's state_dict for a layer that unilm can express (no biases, no qk-norm, paper lambda with its
+    ``lambda_init(depth)``); a half-split (NeoX) RoPE layer's q/k rows are reordered to unilm's interleaved layout."""
     _check_exportable(module, MultiheadDiffAttn, "to_unilm")
     problems = [what for what, bad in [
         ("head_dim other than embed_dim // (2 * num_heads)", module.q_proj.out_features != module.embed_dim),
         ("projection biases", module.q_proj.bias is not None or module.out_proj.bias is not None),
         ("qk_norm", module.q_norm is not None), ("lambda_mode='dual'", module.lambda_mode != "paper"),
-        ("subln=False", module.subln is None), ("cross-attention kdim", module.kdim != module.embed_dim)] if bad]
+        ("subln=False", module.subln is None), ("cross-attention kdim", module.kdim != module.embed_dim),
+        _lambda_init_override(module)] if bad]
     if problems:
         raise ValueError(f"unilm's MultiheadDiffAttn has no {', '.join(problems)}: this layer cannot be exported")
-    return _detached(module.state_dict())
+    return _interleaved_rope_rows(module, _detached(module.state_dict()))
+
+
+def _lambda_init_override(module: MultiheadDiffAttn) -> tuple[str, bool]:
+    """A problem entry for exporters whose reference computes ``lambda_init`` from the depth and has no place for
+    another value (unilm's and timm's ``MultiheadDiffAttn`` / ``DiffAttention``)."""
+    return (f"lambda_init={module.lambda_init:g} other than lambda_init(depth={module.depth}) (the reference computes "
+            f"it from the depth and stores no other)", module.lambda_init != lambda_init_fn(module.depth))
+
+
+def _interleaved_rope_rows(module: torch.nn.Module, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sd`` with the q/k rows of a half-split (NeoX) RoPE layer reordered to the references' interleaved (GPT-J)
+    layout, so the reference rotates the same pairs of dims (for RoPE over the whole head width, as the course's
+    tables give it); a layer with interleaved RoPE as it is."""
+    if module.rope_interleaved:
+        return sd
+    for name in ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"):
+        if name in sd:
+            sd[name] = _half_split_to_interleaved(sd[name], module.head_dim)
+    return sd
 
 
 def from_timm(state_dict: StateDict, *, dim: int, num_heads: int = 8, depth: int = 0, dual_lambda: bool = False,
@@ -143,6 +182,7 @@ def from_timm(state_dict: StateDict, *, dim: int, num_heads: int = 8, depth: int
 
     timm's ``q_norm``/``k_norm`` are ``RmsNorm(head_dim)`` with eps 1e-6 and its ``sub_norm`` is affine.
     """
+    state_dict = _state_dict(state_dict, "from_timm")
     if scale_norm:
         raise ValueError("timm's scale_norm=True (a norm before proj) is not supported; load with scale_norm=False")
     taken = ("depth", "lambda_mode", "qk_norm", "qk_norm_eps", "subln_affine", "qkv_bias", "out_bias", "dropout")
@@ -186,16 +226,18 @@ def _split_timm_qkv(t: Tensor, suffix: str, layer: MultiheadDiffAttn, dim: int, 
 
 
 def to_timm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
-    """timm ``DiffAttention``'s state_dict for a compatible layer (MHA self-attention, affine sub-norm)."""
+    """timm ``DiffAttention``'s state_dict for a compatible layer (MHA self-attention, affine sub-norm, lambda_init
+    from the depth); a half-split (NeoX) RoPE layer's q/k rows are reordered to the interleaved layout."""
     _check_exportable(module, MultiheadDiffAttn, "to_timm")
     problems = [what for what, bad in [
         ("GQA (num_kv_heads < num_heads)", module.num_kv_heads != module.num_heads),
         ("head_dim other than dim // (2 * num_heads)", module.q_proj.out_features != module.embed_dim),
         ("cross-attention kdim", module.kdim != module.embed_dim),
-        ("a sub-norm without affine weight", module.subln is None or module.subln.weight is None)] if bad]
+        ("a sub-norm without affine weight", module.subln is None or module.subln.weight is None),
+        _lambda_init_override(module)] if bad]
     if problems:
         raise ValueError(f"timm's DiffAttention has no {', '.join(problems)}: this layer cannot be exported")
-    sd = _detached(module.state_dict())
+    sd = _interleaved_rope_rows(module, _detached(module.state_dict()))
     out: dict[str, Tensor] = {}
     for name in ("lambda_a", "lambda_b", *_LAMBDA_VECS):
         if name in sd:
@@ -218,6 +260,7 @@ def to_timm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
 def from_unilm_v2(state_dict: StateDict, *, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None,
                   head_dim: Optional[int] = None, use_diff_v2: bool = True, **module_kwargs) -> DiffAttnV2:
     """A :class:`DiffAttnV2` from unilm ``MultiheadFlashDiffV2`` weights (names match one to one)."""
+    state_dict = _state_dict(state_dict, "from_unilm_v2")
     if not use_diff_v2:
         raise ValueError("use_diff_v2=False is unilm's baseline layer: load it into "
                          "diffattn_tutorial.layers.attention.MultiheadAttention instead")
@@ -228,9 +271,10 @@ def from_unilm_v2(state_dict: StateDict, *, d_model: int, num_heads: int, num_kv
 
 
 def to_unilm_v2(module: DiffAttnV2) -> dict[str, Tensor]:
-    """unilm ``MultiheadFlashDiffV2``'s state_dict for a :class:`DiffAttnV2`."""
+    """unilm ``MultiheadFlashDiffV2``'s state_dict for a :class:`DiffAttnV2`; a half-split (NeoX) RoPE layer's q/k
+    rows are reordered to unilm's interleaved layout."""
     _check_exportable(module, DiffAttnV2, "to_unilm_v2")
-    return _detached(module.state_dict())
+    return _interleaved_rope_rows(module, _detached(module.state_dict()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,6 +320,13 @@ _DIFFLLAMA_TAKEN = ("depth", "num_kv_heads", "head_dim", "subln_affine", "subln_
 """The :class:`MultiheadDiffAttn` options :func:`from_diffllama` sets itself."""
 
 
+def _check_number(key: str, value: Any, what: str, ok: Callable[[float], bool]) -> None:
+    """Refuse a config value that is not a real number (a string, a bool) or that ``ok`` refuses (NaN fails every
+    comparison), naming the key: it would fail later inside the layer or give NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{key} must be {what}, got {value!r}")
+
+
 def diffllama_layer_config(config: Any = None, **kwargs) -> dict[str, Any]:
     """The attention-layer keys of a DiffLlama config, with transformers' defaults filled in.
 
@@ -319,6 +370,9 @@ def diffllama_layer_config(config: Any = None, **kwargs) -> dict[str, Any]:
     if out["hidden_size"] is None or out["num_attention_heads"] is None:
         raise TypeError("from_diffllama needs hidden_size and num_attention_heads (DiffLlamaConfig's keys), or "
                         "config=model.config")
+    _check_number("rms_norm_eps", out["rms_norm_eps"], "a number > 0 (DiffLlama's default 1e-5)",
+                  lambda v: 0 < v < math.inf)
+    _check_number("attention_dropout", out["attention_dropout"], "a probability in [0, 1)", lambda v: 0 <= v < 1)
     if out["num_key_value_heads"] is None:
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out["head_dim"] is None:
@@ -349,6 +403,7 @@ def from_diffllama(state_dict: StateDict, *, layer_idx: int, config: Any = None,
     Pass one attention layer's weights (``q_proj.weight``, ..., ``lambda_k2``): from a whole model's
     state_dict take the keys under ``model.layers.{layer_idx}.self_attn.``.
     """
+    state_dict = _state_dict(state_dict, "from_diffllama")
     options = _module_options(MultiheadDiffAttn, _DIFFLLAMA_TAKEN)
     module_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
                      if k in options and not (k == "dtype" and isinstance(kwargs[k], str))}
@@ -492,6 +547,27 @@ def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
     return cfg
 
 
+_LLAMA_MODEL_KEYS = frozenset({
+    "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "attention_dropout",
+    "model_type", "transformers_version", "architectures", "torch_dtype", "dtype", "_name_or_path"})
+"""``LlamaConfig`` keys that do not change the function (ids, initialisation, dropout 0 at inference): accepted."""
+
+
+def _check_llama_keys(kwargs: Mapping[str, Any]) -> None:
+    """Refuse a key given loose that ``LlamaConfig`` does not have, naming the closest one (a misspelled
+    ``rope_thta`` must not fall back to the default); a whole config spread as keys (``**config.to_dict()``, which
+    has ``model_type``) brings transformers' generic keys too, and is taken as it comes."""
+    if "model_type" in kwargs:
+        return
+    valid = list(_LLAMA_LM_KEYS)
+    unknown = [k for k in kwargs if k not in _LLAMA_LM_KEYS and k not in _LLAMA_MODEL_KEYS]
+    if unknown:
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k)
+                 for k in unknown for close in [difflib.get_close_matches(k, valid, n=1)]]
+        raise TypeError(f"from_llama() got unknown config key(s) {', '.join(hints)}; LlamaConfig's keys that shape the "
+                        f"model are {', '.join(valid)} (or pass config=model.config)")
+
+
 def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     """A baseline :class:`~diffattn_tutorial.training.model.TinyLM` computing what Hugging Face's
     ``LlamaForCausalLM`` computes, from its ``state_dict`` (``'model.embed_tokens.weight'``,
@@ -508,6 +584,8 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     """
     from diffattn_tutorial.training.model import LMConfig, TinyLM
 
+    state_dict = _state_dict(state_dict, "from_llama")
+    _check_llama_keys(kwargs)
     cfg = llama_lm_config(config, **kwargs)
     lm = LMConfig(vocab_size=cfg["vocab_size"], attention="baseline", d_model=cfg["hidden_size"],
                   n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
@@ -520,17 +598,18 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     out, names = {}, {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                       "head.weight": "lm_head.weight"}
     out.update({ours: sd.pop(theirs) for ours, theirs in names.items() if sd.get(theirs) is not None})
+    model = TinyLM(lm)
+    own = model.state_dict()
     for i in range(lm.n_layers):
         for theirs, ours in _LLAMA_BLOCK_NAMES.items():
             key = f"model.layers.{i}.{theirs}"
             if key in sd:
                 t = sd.pop(key)
-                if theirs.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                if theirs.startswith(("self_attn.q_proj", "self_attn.k_proj")) and \
+                        t.shape == own[f"blocks.{i}.{ours}"].shape:  # another shape is named below
                     t = _half_split_to_interleaved(t, cfg["head_dim"])
                 out[f"blocks.{i}.{ours}"] = t
                 names[f"blocks.{i}.{ours}"] = key
-    model = TinyLM(lm)
-    own = model.state_dict()
     missing = sorted(names.get(k, k) for k in own if k not in out)
     if sd or missing:
         raise ValueError(f"Llama state_dict does not match this config: missing {missing}, unexpected {sorted(sd)}; "

@@ -9,7 +9,6 @@ import torch
 from diffattn_tutorial import interop
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
 from diffattn_tutorial.layers.convert import (
-    WarmupDiffAttnV2,
     convert_layer,
     convert_model,
     finish_warmup,
@@ -98,7 +97,7 @@ def test_bad_options_are_refused():
 def test_warmup_goes_from_the_baseline_to_the_plain_layer_and_exports_after():
     base, x, rope = _layer(4, 2)
     warm = to_diff_v2(base, negative="zero", warmup=True)
-    assert isinstance(warm, WarmupDiffAttnV2) and float(warm.lambda_mix) == 0.0
+    assert type(warm) is DiffAttnV2 and float(warm.lambda_mix) == 0.0
     torch.testing.assert_close(warm(x, rope=rope, causal=True), base(x, rope=rope, causal=True))
     with pytest.raises(ValueError, match="warm-up"):
         interop.to_unilm_v2(warm)

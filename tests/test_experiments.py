@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from diffattn_tutorial import recorded
+from diffattn_tutorial.training.cache import cache_lock
 from diffattn_tutorial.training.model import ATTENTIONS, AttentionProbe, build_model
 from diffattn_tutorial.training.needle import NeedleTask
 from diffattn_tutorial.training.study import (
     SUMMARY_KEYS,
     StudyConfig,
     StudyResult,
-    _cache_lock,
     accuracy,
     attention_scores,
     cache_dir,
@@ -203,11 +203,10 @@ def test_cache_key_includes_the_thread_count(tmp_path):
 
 def test_a_second_caller_waits_for_the_first_and_loads(tmp_path):
     """Two processes asking for the same run (two notebooks, parallel tests) must not both train it."""
-    pytest.importorskip("fcntl")
     retrieval_study("diff", seed=0, cache=tmp_path, **TINY)
     (entry,) = tmp_path.glob("*.pt")
     out = {}
-    with _cache_lock(entry):  # someone else is loading or training this entry
+    with cache_lock(entry):  # someone else is loading or training this entry
         waiter = threading.Thread(target=lambda: out.update(r=retrieval_study("diff", seed=0, cache=tmp_path, **TINY)))
         waiter.start()
         waiter.join(0.5)

@@ -307,13 +307,17 @@ class MultiheadDiffAttn(_Attention):
         self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **dd) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **dd) if qk_norm else None
         self.subln = RMSNorm(2 * self.head_dim, eps=subln_eps, affine=subln_affine, **dd) if subln else None
+        self.register_buffer("lambda_mix", None)  # a warm-up's factor on lambda (layers.convert), else None
 
     def lambda_full(self) -> Tensor:
-        """The layer's scalar lambda (float32, 0-dim), with gradients to its parameters."""
+        """The layer's scalar lambda (float32, 0-dim), with gradients to its parameters; times ``lambda_mix``
+        during a converted layer's warm-up (:mod:`diffattn_tutorial.layers.convert`)."""
         if self.lambda_mode == "paper":
-            return functional.reparam_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
-                                             self.lambda_init)
-        return functional.dual_lambda(self.lambda_a, self.lambda_b, self.lambda_init)
+            lam = functional.reparam_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
+                                            self.lambda_init)
+        else:
+            lam = functional.dual_lambda(self.lambda_a, self.lambda_b, self.lambda_init)
+        return lam if self.lambda_mix is None else self.lambda_mix * lam
 
     def _qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         if self.q_norm is None:
@@ -391,10 +395,13 @@ class DiffAttnV2(_Attention):
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False, **dd)
         self.lambda_proj = nn.Linear(d_model, num_heads, bias=False, **dd)
+        self.register_buffer("lambda_mix", None)  # a warm-up's factor on lambda (layers.convert), else None
 
     def lambda_full(self, x: Tensor) -> Tensor:
-        """Per-token, per-head lambda ``sigmoid(lambda_proj(x))`` as ``(B, H, N, 1)``."""
-        return rearrange(torch.sigmoid(self.lambda_proj(x)), "b n h -> b h n 1")
+        """Per-token, per-head lambda ``sigmoid(lambda_proj(x))`` as ``(B, H, N, 1)``; times ``lambda_mix`` during
+        a converted layer's warm-up (:mod:`diffattn_tutorial.layers.convert`)."""
+        lam = rearrange(torch.sigmoid(self.lambda_proj(x)), "b n h -> b h n 1")
+        return lam if self.lambda_mix is None else self.lambda_mix * lam
 
     def forward(self, x: Tensor, *, rope: Rope = None, causal: bool = False, attn_mask: Optional[Tensor] = None,
                 cache: Optional[KVCache] = None) -> Tensor:

@@ -14,8 +14,9 @@ The options follow axolotl's ``diff-transformer`` conversion (``--mirror-weights
   ``"double"`` keeps every baseline head as the positive map and adds a negative one. V1 applies one pair of maps
   to a value of width ``2d`` and divides each head by its RMS (the sub-norm), so a split conversion is never
   exact, and a doubled one only without the sub-norm.
-* ``warmup=True`` multiplies lambda by a factor ``lambda_mix`` (0 at conversion, raised to 1 by
-  :func:`set_warmup` during fine-tuning): at 0 the negative branch is off and the layer is the baseline.
+* ``warmup=True`` multiplies lambda by a factor ``lambda_mix``, an optional buffer of the layers (0 at conversion,
+  raised to 1 by :func:`set_warmup` during fine-tuning, removed by :func:`finish_warmup`): at 0 the negative branch
+  is off and the layer is the baseline.
 
 :func:`why_not_exact` says, in one sentence, why an option set cannot reproduce the baseline (None if it does);
 the tests and notebook 14 assert equal logits where it returns None and measure the gap where it does not.
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import numbers
 from typing import Optional
 
 import torch
@@ -40,49 +43,55 @@ NEGATIVES: tuple[str, ...] = ("mirror", "zero")
 V1_HEADS: tuple[str, ...] = ("split", "double")
 """V1 head layouts: baseline heads paired up (H/2 differential heads), or each baseline head doubled (H)."""
 
+OPTIONS: dict[str, tuple[str, ...]] = {"diff_v2": ("negative", "warmup"), "diff": ("heads", "negative", "subln", "warmup")}
+"""The options each target takes (:func:`to_diff_v2` and :func:`to_diff_v1`), checked by :func:`conversion_options`."""
+
 V2_LAMBDA_AT_CONVERSION = 0.5
 """``sigmoid(0)``: DIFF V2's lambda on every token once ``lambda_proj`` is zero."""
 
 
-class WarmupDiffAttnV2(DiffAttnV2):
-    """:class:`DiffAttnV2` whose lambda is multiplied by the buffer ``lambda_mix`` (0 -> 1 over a warm-up)."""
+def conversion_options(attention: str, **options) -> dict:
+    """The full option set of a conversion to ``attention`` (``"diff_v2"`` or ``"diff"``), defaults filled in and
+    every value checked, the one place that does: an unknown option is a ``TypeError``, a bad value or a
+    contradiction (a split V1 with a negative) a ``ValueError`` naming it. An option given as None is unset."""
+    if attention not in OPTIONS:
+        raise ValueError(f"attention must be 'diff' (V1) or 'diff_v2', got {attention!r}")
+    unknown = sorted(k for k, v in options.items() if k not in OPTIONS[attention] and v is not None)
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for attention={attention!r}: it takes "
+                        f"{', '.join(OPTIONS[attention])} (layers.convert)")
+    given = {k: v for k, v in options.items() if v is not None}
+    out = {"warmup": False, **({"heads": "split", "subln": True} if attention == "diff" else {}), **given}
+    for name in ("warmup", "subln"):
+        if name in out and not isinstance(out[name], bool):
+            raise ValueError(f"{name} must be True or False, got {out[name]!r}")
+    if attention == "diff_v2":
+        out["negative"] = _check_negative(out.get("negative", "mirror"))
+        return out
+    if out["heads"] not in V1_HEADS:
+        raise ValueError(f"heads must be one of {V1_HEADS}, got {out['heads']!r}")
+    if out["heads"] == "double":
+        out["negative"] = _check_negative(out.get("negative", "mirror"))
+    elif out.setdefault("negative", None) is not None:
+        raise ValueError("heads='split' takes the negative maps from the baseline's odd heads: leave negative=None "
+                         "(or use heads='double' with negative='mirror' or 'zero')")
+    return out
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_buffer("lambda_mix", torch.zeros(()))
 
-    def lambda_full(self, x: Tensor) -> Tensor:
-        return self.lambda_mix * super().lambda_full(x)
-
-
-class WarmupDiffAttn(MultiheadDiffAttn):
-    """:class:`MultiheadDiffAttn` whose lambda is multiplied by the buffer ``lambda_mix`` (0 -> 1 over a warm-up)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_buffer("lambda_mix", torch.zeros(()))
-
-    def lambda_full(self) -> Tensor:
-        return self.lambda_mix * super().lambda_full()
-
-
-def why_not_exact(attention: str, *, heads: str = "split", negative: Optional[str] = "mirror", subln: bool = True,
-                  warmup: bool = False) -> Optional[str]:
-    """None when the conversion computes the baseline's function at conversion, else the reason in one sentence."""
-    if attention == "diff" and heads not in V1_HEADS:
-        raise ValueError(f"heads must be one of {V1_HEADS}, got {heads!r}")
-    if negative is not None:
-        _check_negative(negative)
+def why_not_exact(attention: str, **options) -> Optional[str]:
+    """None when the conversion (``attention`` and the options :func:`to_diff_v2` / :func:`to_diff_v1` take)
+    computes the baseline's function at conversion, else the reason in one sentence; options the converters refuse
+    are refused here too (:func:`conversion_options`)."""
+    opt = conversion_options(attention, **options)
+    negative, warmup = opt["negative"], opt["warmup"]
     if attention == "diff_v2":
         if negative == "mirror" or warmup:
             return None
         return "a zero negative query gives a uniform map, and lambda = sigmoid(0) = 0.5 subtracts half the mean value"
-    if attention != "diff":
-        raise ValueError(f"attention must be 'diff' (V1) or 'diff_v2', got {attention!r}")
-    if heads == "split":
+    if opt["heads"] == "split":
         return ("V1 applies one pair of maps to a value of width 2d; the baseline gives each half of it its own map"
-                + (", and the sub-norm divides each head by its RMS" if subln else ""))
-    if subln:
+                + (", and the sub-norm divides each head by its RMS" if opt["subln"] else ""))
+    if opt["subln"]:
         return "the sub-norm divides each head's output by its RMS per token, which the baseline does not"
     if negative == "zero" and not warmup:
         return "a zero negative query and key give a uniform map, subtracted with weight lambda"
@@ -92,9 +101,13 @@ def why_not_exact(attention: str, *, heads: str = "split", negative: Optional[st
 def _check_baseline(layer: nn.Module) -> MultiheadAttention:
     if not isinstance(layer, MultiheadAttention):
         raise TypeError(f"convert a MultiheadAttention (the baseline layer), got {type(layer).__name__}")
-    if layer.q_proj.bias is not None or layer.kdim != layer.embed_dim:
-        raise ValueError("only a self-attention baseline without projection biases converts (DIFF's layers in this "
-                         "library have no q/k/v biases there); build the baseline with bias=False")
+    if layer.kdim != layer.embed_dim:
+        raise ValueError(f"a cross-attention baseline (kdim={layer.kdim}, embed_dim={layer.embed_dim}) does not "
+                         f"convert: the converted layers take their keys and values from x (self-attention); "
+                         f"convert a self-attention layer (kdim=None)")
+    if any(p.bias is not None for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)):
+        raise ValueError("the baseline has projection biases, which DIFF's layers in this library do not have on "
+                         "q/k/v; convert a baseline built with bias=False")
     return layer
 
 
@@ -116,24 +129,34 @@ def _pair(positive: Tensor, negative: str, d: int) -> Tensor:
     return torch.stack([pos, neg], dim=1).flatten(0, 2)  # (heads, 2, d, C) -> (2 heads d, C)
 
 
+def _start_warmup(layer: nn.Module) -> None:
+    """Give a converted layer the warm-up factor ``lambda_mix`` = 0 (its optional buffer, None otherwise)."""
+    layer.lambda_mix = torch.zeros((), device=layer.q_proj.weight.device)
+
+
 @torch.no_grad()
 def to_diff_v2(layer: MultiheadAttention, *, negative: str = "mirror", warmup: bool = False) -> DiffAttnV2:
     """A :class:`DiffAttnV2` (H output heads, 2H query heads) made from a baseline layer; see the module doc.
 
     ``o_proj = out_proj / (1 - lambda)`` for a mirrored negative (lambda = 0.5, or 0 under ``warmup``), so the
     conversion is exact; a zero negative is exact under ``warmup`` only. Keys, values and GQA groups are kept.
+    DIFF V2 has no attention dropout: a baseline with dropout is refused rather than converted without it.
     """
-    base, negative = _check_baseline(layer), _check_negative(negative)
+    base, opt = _check_baseline(layer), conversion_options("diff_v2", negative=negative, warmup=warmup)
+    if base.dropout:
+        raise ValueError(f"DiffAttnV2 has no attention dropout, so the baseline's dropout={base.dropout} would be "
+                         f"dropped: set layer.dropout = 0.0 to convert without it, or convert to V1 (to_diff_v1)")
     d, w = base.head_dim, base.q_proj.weight
-    cls = WarmupDiffAttnV2 if warmup else DiffAttnV2
-    new = cls(base.embed_dim, base.num_heads, num_kv_heads=base.num_kv_heads, head_dim=d, backend=base.backend,
-              rope_interleaved=base.rope_interleaved, device=w.device, dtype=w.dtype)
-    lam = 0.0 if warmup else V2_LAMBDA_AT_CONVERSION
-    new.q_proj.weight.copy_(_pair(w, negative, d))
+    new = DiffAttnV2(base.embed_dim, base.num_heads, num_kv_heads=base.num_kv_heads, head_dim=d, backend=base.backend,
+                     rope_interleaved=base.rope_interleaved, device=w.device, dtype=w.dtype)
+    lam = 0.0 if opt["warmup"] else V2_LAMBDA_AT_CONVERSION
+    new.q_proj.weight.copy_(_pair(w, opt["negative"], d))
     new.k_proj.weight.copy_(base.k_proj.weight)
     new.v_proj.weight.copy_(base.v_proj.weight)
-    new.o_proj.weight.copy_(base.out_proj.weight / (1 - lam) if negative == "mirror" else base.out_proj.weight)
+    new.o_proj.weight.copy_(base.out_proj.weight / (1 - lam) if opt["negative"] == "mirror" else base.out_proj.weight)
     new.lambda_proj.weight.zero_()
+    if opt["warmup"]:
+        _start_warmup(new)
     return new
 
 
@@ -148,33 +171,30 @@ def to_diff_v1(layer: MultiheadAttention, *, depth: int, heads: str = "split", n
     ``negative`` (``"mirror"`` or ``"zero"``, on q and k), its value ``[v, v]`` of width ``2d`` whose second half
     ``out_proj`` starts by ignoring; GQA groups kept. The lambda vectors start as equal pairs
     (``lambda_q2 = lambda_q1``, ``lambda_k2 = lambda_k1``), so lambda is exactly ``lambda_init(depth)``, and
-    ``out_proj`` is divided by ``1 - lambda`` for a mirrored negative. ``subln``: the paper's sub-norm.
+    ``out_proj`` is divided by ``1 - lambda`` for a mirrored negative. ``subln``: the paper's sub-norm. The
+    baseline's attention dropout is kept.
     """
     base = _check_baseline(layer)
-    if heads not in V1_HEADS:
-        raise ValueError(f"heads must be one of {V1_HEADS}, got {heads!r}")
+    opt = conversion_options("diff", heads=heads, negative=negative, subln=subln, warmup=warmup)
+    heads, negative = opt["heads"], opt["negative"]
     H, Hkv, d, w = base.num_heads, base.num_kv_heads, base.head_dim, base.q_proj.weight
-    if heads == "split":
-        if negative is not None:
-            raise ValueError("heads='split' takes the negative maps from the baseline's odd heads: leave negative=None "
-                             "(or use heads='double' with negative='mirror' or 'zero')")
-        if H % 2 or Hkv != H:
-            raise ValueError(f"heads='split' needs an even head count without GQA (num_heads={H}, num_kv_heads={Hkv}): "
-                             f"the two maps of a V1 head read two different keys of one group; use heads='double'")
-    else:
-        negative = _check_negative("mirror" if negative is None else negative)
+    if heads == "split" and (H % 2 or Hkv != H):
+        raise ValueError(f"heads='split' needs an even head count without GQA (num_heads={H}, num_kv_heads={Hkv}): "
+                         f"the two maps of a V1 head read two different keys of one group; use heads='double'")
     n_diff, n_kv = (H // 2, Hkv // 2) if heads == "split" else (H, Hkv)
-    cls = WarmupDiffAttn if warmup else MultiheadDiffAttn
-    new = cls(base.embed_dim, n_diff, depth=depth, num_kv_heads=n_kv, head_dim=d, subln=subln,
-              backend=base.backend, rope_interleaved=base.rope_interleaved, device=w.device, dtype=w.dtype)
+    new = MultiheadDiffAttn(base.embed_dim, n_diff, depth=depth, num_kv_heads=n_kv, head_dim=d, subln=opt["subln"],
+                            dropout=base.dropout, backend=base.backend, rope_interleaved=base.rope_interleaved,
+                            device=w.device, dtype=w.dtype)
     new.lambda_q2.copy_(new.lambda_q1)
     new.lambda_k2.copy_(new.lambda_k1)
+    if opt["warmup"]:
+        _start_warmup(new)
     if heads == "split":  # the baseline's layout is already V1's: q/k heads 2i, 2i+1 are the maps of head i
         for name in ("q_proj", "k_proj", "v_proj"):
             getattr(new, name).weight.copy_(getattr(base, name).weight)
         new.out_proj.weight.copy_(base.out_proj.weight)
         return new
-    lam = 0.0 if warmup else new.lambda_init
+    lam = 0.0 if opt["warmup"] else new.lambda_init
     new.q_proj.weight.copy_(_pair(w, negative, d))
     new.k_proj.weight.copy_(_pair(base.k_proj.weight, negative, d))
     v = _heads(base.v_proj.weight, d)
@@ -187,11 +207,21 @@ def to_diff_v1(layer: MultiheadAttention, *, depth: int, heads: str = "split", n
 
 def convert_layer(layer: MultiheadAttention, attention: str, *, depth: int = 0, **options) -> nn.Module:
     """:func:`to_diff_v2` (``attention="diff_v2"``) or :func:`to_diff_v1` (``"diff"``) with ``options``."""
+    opt = conversion_options(attention, **options)
     if attention == "diff_v2":
-        return to_diff_v2(layer, **options)
-    if attention == "diff":
-        return to_diff_v1(layer, depth=depth, **options)
-    raise ValueError(f"attention must be 'diff' (V1) or 'diff_v2', got {attention!r}")
+        return to_diff_v2(layer, **opt)
+    return to_diff_v1(layer, depth=depth, **opt)
+
+
+def _converted_config(cfg, attention: str, heads: Optional[str]):
+    """``cfg`` with ``attention`` renamed. A doubled V1 model keeps its baseline's head counts, which ``LMConfig``
+    refuses for ``"diff"`` when odd (a ``TinyLM(cfg)`` halves them): its config then says ``"diff"`` without that
+    check, and describes the model but cannot rebuild it (see :func:`convert_model`)."""
+    if attention != "diff" or heads != "double":
+        return dataclasses.replace(cfg, attention=attention)
+    new = copy.copy(cfg)
+    object.__setattr__(new, "attention", attention)  # LMConfig is frozen; its other fields are the baseline's
+    return new
 
 
 def convert_model(model: nn.Module, attention: str, **options) -> nn.Module:
@@ -199,57 +229,70 @@ def convert_model(model: nn.Module, attention: str, **options) -> nn.Module:
     every attention layer through :func:`convert_layer` (``depth`` = block index), ``cfg.attention`` renamed.
 
     The copy's other weights are the original's. ``heads="double"`` gives layers of other shapes than
-    ``TinyLM(cfg)`` builds: to load a saved copy, convert the same baseline again and ``load_state_dict``.
+    ``TinyLM(cfg)`` builds (any head count converts, as with :func:`to_diff_v1`): to load a saved copy, convert the
+    same baseline again and ``load_state_dict``.
     """
+    opt = conversion_options(attention, **options)
     if getattr(model.cfg, "attention", None) != "baseline":
         raise ValueError(f"convert a baseline model (cfg.attention == 'baseline'), got {model.cfg.attention!r}")
     new = copy.deepcopy(model)
     for depth, block in enumerate(new.blocks):
-        block.attn = convert_layer(block.attn, attention, depth=depth, **options)
-    new.cfg = dataclasses.replace(model.cfg, attention=attention)
+        block.attn = convert_layer(block.attn, attention, depth=depth, **opt)
+    new.cfg = _converted_config(model.cfg, attention, opt.get("heads"))
     return new
 
 
+def _warmup_named(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (DiffAttnV2, MultiheadDiffAttn)) and m.lambda_mix is not None]
+
+
 def warmup_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers of ``model`` (or ``model`` itself) whose lambda has a warm-up factor ``lambda_mix``."""
-    return [m for m in model.modules() if isinstance(m, (WarmupDiffAttnV2, WarmupDiffAttn))]
+    """The layers of ``model`` (or ``model`` itself) in a warm-up: a lambda with the factor ``lambda_mix``."""
+    return [m for _, m in _warmup_named(model)]
 
 
 def set_warmup(model: nn.Module, mix: float) -> None:
-    """Set every warm-up layer's ``lambda_mix`` (0: negative branch off, 1: the plain differential layer)."""
-    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
+    """Set every warm-up layer's ``lambda_mix`` (0: negative branch off, 1: the plain differential layer); a model
+    with no warm-up layer is refused (its negative branch is on whatever ``mix`` says)."""
+    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0 <= mix <= 1:
         raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
-    for layer in warmup_layers(model):
+    layers = warmup_layers(model)
+    if not layers:
+        raise ValueError(f"this {type(model).__name__} has no warm-up layer (no lambda_mix), so its negative branch "
+                         f"stays on: convert with warmup=True to warm it up")
+    for layer in layers:
         layer.lambda_mix.fill_(mix)
 
 
 @torch.no_grad()
 def finish_warmup(model: nn.Module) -> nn.Module:
-    """Replace every warm-up layer of ``model`` (its ``lambda_mix`` at 1) by the plain layer with its weights, in
-    place (the same function; exports through :mod:`diffattn_tutorial.interop` refuse a layer in warm-up)."""
-    for parent in list(model.modules()):
-        for name, layer in list(parent.named_children()):
-            if not isinstance(layer, (WarmupDiffAttnV2, WarmupDiffAttn)):
-                continue
-            if float(layer.lambda_mix) != 1.0:
-                raise ValueError(f"{name}: lambda_mix is {float(layer.lambda_mix):g}; finish the warm-up "
-                                 f"(set_warmup(model, 1.0)) before replacing the layer")
-            plain = copy.deepcopy(layer)
-            plain.__class__ = layer.__class__.__bases__[0]  # DiffAttnV2 / MultiheadDiffAttn, the same weights
-            del plain._buffers["lambda_mix"]
-            setattr(parent, name, plain)
+    """End the warm-up of every warm-up layer of ``model`` (or of ``model``, a layer), its ``lambda_mix`` at 1: the
+    factor is removed, the layer and its parameters stay the same objects (an optimizer keeps training them), and
+    the function is the same; exports through :mod:`diffattn_tutorial.interop` refuse a layer in warm-up."""
+    warm = _warmup_named(model)
+    for name, layer in warm:
+        if float(layer.lambda_mix) != 1.0:
+            raise ValueError(f"{name or type(layer).__name__}: lambda_mix is {float(layer.lambda_mix):g}; finish the "
+                             f"warm-up (set_warmup(model, 1.0)) first")
+    for _, layer in warm:
+        layer.lambda_mix = None
     return model
 
 
 def warmup_mix(step: int, warmup_steps: int) -> float:
     """Linear warm-up of the negative branch: ``min(1, step / warmup_steps)`` (1 when ``warmup_steps`` is 0), in
-    ``[0, 1]``: a negative ``step`` or ``warmup_steps`` is refused."""
-    if step < 0 or warmup_steps < 0:
-        raise ValueError(f"step and warmup_steps must be >= 0 (the fine-tune's step count and its warm-up length), "
-                         f"got step={step}, warmup_steps={warmup_steps}")
+    ``[0, 1]``: a ``step`` or ``warmup_steps`` that is not a finite number >= 0 is refused by name."""
+    for name, value in (("step", step), ("warmup_steps", warmup_steps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number (the fine-tune's step count / its warm-up length), got "
+                            f"{type(value).__name__} {value!r}")
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be >= 0 and finite (the fine-tune's step count / its warm-up length), "
+                             f"got {value!r}")
     return 1.0 if warmup_steps == 0 else min(1.0, step / warmup_steps)
 
 
-__all__ = ["NEGATIVES", "V1_HEADS", "V2_LAMBDA_AT_CONVERSION", "WarmupDiffAttnV2", "WarmupDiffAttn", "why_not_exact",
+__all__ = ["NEGATIVES", "V1_HEADS", "OPTIONS", "V2_LAMBDA_AT_CONVERSION", "conversion_options", "why_not_exact",
            "to_diff_v2", "to_diff_v1", "convert_layer", "convert_model", "warmup_layers", "set_warmup", "finish_warmup",
            "warmup_mix"]

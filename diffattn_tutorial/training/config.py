@@ -21,8 +21,7 @@ from diffattn_tutorial.layers.attention import (
 from diffattn_tutorial.training import distributed
 from diffattn_tutorial.training.corpus import TextTask, next_character_loss
 from diffattn_tutorial.training.model import ATTENTIONS, TinyLM, build_model, check_compile_backend
-from diffattn_tutorial.training.needle import NeedleTask
-from diffattn_tutorial.training.study import SETTINGS, retrieval_loss
+from diffattn_tutorial.training.needle import SETTINGS, NeedleTask, retrieval_loss
 
 Tensor = torch.Tensor
 

@@ -7,40 +7,47 @@ budget), measures the gap the conversion opens (largest logit change and retriev
 fine-tunes with the study's own loop (:func:`~diffattn_tutorial.training.study.train_toy_model`) and measures the
 result with the study's :func:`~diffattn_tutorial.training.study.measure`.
 
-While it trains, forward hooks record every layer's lambda at every step (V1: the scalar; V2: the mean of the
-per-token lambda over the batch), and, for a conversion with ``warmup=True``, raise the negative branch's factor
-``lambda_mix`` linearly from 0 to 1 over ``warmup_steps`` (:func:`~diffattn_tutorial.layers.convert.warmup_mix`).
-With ``cache=True`` the fine-tuned weights, losses, lambdas and metrics are saved like notebook 07's models (the key
-holds the config, the base run's key and this module's and the conversion's source), so a second run loads them.
+While it trains, the loop's step function (``train_toy_model(on_step=...)``) raises the negative branch's factor
+``lambda_mix`` of a conversion with ``warmup=True`` linearly from 0 to 1 over ``warmup_steps``
+(:func:`~diffattn_tutorial.layers.convert.warmup_mix` of the step number) before each step's forward, and forward
+hooks record every layer's lambda at every step (V1: the scalar; V2: the mean of the per-token lambda over the batch).
+With ``cache=True`` the fine-tuned weights, losses, lambdas and metrics are saved like notebook 07's models
+(:mod:`~diffattn_tutorial.training.cache`; the key holds the config, the base run's key and the source of the study,
+the conversion and this module), so a second run loads them.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Optional, Union
+from types import ModuleType
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from diffattn_tutorial.layers import convert as convert_mod
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadDiffAttn
-from diffattn_tutorial.layers.convert import convert_model, finish_warmup, set_warmup, warmup_layers, warmup_mix
+from diffattn_tutorial.layers.convert import (
+    conversion_options,
+    convert_model,
+    finish_warmup,
+    set_warmup,
+    warmup_layers,
+    warmup_mix,
+)
+from diffattn_tutorial.training.cache import CacheSetting, cache_file, cache_lock, read_cached, write_cached
 from diffattn_tutorial.training.needle import IGNORE
 from diffattn_tutorial.training.study import (
     StudyConfig,
     StudyMetrics,
-    _cache_file,
-    _cache_lock,
-    _read_cached,
-    _write_cached,
     deterministic,
     measure,
     retrieval_study,
+    study_sources,
     train_toy_model,
 )
 
@@ -48,10 +55,6 @@ Tensor = torch.Tensor
 
 LR_WARMUP = 10
 """Learning-rate warm-up steps of a fine-tune (the study's schedule, shortened: the weights are trained already)."""
-
-
-_OPTIONS: dict[str, tuple[str, ...]] = {"diff_v2": ("negative", "warmup"), "diff": ("heads", "negative", "subln", "warmup")}
-"""The conversion options each target takes (``layers.convert.to_diff_v2`` and ``to_diff_v1``)."""
 
 
 @dataclass(frozen=True)
@@ -86,26 +89,31 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        unknown = sorted(set(dict(self.options)) - set(_OPTIONS.get(self.attention, ())))
-        if unknown and self.attention != "baseline":
-            raise TypeError(f"unknown option(s) {unknown} for attention={self.attention!r}: it takes "
-                            f"{', '.join(_OPTIONS[self.attention])} (layers.convert)")
+        if not isinstance(self.base, StudyConfig):
+            raise TypeError(f"base must be a StudyConfig (the baseline run to start from, e.g. "
+                            f"StudyConfig('baseline', steps=500)), got {type(self.base).__name__} {self.base!r}")
         if self.base.attention != "baseline":
             raise ValueError(f"base must be a baseline run, got attention={self.base.attention!r}")
         if self.attention == "baseline" and self.options:
             raise ValueError("attention='baseline' continues training without a conversion: pass no options")
-        warm = dict(self.options).get("warmup", False)
+        warm = False  # every option's value checked now, before the base run trains (layers.convert)
+        if self.attention != "baseline":
+            warm = conversion_options(self.attention, **dict(self.options))["warmup"]
         if self.warmup_steps and not warm:
             raise ValueError("warmup_steps needs a conversion with warmup=True (a lambda_mix to raise)")
         if warm and not 0 < self.warmup_steps < self.steps:
             raise ValueError(f"warmup=True needs 0 < warmup_steps < steps={self.steps}, got {self.warmup_steps}")
 
     def cache_key(self) -> dict:
+        """Everything that changes the fine-tuned weights, as text (with :func:`sources`, the cache key)."""
         key = {f.name: repr(getattr(self, f.name)) for f in fields(self) if f.name != "base"}
-        src = hashlib.sha256(Path(__file__).read_bytes() + Path(convert_mod.__file__).read_bytes()).hexdigest()
-        key.update(attention=f"finetune_{self.attention}", seed=self.seed, base=repr(self.base.cache_key()),
-                   source=src[:16])
+        key.update(attention=f"finetune_{self.attention}", seed=self.seed, base=repr(self.base.cache_key()))
         return key
+
+
+def sources() -> tuple[ModuleType, ...]:
+    """The modules whose source a fine-tune's numbers depend on: the study's, the conversion and this one."""
+    return (*study_sources(), convert_mod, sys.modules[__name__])
 
 
 @dataclass
@@ -141,51 +149,52 @@ def _eval_loss(model: torch.nn.Module, tokens: Tensor, targets: Tensor) -> tuple
     return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE).item()
 
 
-def _lambda_recorder(model: torch.nn.Module, steps: int, warmup_steps: int) -> tuple[list, list]:
-    """Hooks that, on every training forward, set ``lambda_mix`` for the step and record each layer's lambda."""
+def _warmup_and_record(model: torch.nn.Module, warmup_steps: int) -> tuple[list, Callable[[int], None], list]:
+    """The fine-tune's step function and lambda record: before step ``t``'s forward, ``on_step(t)`` sets the
+    warm-up's ``lambda_mix`` to ``warmup_mix(t, warmup_steps)`` (a conversion with ``warmup=True``) and opens the
+    step's row; forward hooks write each layer's lambda of that step's first training forward into it."""
     record: list[list[float]] = []
     layers = [m for m in model.modules() if isinstance(m, (DiffAttnV2, MultiheadDiffAttn))]
-    handles = []
+    warm = bool(warmup_layers(model))
 
-    def before(module, args):
-        if module.training:
-            set_warmup(module, warmup_mix(len(record), warmup_steps))
-            record.append([])
+    def on_step(t: int) -> None:
+        if warm:
+            set_warmup(model, warmup_mix(t, warmup_steps))
+        record.append([])
 
     def after(layer, args, output):
-        if layer.training:
+        if layer.training and record and len(record[-1]) < len(layers):
             lam = layer.lambda_full(args[0]) if isinstance(layer, DiffAttnV2) else layer.lambda_full()
             record[-1].append(lam.detach().float().mean().item())
 
-    handles.append(model.register_forward_pre_hook(before))
-    handles += [layer.register_forward_hook(after) for layer in layers]
-    return record, handles
+    return record, on_step, [layer.register_forward_hook(after) for layer in layers]
 
 
-def run_finetune(config: FinetuneConfig, *, cache: Union[bool, str] = False, progress: bool = True) -> FinetuneResult:
+def run_finetune(config: FinetuneConfig, *, cache: CacheSetting = False, progress: bool = True) -> FinetuneResult:
     """Load (or train) the base run, convert it, measure the conversion's gap, fine-tune (or load), measure."""
     base = retrieval_study("baseline", cache=cache, progress=progress,
                            **{f.name: getattr(config.base, f.name) for f in fields(config.base) if f.name != "attention"})
     batch = base.eval_batch
-    path = _cache_file(cache, config.cache_key()) if cache else None
-    with deterministic(config.base.num_threads), _cache_lock(path):
+    path = cache_file(cache, config.cache_key(), sources()) if cache else None
+    with deterministic(config.base.num_threads), cache_lock(path):
         torch.manual_seed(config.seed)  # the new lambda parameters
         model = copy.deepcopy(base.model) if config.attention == "baseline" else \
             convert_model(base.model, config.attention, **dict(config.options))
         base_logits, base_loss = _eval_loss(base.model, batch.tokens, batch.targets)
         logits, conv_loss = _eval_loss(model, batch.tokens, batch.targets)
         gap = (logits - base_logits).abs().max().item()
-        saved = _read_cached(path)
+        saved = read_cached(path)
         if saved is not None:
             model.load_state_dict(saved["state_dict"])
             losses, lambdas, seconds = saved["losses"], saved["lambdas"], saved["seconds"]
         else:
-            lambdas, handles = _lambda_recorder(model, config.steps, config.warmup_steps)
+            lambdas, on_step, handles = _warmup_and_record(model, config.warmup_steps)
             t0 = time.perf_counter()
             try:
                 losses = train_toy_model(model, config.base.task, steps=config.steps, batch_size=config.batch_size,
                                          lr=config.lr, settings=config.base.settings, warmup=LR_WARMUP,
-                                         seed=config.seed, progress=progress, desc=f"fine-tune {config.attention}")
+                                         seed=config.seed, progress=progress, desc=f"fine-tune {config.attention}",
+                                         on_step=on_step)
             finally:
                 for h in handles:
                     h.remove()
@@ -201,20 +210,20 @@ def run_finetune(config: FinetuneConfig, *, cache: Union[bool, str] = False, pro
         else:
             metrics, _ = measure(model, config.base.task, config.base.settings, config.base.n_eval, config.base.device)
             if path is not None:
-                _write_cached(path, {**entry, "metrics": asdict(metrics)})
+                write_cached(path, {**entry, "metrics": asdict(metrics)})
     return FinetuneResult(config=config, metrics=metrics, losses=losses,
                           lambdas=lambdas if config.attention != "baseline" else None,
                           conversion_logit_error=gap, conversion_loss=conv_loss, base_loss=base_loss,
                           seconds=seconds, cached=saved is not None, model=model)
 
 
-def finetune_study(attention: str, *, cache: Union[bool, str] = False, progress: bool = True, steps: int = 100,
-                   lr: float = 1e-3, warmup_steps: int = 0, seed: int = 1, base: Optional[StudyConfig] = None,
-                   **options) -> FinetuneResult:
+def finetune_study(attention: str, *, cache: CacheSetting = False, progress: bool = True, steps: int = 100,
+                   lr: float = 1e-3, batch_size: int = 32, warmup_steps: int = 0, seed: int = 1,
+                   base: Optional[StudyConfig] = None, **options) -> FinetuneResult:
     """``run_finetune(FinetuneConfig(attention, options, ...))``: the short form notebook 14 uses, e.g.
     ``finetune_study("diff_v2", negative="mirror", cache=True)``. ``options`` go to the conversion."""
-    config = FinetuneConfig(attention, tuple(sorted(options.items())), steps=steps, lr=lr, warmup_steps=warmup_steps,
-                            seed=seed, **({"base": base} if base is not None else {}))
+    config = FinetuneConfig(attention, tuple(sorted(options.items())), steps=steps, lr=lr, batch_size=batch_size,
+                            warmup_steps=warmup_steps, seed=seed, **({"base": base} if base is not None else {}))
     return run_finetune(config, cache=cache, progress=progress)
 
 

@@ -69,7 +69,7 @@ from diffattn_tutorial.training.config import (
 )
 from diffattn_tutorial.training.model import ATTENTIONS
 from diffattn_tutorial.training.runlog import MetricsLog, read_records
-from diffattn_tutorial.training.study import lr_factor
+from diffattn_tutorial.training.schedule import lr_factor
 
 Tensor = torch.Tensor
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
@@ -147,4 +148,14 @@ class NeedleTask:
         return " ".join(out)
 
 
-__all__ = ["BOS", "QUERY", "IGNORE", "NeedleBatch", "NeedleTask"]
+SETTINGS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 2), (6, 2))
+"""``(needles, queried)`` settings of the paper's Table 2: the course's trainers cycle through them."""
+
+
+def retrieval_loss(model: torch.nn.Module, batch: NeedleBatch) -> Tensor:
+    """Cross-entropy of the next-token prediction at each queried key (``batch.targets``; the rest is ignored)."""
+    logits = model(batch.tokens)
+    return F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+
+
+__all__ = ["BOS", "QUERY", "IGNORE", "NeedleBatch", "NeedleTask", "SETTINGS", "retrieval_loss"]

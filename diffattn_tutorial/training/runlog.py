@@ -35,11 +35,21 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def truncate_after(self, step: int) -> None:
-        """Drop every record with ``step > step`` (what a run did after the checkpoint it resumes from)."""
+        """Drop every record with ``step > step`` (what a run did after the checkpoint it resumes from), by writing
+        the records kept to a temporary file that replaces the log (``os.replace``): the log is the old one or the
+        new one, whenever the process stops."""
         if not self.enabled or not self.path.exists():
             return
         keep = [r for r in read_records(self.path) if r.get("step", 0) <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:  # a process killed (or a disk full) mid-write leaves the old log whole: never a log without its steps
+            with tmp.open("w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in keep))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def write(self, record: Mapping) -> None:
         if self.enabled:

@@ -20,19 +20,14 @@ notebook asking for the same run (notebook 10 reusing notebook 07's) loads it in
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import math
-import os
 import sys
-import threading
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from types import ModuleType
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from diffattn_tutorial.measure.attention_stats import (
@@ -40,19 +35,18 @@ from diffattn_tutorial.measure.attention_stats import (
     top1_over_median,
 )
 from diffattn_tutorial.measure.cpu_threads import threads
-from diffattn_tutorial.paths import CACHE_ENV, cache_dir
+from diffattn_tutorial.paths import cache_dir  # noqa: F401 - the study's cache folder, as the notebooks import it
+from diffattn_tutorial.training.cache import CacheSetting, cache_file, cache_lock, read_cached, write_cached
 from diffattn_tutorial.training.model import (
     ATTENTIONS,
     AttentionProbe,
     LMConfig,
     TinyLM,
 )
-from diffattn_tutorial.training.needle import IGNORE, NeedleBatch, NeedleTask
+from diffattn_tutorial.training.needle import SETTINGS, NeedleBatch, NeedleTask, retrieval_loss
+from diffattn_tutorial.training.schedule import lr_factor
 
 Tensor = torch.Tensor
-
-SETTINGS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 2), (6, 2))
-"""``(needles, queried)`` settings of the paper's Table 2."""
 
 EVAL_SEED = 12345
 """Seed of the evaluation data: the same sequences for every training seed and attention kind."""
@@ -74,24 +68,14 @@ def deterministic(num_threads: Optional[int] = 1) -> Iterator[None]:
             torch.use_deterministic_algorithms(old_det)
 
 
-def retrieval_loss(model: TinyLM, batch: NeedleBatch) -> Tensor:
-    """Cross-entropy of the next-token prediction at each queried key (``batch.targets``; the rest is ignored)."""
-    logits = model(batch.tokens)
-    return F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
-
-
-def lr_factor(step: int, steps: int, warmup: int) -> float:
-    """Learning-rate multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps times a cosine from 1 to
-    0 over ``steps`` (the schedule of :func:`train_toy_model` and of ``diffattn_tutorial.training.loop.train``)."""
-    return min(1.0, (step + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
-
-
 def train_toy_model(model: TinyLM, task: NeedleTask, *, steps: int, batch_size: int = 32, lr: float = 3e-3,
                     settings: Sequence[tuple[int, int]] = SETTINGS, warmup: int = 50, weight_decay: float = 0.01,
-                    seed: int = 0, progress: bool = True, desc: str = "train") -> list[float]:
+                    seed: int = 0, progress: bool = True, desc: str = "train",
+                    on_step: Optional[Callable[[int], None]] = None) -> list[float]:
     """Train the study's toy model on the needle task in this process (the torchrun loop for a run folder is
-    :func:`diffattn_tutorial.training.loop.train`): AdamW with linear warm-up and cosine decay; step ``t`` trains
-    on ``settings[t % len(settings)]``.
+    :func:`diffattn_tutorial.training.loop.train`): AdamW with linear warm-up and cosine decay
+    (:func:`~diffattn_tutorial.training.schedule.lr_factor`); step ``t`` trains on ``settings[t % len(settings)]``.
+    ``on_step(t)``, when given, runs before step ``t``'s forward (a fine-tune sets its warm-up there).
 
     Returns the loss of every step. Data come from a generator seeded with ``seed``.
     """
@@ -105,6 +89,8 @@ def train_toy_model(model: TinyLM, task: NeedleTask, *, steps: int, batch_size: 
     for t in bar:
         n, r = settings[t % len(settings)]
         batch = _to(task.sample(batch_size, n, r, generator=gen), device)
+        if on_step is not None:
+            on_step(t)
         loss = retrieval_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -229,49 +215,24 @@ def measure(model: TinyLM, task: NeedleTask, settings: Sequence[tuple[int, int]]
     return metrics, batch
 
 
-def _cache_file(cache: Union[bool, str, os.PathLike], key: dict) -> Optional[Path]:
-    """Where a study's results live: keyed by its arguments, the torch version and the source of the code
-    that trains and measures. ``None`` when caching is off."""
-    folder = cache_dir() if cache is True else Path(cache)
-    if folder is None:
-        return None
+def study_sources() -> tuple[ModuleType, ...]:
+    """The modules whose source the study's numbers depend on (data, attention, model, schedule, measurements and
+    this one): part of every cache key (:func:`~diffattn_tutorial.training.cache.cache_file`)."""
     import diffattn_tutorial.functional as functional_mod
     import diffattn_tutorial.layers.attention as modules_mod
     import diffattn_tutorial.layers.rope as rope_mod
     import diffattn_tutorial.measure.attention_stats as attention_stats_mod
     import diffattn_tutorial.training.needle as data_mod
+    import diffattn_tutorial.training.schedule as schedule_mod
 
-    h = hashlib.sha256(repr(sorted(key.items())).encode() + torch.__version__.encode())
-    for mod in (data_mod, functional_mod, attention_stats_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],
-                sys.modules[__name__]):
-        h.update(Path(mod.__file__).read_bytes())
-    return folder / f"study_{key['attention']}_seed{key['seed']}_{h.hexdigest()[:16]}.pt"
+    return (data_mod, functional_mod, attention_stats_mod, modules_mod, rope_mod, sys.modules[TinyLM.__module__],
+            schedule_mod, sys.modules[__name__])
 
 
-@contextlib.contextmanager
-def _cache_lock(path: Optional[Path]) -> Iterator[None]:
-    """Hold an exclusive lock on ``path``'s entry while loading or training it, so two processes asking for
-    the same run (two notebooks, parallel tests) train it once: the second waits, then loads."""
-    if path is None:
-        yield
-        return
-    try:
-        import fcntl
-    except ImportError:  # no POSIX locks (Windows): at worst both train, and the last write wins
-        yield
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_suffix(".lock"), "w")
-    except OSError:  # an unusable folder: _load_or_train says so once it has trained
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _cache_file(cache: CacheSetting, key: dict) -> Optional[Path]:
+    """Where a study's results live (:func:`~diffattn_tutorial.training.cache.cache_file` over
+    :func:`study_sources`); ``None`` when caching is off."""
+    return cache_file(cache, key, study_sources())
 
 
 @dataclass(frozen=True)
@@ -376,7 +337,7 @@ def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) ->
     cache file ``path`` when it exists, else trained now (``run_study`` saves it with its metrics)."""
     torch.manual_seed(config.seed)
     model = TinyLM(config.lm_config()).to(config.device)
-    saved = _read_cached(path)
+    saved = read_cached(path)
     if saved is not None:
         model.load_state_dict(saved["state_dict"])
         model.eval()
@@ -390,38 +351,7 @@ def _load_or_train(config: StudyConfig, path: Optional[Path], progress: bool) ->
     return model, {"losses": losses, "seconds": time.perf_counter() - t0}, False
 
 
-def _read_cached(path: Optional[Path]) -> Optional[dict]:
-    """A cache entry's contents, or None when there is none. A damaged entry (a killed process, a full disk) is
-    a miss, said once, and is replaced by the retrained model: never a traceback, never a wrong model."""
-    if path is None or not path.exists():
-        return None
-    try:
-        saved = torch.load(path, weights_only=True)
-        if not {"state_dict", "losses", "seconds"} <= set(saved):
-            raise ValueError(f"keys {sorted(saved)}")
-        return saved
-    except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, the answer is to retrain
-        warnings.warn(f"the cached training run {path} is damaged ({type(e).__name__}: {str(e)[:120]}); "
-                      f"training again and replacing it", stacklevel=3)
-        return None
-
-
-def _write_cached(path: Path, payload: dict) -> None:
-    """Save atomically (a reader sees the whole file or none); an unwritable cache costs a warning, not the run."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}_{threading.get_ident()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        warnings.warn(f"could not save the trained model to the cache {path.parent} ({e.strerror or e}); the "
-                      f"results are fine but will be trained again next time: set {CACHE_ENV} to a writable "
-                      f"folder (or {CACHE_ENV}=0 to switch the cache off)", stacklevel=3)
-
-
-def run_study(config: StudyConfig, *, cache: Union[bool, str, os.PathLike] = False,
+def run_study(config: StudyConfig, *, cache: CacheSetting = False,
               progress: bool = True) -> StudyResult:
     """Train (or load) the model of ``config`` and measure it.
 
@@ -432,17 +362,17 @@ def run_study(config: StudyConfig, *, cache: Union[bool, str, os.PathLike] = Fal
         progress: show a tqdm bar while training.
     """
     path = _cache_file(cache, config.cache_key()) if cache else None
-    with deterministic(config.num_threads), _cache_lock(path):
+    with deterministic(config.num_threads), cache_lock(path):
         model, saved, cached = _load_or_train(config, path, progress)
         losses, seconds = saved["losses"], saved["seconds"]
         metrics, batch = _measured(saved, model, config)
         if path is not None and "metrics" not in saved:  # trained now (or an entry written without them)
-            _write_cached(path, {**saved, "state_dict": model.state_dict(), "metrics": asdict(metrics)})
+            write_cached(path, {**saved, "state_dict": model.state_dict(), "metrics": asdict(metrics)})
     return StudyResult(config=config, params=model.num_parameters(), metrics=metrics, losses=losses,
                        seconds=seconds, cached=cached, model=model, eval_batch=batch)
 
 
-def retrieval_study(attention: str, *, cache: Union[bool, str, os.PathLike] = False, progress: bool = True,
+def retrieval_study(attention: str, *, cache: CacheSetting = False, progress: bool = True,
                     **config) -> StudyResult:
     """Train one model on the multi-needle task and measure it: ``run_study(StudyConfig(attention, **config))``.
 
@@ -512,7 +442,7 @@ def disagreements(rerun: Union[StudyResult, Mapping], recorded_row: Mapping) -> 
     return out
 
 
-__all__ = ["SETTINGS", "EVAL_SEED", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train_toy_model",
+__all__ = ["SETTINGS", "EVAL_SEED", "study_sources", "DEPTH_BINS", "deterministic", "retrieval_loss", "lr_factor", "train_toy_model",
            "accuracy", "attention_scores", "logit_outliers", "measure", "StudyMetrics", "StudyConfig", "StudyResult",
            "run_study", "retrieval_study", "SUMMARY_KEYS", "compare_claims", "claim_lines", "RECORD_TOLERANCE",
            "disagreements"]
