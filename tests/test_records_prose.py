@@ -97,7 +97,9 @@ def _plant(folder: Path, *, rerun: bool = True, probe: bool = True) -> None:
     sdpa = {"recorded": _rec("GPU X"), "config": {"batch": 1, "heads": 8},
             "rows": [{"formulation": f, "d": 64, "causal": False, "mode": "fwd", "n": 8192, "ms": ms}
                      for f, ms in (("sdpa_wide", 1.0), ("sdpa_split", 1.5), ("sdpa_stacked", 2.0))]}
-    tri = {"recorded": _rec("GPU X"), "rows": [
+    pick = "BLOCK_M: 128, BLOCK_N: 32, num_warps: 8, num_ctas: 1, num_stages: 3, maxnreg: None"
+    tri = {"recorded": _rec("GPU X"), "chosen_configs": {"_diff_attn_fwd/fused/d64": {"(8192, 1, 64, False, 0)": pick}},
+           "rows": [
         {"impl": "triton", "backend": "triton", "d": 64, "causal": False, "mode": "fwd", "n": 8192, "batch": 2,
          "heads": 16, "ms": 5.0, "speedup_vs_best_sdpa": 0.8},
         {"impl": "sdpa_wide", "backend": "cudnn", "d": 64, "causal": False, "mode": "fwd", "n": 8192, "batch": 2,
@@ -138,7 +140,8 @@ def test_the_probe_is_labelled_with_its_call_path(tmp_path):
     text = gpu_prose.probe_sentence("gpu-x", tmp_path)
     assert "`triton_diff_attention`" in text and "not a verdict on the goals" in text
     assert "64 x 64 (4 warps, 3 stages) 3.00 ms, 500 TFLOP/s" in text
-    assert "the judged path (`bench_triton`) took 5.00 ms" in text
+    assert "the autotuner's pick in `bench_triton` (128 x 32, 8 warps, 3 stages) took 5.00 ms on the judged path and " \
+           "4.00 ms in the probe" in text
 
 
 def test_a_refusal_is_shown_whole_for_the_kernel_that_was_forced():

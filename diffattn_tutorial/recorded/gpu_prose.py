@@ -150,6 +150,18 @@ def rerun_sentence(rerun: dict) -> str:
     return f"{what}, {rerun.get('date', 'date not recorded')}: {result} ({rerun.get('why', 'why not recorded')})."
 
 
+def _forward_pick(tri: dict, d: int) -> Optional[dict]:
+    """The autotuner's forward configuration at head dim ``d``, non-causal, as ``bench_triton`` recorded it."""
+    for name, picks in tri.get("chosen_configs", {}).items():
+        if name.startswith("_diff_attn_fwd/") and name.endswith(f"/d{d}"):
+            for key, cfg in picks.items():
+                if ", False," in key:
+                    v = dict(re.findall(r"(\w+): (\w+)", cfg))
+                    return {"block_m": int(v["BLOCK_M"]), "block_n": int(v["BLOCK_N"]), "warps": int(v["num_warps"]),
+                            "stages": int(v["num_stages"])}
+    return None
+
+
 def _same(a: dict, cfg: dict) -> bool:
     return all(a.get(k) == cfg.get(k) for k in ("block_m", "block_n", "warps", "stages"))
 
@@ -171,8 +183,14 @@ def probe_sentence(slug: str, folder: Path = FOLDER) -> str:
                 f"entry {pinned['block_m']} x {pinned['block_n']} {pinned['ms']:.2f} ms")
         bench = [t for t in (tri or {}).get("rows", []) if t["impl"] == "triton" and t["d"] == d and not t["causal"]
                  and t["mode"] == "fwd" and t["n"] == pinned["n"] and t.get("ms")]
-        if bench:
-            text += f", where the judged path (`bench_triton`) took {bench[0]['ms']:.2f} ms"
+        pick = _forward_pick(tri or {}, d)
+        same = [r for r in rs if pick and _same(r, pick)]
+        if bench and same:
+            text += (f"; the autotuner's pick in `bench_triton` ({pick['block_m']} x {pick['block_n']}, "
+                     f"{pick['warps']} warps, {pick['stages']} stages) took {bench[0]['ms']:.2f} ms on the judged "
+                     f"path and {same[0]['ms']:.2f} ms in the probe")
+        elif bench:
+            text += f"; the judged path's forward (`bench_triton`, the autotuner's pick) took {bench[0]['ms']:.2f} ms"
         parts.append(text)
     return (f"On the {device} the probe (`{probe['recorded'].get('command', 'command not recorded')}`) timed the "
             f"forward alone through `triton_diff_attention` (B = 2, N = 8192, bf16, non-causal), a faster call path "
