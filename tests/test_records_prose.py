@@ -86,7 +86,7 @@ def _plant(folder: Path, *, rerun: bool = True, probe: bool = True) -> None:
     session = {"recorded": _rec("GPU X"), "steps": {"tests": {"status": "failed", "seconds": 100.4}}}
     if rerun:
         session["reruns"] = [{"step": "tests", "date": "2026-01-02 04:00 UTC", "status": "passed", "why": "fixed",
-                              "command": 'python -m pytest tests/t.py -k "a or b"', "log_tail": "2 passed in 3.1s"}]
+                              "command": 'python -m pytest tests/test_triton.py -k "a or b"', "log_tail": "2 passed in 3.1s"}]
     if probe:
         session["probe"] = {"recorded": _rec("GPU X"), "forward": [
             {"d": 64, "plan": "split_kv", "block_m": 128, "block_n": 32, "warps": 8, "stages": 3, "n": 8192,
