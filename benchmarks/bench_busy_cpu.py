@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'met' if ok else 'MISSED'}: {goal}")
     out = args.out or HERE / f"results_busy_cpu_{timing.slug(device)}.json"
     command = "python benchmarks/bench_busy_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+    out.write_text(json.dumps({"device": device, "cpu": timing.cpu_identity(), "torch": torch.__version__,
+                               "python": platform.python_version(),
                                "date": datetime.date.today().isoformat(), "command": command.strip(),
                                "load_average_before": load,
                                "steps": args.steps, "summary": rows, "goals": met, **result}, indent=1) + "\n")

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     out = args.out or HERE / f"results_cpu_auto_{timing.slug(device)}{'_loaded' if args.load else ''}.json"
     command = "python benchmarks/bench_cpu_auto.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__, "python": platform.python_version(),
+    out.write_text(json.dumps({"device": device, "cpu": timing.cpu_identity(), "torch": torch.__version__,
+                               "python": platform.python_version(),
                                "date": datetime.date.today().isoformat(), "command": command.strip(),
                                "n": args.n, "causal": args.causal,
                                "load_average_before": load, "own_load_process": args.load, **result}, indent=1) + "\n")

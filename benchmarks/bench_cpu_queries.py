@@ -31,7 +31,7 @@ from diffattn_tutorial.backends import Needs, resolve
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.kernels.cpu import build, cpu_fused
 from diffattn_tutorial.measure.gpu import results_header, write_json
-from diffattn_tutorial.measure.timing import slug
+from diffattn_tutorial.measure.timing import cpu_identity, slug
 
 HERE = Path(__file__).resolve().parent
 CANDIDATES = ("naive", "sdpa_padded", "cpu_fused")
@@ -90,6 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.flags is not None:
         build.NATIVE_FLAGS = tuple(args.flags.split())  # before the kernel's first use: its build and cache key
     header = results_header("cpu", "benchmarks/bench_cpu_queries.py", argv if argv is not None else sys.argv[1:])
+    header["cpu"] = cpu_identity()  # the processor, which the device string does not name
     rows = run(args.keys, args.queries, args.rounds)
     kernel = {"flags": list(build.NATIVE_FLAGS), "vector_floats": cpu_fused.vector_floats()}
     print(f"{header['device']}, {args.threads} thread(s), torch {header['torch']}, B=1 H={H} d={D} float32, "

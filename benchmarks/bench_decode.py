@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     header = gpu_bench.results_header("cpu", "benchmarks/bench_decode.py", sys.argv[1:] if argv is None else argv)
+    header["cpu"] = timing.cpu_identity()  # the processor, which the device string does not name
     busy = cpu_threads.busy_cores()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     calls, compiles, prompt = tinylm_candidates(args.prompt, args.new)

@@ -29,7 +29,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from diffattn_tutorial.measure.gpu import results_header, write_json
-from diffattn_tutorial.measure.timing import slug
+from diffattn_tutorial.measure.timing import cpu_identity, slug
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -77,6 +77,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     header = results_header("cpu", "benchmarks/bench_notebook_times.py", argv if argv is not None else sys.argv[1:])
+    header["cpu"] = cpu_identity()  # the processor, which the device string does not name
     commits = {"before": commit_of(args.before), "after": commit_of(args.after)}
     names = {}
     for number in args.notebooks:

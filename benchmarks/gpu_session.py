@@ -1,6 +1,7 @@
 """Everything the GPU half needs from a GPU, in steps that each fit a 10-minute command.
 
-    python benchmarks/gpu_session.py                      # every step in order, then collect (7 min on an H200)
+    python benchmarks/gpu_session.py                      # every step in order, then collect (minutes; each step's
+                                                          # recorded time is in gpu_session_<device>.json)
     python benchmarks/gpu_session.py --list               # the steps, what each runs, its time limit
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
     python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into the package

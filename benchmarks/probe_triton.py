@@ -1,7 +1,7 @@
 """Where the Triton kernel's forward loses its time on a GPU: the ceilings, and the forward per plan and tile shape.
 
-The first recorded GPU session (an H200) ran the kernel at 0.67x to 0.84x the best SDPA formulation (cuDNN's),
-and left open why. This probe measures, in one run (the ``probe`` step of ``benchmarks/gpu_session.py``):
+The recorded GPU sessions ran the kernel slower than the best SDPA formulation (cuDNN's; the README's generated
+GPU block gives the ratios), and left open why. This probe measures, in one run (the ``probe`` step of ``benchmarks/gpu_session.py``):
 
 1. **the two ceilings** (METHOD: a large device-to-device copy, bytes read plus written; a large bf16 matrix
    product on random data);

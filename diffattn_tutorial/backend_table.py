@@ -28,7 +28,7 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.flo
 """The dtypes ``diff_attention`` takes (a backend takes all of them unless it says otherwise)."""
 
 ALIASES: dict[str, str] = {
-    "sdpa": "the best SDPA formulation for the call",
+    "sdpa": "the first SDPA formulation, in a fixed order (not the recorded fastest), that takes the call",
     "auto": "the first backend, in the device's order, that takes the call and works here",
 }
 """Names that stand for a backend chosen per call."""
@@ -292,15 +292,19 @@ AUTO: dict[str, tuple[Choice, ...]] = {
             Choice("sdpa_padded"), Choice("sdpa_wide")),
     OTHER_DEVICES: (Choice("sdpa_split"), Choice("sdpa_wide")),
 }
-"""``"auto"``'s order per device type, first tried first (measured by ``benchmarks/bench_cpu_auto.py``,
-``benchmarks/bench_cpu_queries.py``, ``benchmarks/bench_cpu_train.py`` and notebook 08): on a CPU ``naive`` for one
-query row, the fused kernel for float32 (training too, from a head dim of 32), then the padded SDPA formulation, then ``sdpa_wide`` (dropout); elsewhere the equal-dim
-formulation, which reaches the GPU's flash kernels at any head dim they take, then ``sdpa_wide`` (dropout).
-``chunked`` is in neither: its many small parallel ops slow down most when a core is busy
-(``benchmarks/bench_busy_cpu.py``)."""
+"""``"auto"``'s order per device type, first tried first. On a CPU (from ``benchmarks/bench_cpu_auto.py`` and
+``bench_cpu_train.py --rule``): ``naive`` for one query row (a choice; ``bench_cpu_queries.py`` times head dim 64
+only), the fused kernel for float32 (training too, from a head dim of 32), then the padded SDPA formulation, the
+fastest SDPA formulation in the CPU record, then ``sdpa_wide`` (dropout). Elsewhere the equal-dim formulation
+``sdpa_split``, which every fused GPU kernel takes, then ``sdpa_wide`` (dropout): a fixed order, not the recorded
+fastest, since the recorded GPU runs (``diffattn_tutorial/recorded/bench_sdpa_*.json``, notebook 08) have
+``sdpa_wide`` faster in most cases. ``chunked`` is in neither: its many small parallel ops slow down most when a
+core is busy (``benchmarks/bench_busy_cpu.py``)."""
 
 SDPA_ORDER: tuple[str, ...] = ("sdpa_split", "sdpa_wide")
-"""The alias ``"sdpa"``'s order: the first of these that takes the call."""
+"""The alias ``"sdpa"``'s order on every device: the first of these that takes the call. A fixed order, not the
+recorded fastest: ``sdpa_wide`` was faster than ``sdpa_split`` in most recorded GPU cases and ``sdpa_padded`` on the
+CPU (notebook 08, the README's tables); ``sdpa_split`` is first because every fused kernel takes its calls."""
 
 
 __all__ = ["Backend", "Call", "Needs", "Choice", "ANY_CALL", "ALIASES", "REFERENCE", "PLAIN_BACKENDS", "FLOAT_DTYPES",

@@ -230,15 +230,14 @@ def test_a_probe_killed_midway_keeps_what_it_measured(tmp_path, monkeypatch):
 
 
 def test_the_notes_quote_the_recorded_step_times():
-    """``benchmarks/NOTES.md`` states each step's seconds on the recorded GPU; they are the session file's, rounded
-    as the README's generated block rounds them (``bench128``'s 46.5 s is 46 there; the notes said 47)."""
+    """``benchmarks/NOTES.md`` states each step's seconds on each recorded GPU in its generated block; they are the
+    session file's, rounded as the README's generated block rounds them (``bench128``'s 46.5 s is 46 there)."""
     import re
 
     notes = (ROOT / "benchmarks" / "NOTES.md").read_text()
-    m = re.search(r"Steps as measured on the (\S+) \(seconds[^)]*\):(.*?); each runs", notes, re.DOTALL)
-    assert m, "the notes no longer quote the steps' times"
-    [session] = [data for _, data in gpu.find_recorded("gpu_session", device_type=None)
-                 if m.group(1) in data["recorded"].get("device", "")]
-    quoted = {step: int(s) for step, s in re.findall(r"`(\w+)` (\d+)", m.group(2))}
-    assert set(quoted) == set(session["steps"])
-    assert quoted == {step: int(f"{s['seconds']:.0f}") for step, s in session["steps"].items()}
+    for _, session in gpu.find_recorded("gpu_session", device_type=None):
+        m = re.search(r"\*\*Session\.\*\* " + re.escape(session["recorded"]["device"]) + r", [^`]*?: (`.*?)\.(?: |$)",
+                      notes, re.MULTILINE)
+        assert m, f"the notes no longer quote the steps' times on {session['recorded']['device']}"
+        quoted = {step: int(s) for step, s in re.findall(r"`(\w+)` \w+ \((\d+) s\)", m.group(1))}
+        assert quoted == {step: int(f"{s['seconds']:.0f}") for step, s in session["steps"].items()}

@@ -61,10 +61,28 @@ def _command(data: dict) -> str:
     return f"`{data['command']}`" if data.get("command") else f"command {NOT_RECORDED}"
 
 
+def _date(data: dict) -> str:
+    """The run's date, or "commit date X (run date not recorded)" where the file's provenance says so."""
+    date = data.get("date", NOT_RECORDED)
+    if "run date itself was not recorded" in data.get("provenance", ""):
+        return f"commit date {date} (run date not recorded)"
+    return date
+
+
+def _processor(data: dict) -> str:
+    """", processor NAME" for a CPU file that records it, ", processor not recorded" for one that does not."""
+    if not str(data.get("device", "")).startswith("CPU"):
+        return ""
+    cpu = data.get("cpu")
+    name = (cpu.get("name") if isinstance(cpu, dict) else cpu) if cpu else None
+    return f", processor {name}" if name else f", processor {NOT_RECORDED}"
+
+
 def _provenance(data: dict) -> str:
-    """Device, versions, date and command of a results file, "not recorded" where it holds none."""
-    return (f"{data.get('device', NOT_RECORDED)}, torch {data.get('torch', NOT_RECORDED)}, Python "
-            f"{data.get('python', NOT_RECORDED)}, {data.get('date', NOT_RECORDED)}, {_command(data)}")
+    """Device, processor (CPU files), versions, date and command of a results file, "not recorded" where it holds
+    none."""
+    return (f"{data.get('device', NOT_RECORDED)}{_processor(data)}, torch {data.get('torch', NOT_RECORDED)}, Python "
+            f"{data.get('python', NOT_RECORDED)}, {_date(data)}, {_command(data)}")
 
 
 def _sci(x: float) -> str:
@@ -208,7 +226,13 @@ def _busy(path: Path) -> str:
     return (f"With the recommended threads, DIFF's loaded step takes {_fmt_x(own[0])} its idle step and "
             f"{_fmt_x(own[1])} the baseline's loaded step (torch's default threads: {_fmt_x(default[0])} and "
             f"{_fmt_x(default[1])}): medians over {len(rounds)} rounds of {data['steps']} steps, from "
-            f"`{_rel(path)}` ({_provenance(data)}).\n")
+            f"`{_rel(path)}` ({_provenance(data)}). The idle rounds are idle of this benchmark's load only: the "
+            f"machine's load average was {_load_average(data)} when the run began.\n")
+
+
+def _load_average(data: dict) -> str:
+    load = data.get("load_average_before")
+    return " / ".join(f"{x:.2f}" for x in load) + " (1, 5, 15 min)" if load else NOT_RECORDED
 
 
 # --- the mutation test ------------------------------------------------------------------------------------------
@@ -397,6 +421,7 @@ def decode_block() -> str:
 def gpu_block(folder: Path = RECORDED) -> str:
     """One paragraph and table per recorded GPU session in ``folder``, or the sentence that none is recorded."""
     from diffattn_tutorial.measure import gpu
+    from diffattn_tutorial.recorded import gpu_prose
 
     sessions = gpu.find_recorded("gpu_session", device_type=None, folder=folder)
     if not sessions:
@@ -410,8 +435,8 @@ def gpu_block(folder: Path = RECORDED) -> str:
                      f"{rec.get('capability', NOT_RECORDED)}, torch {rec.get('torch', NOT_RECORDED)}, CUDA "
                      f"{rec.get('cuda', NOT_RECORDED)}, Triton {rec.get('triton', NOT_RECORDED)}, "
                      f"{rec.get('date', NOT_RECORDED)}; `{_rel(folder / (name + '.json'))}`). Steps: {steps}."
-                     + "".join(f" Rerun on the same kind of GPU, {r['date']}: `{r['step']}` {r['status']}: {r['why']}."
-                               for r in data.get("reruns", [])))
+                     + "".join(f" Then {gpu_prose.rerun_sentence(r)}" for r in data.get("reruns", []))
+                     + ("" if data.get("reruns") else " No rerun is recorded."))
         triton = folder / (name.replace("gpu_session", "bench_triton", 1) + ".json")
         if triton.exists():
             res = _load(triton)
@@ -423,6 +448,9 @@ def gpu_block(folder: Path = RECORDED) -> str:
                          f"`{_rel(triton)}`):\n\n{gpu.triton_summary(res)}\n\nThe speed goals (`measure.gpu.GOALS`"
                          f"{'' if judged else f', judged on an {gpu.GOALS_DEVICE} only; informative here'}): "
                          f"{verdicts}.")
+        slug = name.split("_", 2)[-1]
+        parts.append(" ".join(f(slug, folder) for f in (gpu_prose.dispatch_sentence, gpu_prose.fastest_sentence,
+                                                         gpu_prose.probe_sentence)))
     return "\n\n".join(parts) + "\n"
 
 
