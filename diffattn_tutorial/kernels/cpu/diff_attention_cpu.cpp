@@ -24,7 +24,7 @@
 // anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
 // about 2.4e38); only the difference to the row's maximum is multiplied by LOG2E, for exp2.
 //
-// The Python side (diffattn_tutorial/kernels/cpu/cpu_fused.py) passes each call as structs (Inputs, ForwardArgs,
+// The Python side (diffattn_tutorial/kernels/cpu/boundary.py) passes each call as structs (Inputs, ForwardArgs,
 // BackwardArgs below; ctypes Structures there mirror them field by field, checked against
 // diff_attention_cpu_fields): float32 q, k, v with contiguous rows (a head width that is a multiple of 32,
 // zero-padded there if need be) and the strides of their batch, head and row dims, so that a projection's
@@ -327,7 +327,7 @@ const float* block_rows_at(const float* src, long ld, int rows, int full, int w,
   return buf;
 }
 
-// The call's boundary: what cpu_fused.py passes, by field (its ctypes Structures of the same names mirror these;
+// The call's boundary: what boundary.py passes, by field (its ctypes Structures of the same names mirror these;
 // diff_attention_cpu_fields lists their offsets for the check). Plain C layout: pointers, longs, ints, floats.
 
 // One problem, as the forward and the backward read it. q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv)
@@ -344,9 +344,11 @@ struct Inputs {
   float exp_scale;  // LOG2E: exp2((s - max) * exp_scale) = e^(s - max)
 };
 
-// The forward's own: out (B, H, nq, dv) float32 where lo puts it (rows not overlapping); maps null, or
-// (B, H, 2, nq, nk_pad) float32 where to keep each row's two normalised maps for the backward; scan: also report in
-// nonfinite (written by the call) whether q, k or v holds a NaN or an infinity (then out is not to be used).
+// The forward's own: out (B, H, nq, dv) float32 where lo puts it (rows not overlapping). maps: null, or
+// (B, H, 2, nq, nk_pad) float32 where to keep each row's two normalised maps, P1 / l1 and P2 / l2, for
+// diff_attention_cpu_backward (written up to the keys the row's block reads; zero rows where fully masked). scan:
+// also write to nonfinite whether q, k or v holds a NaN or an infinity (then out is not to be used): the kernel scans
+// them as it reads them, k and v while it transposes k, q block by block.
 struct ForwardArgs {
   float* out;
   float* maps;
