@@ -102,7 +102,7 @@ def layers(own_threads: bool = False) -> dict[str, Callable[[torch.Tensor, bool]
     ours = MultiheadDiffAttn(WIDTH, HEADS)
     runs = {"ours": lambda x, causal: ours(x, causal=causal)}
     if own_threads:
-        runs[OWN] = runs["ours"]  # timed under cpu_fused._own_threads(), forward and backward (layer_times)
+        runs[OWN] = runs["ours"]  # timed under cpu_fused.own_threads(), forward and backward (layer_times)
     runs[PROJ] = lambda x, causal: ours.out_proj(ours.q_proj(x) + ours.k_proj(x) + ours.v_proj(x))
     timm = timm_layer()
     if timm is not None:
@@ -142,7 +142,7 @@ def layer_times(n: int, rounds: int, own_threads: bool = False) -> dict:
     for _ in range(rounds):
         for case in CASES:
             for name, run in runs.items():
-                with cpu_fused._own_threads() if name == OWN else contextlib.nullcontext():
+                with cpu_fused.own_threads() if name == OWN else contextlib.nullcontext():
                     times[case][name].append(one_case(run, x.detach(), case))
     return times
 
@@ -156,11 +156,12 @@ def kernel_rates(n: int, rounds: int) -> dict:
     scale, grad_out = q.shape[-1] ** -0.5, torch.randn(1, HEADS, n, v.shape[-1])
     calls = {"forward": lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, scale),
              "backward": lambda: torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam, None, False, scale)}
-    maps = cpu_fused._new_maps(q, k)  # None where training recomputes them
-    if maps is not None:
-        calls["forward, maps kept"] = lambda: cpu_fused._forward_checked(q, k, v, lam, None, False, scale, maps=maps)
-        calls["backward, maps kept"] = lambda: cpu_fused._backward_checked(grad_out, q, k, v, lam, None, False,
-                                                                            scale, maps)
+    if cpu_fused.keeps_maps(q, k):  # else training recomputes them
+        maps = torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, scale, keep_maps=True)[1]
+        calls["forward, maps kept"] = lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, scale,
+                                                                                   keep_maps=True)
+        calls["backward, maps kept"] = lambda: torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam, None,
+                                                                                     False, scale, maps)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     calls["matmul"] = lambda: a @ b
     for fn in calls.values():

@@ -12,7 +12,7 @@ import torch
 from forked import run_python
 
 from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import boundary, cpu_fused
 from diffattn_tutorial.measure.cpu_threads import threads
 
 pytestmark = pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel covers "
@@ -261,14 +261,14 @@ def test_torch_compile_fullgraph_trains_through_the_operators():
 
     eager = gradients(loss)
     calls = []
-    real = cpu_fused._backward
+    real = boundary.backward
     torch._dynamo.reset()
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
     try:
-        cpu_fused._backward = lambda *a: calls.append(1) or real(*a)
+        boundary.backward = lambda *a: calls.append(1) or real(*a)
         got = gradients(compiled)
     finally:
-        cpu_fused._backward = real
+        boundary.backward = real
     assert calls == [1]
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -327,22 +327,25 @@ def test_the_rule_benchmark_with_flags_names_its_file_after_them(tmp_path, monke
 
 def test_short_calls_keep_their_maps_for_the_backward_and_long_ones_recompute_them(monkeypatch):
     """Eager training keeps the forward's two normalised maps for the backward where they are small
-    (``MAPS_KEPT_BYTES``), frees them after it, and recomputes them above that size or in a second backward; the
+    (``MAPS_KEPT_BYTES``: the operator's second output, saved for its backward), frees them with the graph after the
+    backward (read again by a second one with ``retain_graph=True``), and recomputes them above that size; the
     gradients agree either way."""
     q, k, v, lam = inputs(1, 2, 1, 40, 50, 32)
     seen = []
-    real, _ = cpu_fused._backward, cpu_fused._kernel()  # built and self-checked before the spy
-    monkeypatch.setattr(cpu_fused, "_backward", lambda *a: seen.append(a[9] if len(a) > 9 else None) or real(*a))
+    real, _ = boundary.backward, cpu_fused._kernel()  # built and self-checked before the spy
+    monkeypatch.setattr(boundary, "backward", lambda *a: seen.append(a[9]) or real(*a))
 
     def grads(retain=False):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
         out = diff_attention(*leaves, causal=True, backend="cpu_fused")
         first = torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=retain)
-        assert out.grad_fn.maps is None  # freed by the backward
-        return first, (torch.autograd.grad(out, leaves, torch.ones_like(out)) if retain else None)
+        second = torch.autograd.grad(out, leaves, torch.ones_like(out)) if retain else None
+        with pytest.raises(RuntimeError, match="freed"):  # the saved maps went with the graph
+            out.grad_fn.saved_tensors
+        return first, second
 
     kept, again = grads(retain=True)
-    assert seen[0].shape == (1, 2, 2, 40, 64) and seen[1] is None  # (B, H, 2, Nq, Nk padded to 32); then none
+    assert seen[0].shape == seen[1].shape == (1, 2, 2, 40, 64)  # (B, H, 2, Nq, Nk padded to 32), twice
     monkeypatch.setattr(cpu_fused, "MAPS_KEPT_BYTES", 1 << 10)
     recomputed, _ = grads()
     assert seen[2] is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from forked import run_python
 
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import cpu_fused, openmp
 from diffattn_tutorial.measure.cpu_threads import threads
 
 pytestmark = pytest.mark.skipif(cpu_fused.compiler() is None, reason="no C++ compiler here (test_cpu_kernel "
@@ -21,7 +21,7 @@ INLINE, OPENMP, OWN = 0, 1, 2  # diff_attention_cpu_last_threads(): how the last
     ("libgomp-plugin-nvptx.so.1", False),  # a GCC offloading plugin, not a runtime
 ])
 def test_openmp_runtimes_are_told_by_their_file_names(name, runtime):
-    assert cpu_fused._is_openmp_runtime(name) is runtime
+    assert openmp.is_openmp_runtime(name) is runtime
 
 
 def test_the_runtimes_are_read_from_any_maps_listing():
@@ -30,7 +30,7 @@ def test_the_runtimes_are_read_from_any_maps_listing():
             b"7f04-7f05 r--p 00000000 08:01 13 /data/caf\xe9.bin\n"  # not UTF-8
             b"7f06-7f07 rw-p 00000000 00:00 0 \n"  # anonymous
             b"7f08-7f09 r-xp 00000000 08:01 14 /usr/lib/libgomp-plugin-nvptx.so.1\n")
-    assert cpu_fused._runtimes_in(maps) == {"/opt/my env/torch/lib/libgomp.so.1", "/old/libiomp5.so"}
+    assert openmp.runtimes_in(maps) == {"/opt/my env/torch/lib/libgomp.so.1", "/old/libiomp5.so"}
 
 
 def test_the_pool_is_torchs_where_the_process_has_one_openmp_runtime():
@@ -39,12 +39,12 @@ def test_the_pool_is_torchs_where_the_process_has_one_openmp_runtime():
     code = """
 import os
 import torch
-from diffattn_tutorial.kernels.cpu import cpu_fused
-before = cpu_fused._openmp_runtimes()
+from diffattn_tutorial.kernels.cpu import cpu_fused, openmp
+before = openmp.openmp_runtimes()
 where = cpu_fused.kernel_threads()
-after = cpu_fused._openmp_runtimes()
+after = openmp.openmp_runtimes()
 torch_gomp = before is not None and [os.path.basename(f) for f in before] == ["libgomp.so.1"]
-print(where, cpu_fused._THREADS["built"], None if after is None else len(after), torch_gomp)
+print(where, openmp.CHOSEN["built"], None if after is None else len(after), torch_gomp)
 """
     proc = run_python(code, env=dict(os.environ), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,7 +55,7 @@ print(where, cpu_fused._THREADS["built"], None if after is None else len(after),
 
 
 def _run_both(q, k, v, lam, grad_out):
-    out = torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, True, 0.125)
+    out = torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, True, 0.125)[0]
     return (out, *torch.ops.diffattn.cpu_fused_backward(grad_out, q, k, v, lam, None, True, 0.125))
 
 
@@ -70,7 +70,7 @@ def test_the_pool_and_threads_of_its_own_give_the_same_bits_on_any_thread_count(
         with threads(n):
             runs.append(_run_both(q, k, v, lam, grad_out))
             assert lib.diff_attention_cpu_last_threads() == (INLINE if n == 1 else OPENMP if pool else OWN)
-            with cpu_fused._own_threads():
+            with cpu_fused.own_threads():
                 assert cpu_fused.kernel_threads() == "own"
                 runs.append(_run_both(q, k, v, lam, grad_out))
                 assert lib.diff_attention_cpu_last_threads() == (INLINE if n == 1 else OWN)
@@ -86,17 +86,17 @@ def test_a_child_forked_after_the_kernel_ran_runs_it_too():
     code = """
 import os, signal
 import torch
-from diffattn_tutorial.kernels.cpu import cpu_fused
+from diffattn_tutorial.kernels.cpu import cpu_fused, openmp
 g = torch.Generator().manual_seed(0)
 q, k = torch.randn(1, 4, 64, 32, generator=g), torch.randn(1, 4, 64, 32, generator=g)
 v, lam = torch.randn(1, 2, 64, 64, generator=g), torch.tensor(0.3)
-run = lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, True, 0.125)
+run = lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, True, 0.125)[0]
 before, parent = run(), cpu_fused.kernel_threads()
 pid = os.fork()
 if pid == 0:
     signal.alarm(20)
     same = torch.equal(run(), before)
-    with cpu_fused._own_threads():
+    with cpu_fused.own_threads():
         same &= torch.equal(run(), before)
     same &= torch.equal(run(), before)
     os._exit(0 if same and cpu_fused.kernel_threads() == "own" else 3)

@@ -1,4 +1,5 @@
-// Differential attention, forward, fused on a CPU: naive's arithmetic in one pass per block of query rows.
+// Differential attention on a CPU, forward and backward, fused: naive's arithmetic in one pass per block of query
+// rows (the backward: below diff_attention_cpu_forward).
 //
 // Why a kernel of its own: every SDPA formulation of differential attention does twice the multiply-adds of
 // the naive one (q.k twice, or at width 2d, and P @ V once per map), because SDPA must apply V to each map
@@ -23,10 +24,12 @@
 // anywhere in float32's range gives naive's answer (converting it to base-2 units first would overflow beyond
 // about 2.4e38); only the difference to the row's maximum is multiplied by LOG2E, for exp2.
 //
-// The Python side (diffattn_tutorial/kernels/cpu/cpu_fused.py) passes float32 q, k, v with contiguous rows (a head
-// width that is a multiple of 32, zero-padded there if need be) and the strides of their batch, head and row dims,
-// so that a projection's (B, N, heads, d) output viewed as (B, heads, N, d) is read where it is (the output is
-// written in the same order as q); lam expanded to (B, H, Nq), the mask (if any) as float32 with element strides.
+// The Python side (diffattn_tutorial/kernels/cpu/boundary.py) passes each call as structs (Inputs, ForwardArgs,
+// BackwardArgs below; ctypes Structures there mirror them field by field, checked against
+// diff_attention_cpu_fields): float32 q, k, v with contiguous rows (a head width that is a multiple of 32,
+// zero-padded there if need be) and the strides of their batch, head and row dims, so that a projection's
+// (B, N, heads, d) output viewed as (B, heads, N, d) is read where it is (the output is written in the same order
+// as q); lam expanded to (B, H, Nq), the mask (if any) as float32 with element strides.
 // A call's buffers come from one block per calling thread, kept between its calls (see KeptBlock).
 // A scanning call (diff_attention's eager calls) also reports whether q, k or v holds a NaN or an infinity, read as
 // it reads them anyway, so that the caller needs no pass of its own over them before the call.
@@ -41,6 +44,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +52,7 @@
 #include <new>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -322,17 +327,39 @@ const float* block_rows_at(const float* src, long ld, int rows, int full, int w,
   return buf;
 }
 
-struct Problem {
+// The call's boundary: what boundary.py passes, by field (its ctypes Structures of the same names mirror these;
+// diff_attention_cpu_fields lists their offsets for the check). Plain C layout: pointers, longs, ints, floats.
+
+// One problem, as the forward and the backward read it. q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv)
+// float32 with contiguous rows where their layouts put them; lam (B, H, nq) contiguous float32; mask null or
+// float32 with element strides mask_b..mask_k of its (B, H, nq, nk) view (0 where broadcast, 1 or 0 along keys).
+struct Inputs {
   const float *q, *k, *v, *lam, *mask;
-  Layout lq, lk, lv, lo;  // of q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and out (B, H, nq, dv)
-  float* kt;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk: filled by transpose_keys (null: row-major scores)
+  Layout lq, lk, lv;
+  long mask_b, mask_h, mask_q, mask_k;
+  int batch, heads, kv_heads, nq, nk, d, dv, block_rows;
+  int causal;     // bottom-right aligned: row i sees keys j <= i + nk - nq
+  int n_threads;  // at most this many threads
+  float qk_scale;   // the softmax scale: scores in natural units, as naive's
+  float exp_scale;  // LOG2E: exp2((s - max) * exp_scale) = e^(s - max)
+};
+
+// The forward's own: out (B, H, nq, dv) float32 where lo puts it (rows not overlapping). maps: null, or
+// (B, H, 2, nq, nk_pad) float32 where to keep each row's two normalised maps, P1 / l1 and P2 / l2, for
+// diff_attention_cpu_backward (written up to the keys the row's block reads; zero rows where fully masked). scan:
+// also write to nonfinite whether q, k or v holds a NaN or an infinity (then out is not to be used): the kernel scans
+// them as it reads them, k and v while it transposes k, q block by block.
+struct ForwardArgs {
   float* out;
-  float* maps;  // null, or where to keep the two normalised maps for the backward, (B, H, 2, nq, nk_pad)
-  int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows;
-  float qk_scale;                       // the softmax scale: scores in natural units, as naive's
-  long mask_b, mask_h, mask_q, mask_k;  // element strides of the (B, H, Nq, Nk) mask view (0 where broadcast)
-  float exp_scale;                      // LOG2E: exp2((s - max) * exp_scale) = e^(s - max)
-  bool causal;                          // bottom-right aligned: row i sees keys j <= i + nk - nq
+  float* maps;
+  Layout lo;
+  int scan;
+  int nonfinite;
+};
+
+struct Problem : Inputs, ForwardArgs {
+  float* kt = nullptr;  // k transposed per map, (B, 2Hkv, d, nk_pad), zero beyond nk (null: row-major scores)
+  int nk_pad = 0;
 };
 
 // Per-thread buffers: two block_rows x nk_pad score blocks; the queries of a block whose rows are strided or, in the
@@ -567,18 +594,20 @@ inline void mul_rows_t(const float* p, int ldp, int keys, int nj, const float* x
       mul_tile_t(p + r, ldp, nj, x, width, c0, o + (size_t)r * width, width, r >= fresh);
 }
 
-struct Grad {
-  const float *q, *k, *v, *lam, *mask, *dout;  // as the forward's; dout (B, H, nq, dv)
-  Layout lq, lk, lv, ldo, lgq, lgk, lgv;       // of q, k, v, dout and of their gradients
-  float *kt, *vt;                              // transposed: (.., d or dv, nk_pad)
-  float* part;                                 // partial sums, per item: dk1, dk2 (nk_pad, d) and dv (nk_pad, dv)
-  const float* maps;                           // null (recompute the maps), or the forward's kept maps
-  float *gq, *gk, *gv, *glam;                  // the gradients: shaped as q, k, v and (B, H, nq)
-  int batch, heads, kv_heads, nq, nk, nk_pad, d, dv, block_rows, groups;
-  float qk_scale;
-  long mask_b, mask_h, mask_q, mask_k;
-  float exp_scale;
-  bool causal;
+// The backward's own: dout (B, H, nq, dv) float32 where ldo puts it; maps null (recompute them) or the forward's
+// kept maps; the gradients gq, gk, gv shaped as q, k, v (float32, contiguous rows, where lgq, lgk, lgv put them,
+// written in full, not overlapping) and glam (B, H, nq) contiguous float32.
+struct BackwardArgs {
+  const float* dout;
+  const float* maps;
+  float *gq, *gk, *gv, *glam;
+  Layout ldo, lgq, lgk, lgv;
+};
+
+struct Grad : Inputs, BackwardArgs {
+  float *kt = nullptr, *vt = nullptr;  // transposed: (.., d or dv, nk_pad)
+  float* part = nullptr;               // partial sums, per item: dk1, dk2 (nk_pad, d) and dv (nk_pad, dv)
+  int nk_pad = 0, groups = 1;
   size_t part_size() const { return (size_t)nk_pad * (2 * d + dv); }
 };
 
@@ -769,26 +798,10 @@ extern "C" int diff_attention_cpu_vector_floats() { return VL; }
 // 1 on OpenMP's pool, 2 on threads it started.
 extern "C" int diff_attention_cpu_last_threads() { return last_path; }
 
-// q (B, 2H, nq, d), k (B, 2Hkv, nk, d), v (B, Hkv, nk, dv) and out (B, H, nq, dv) float32 with contiguous rows,
-// where layouts puts them (element strides of batch, head and row: q's, k's, v's, out's; out's rows must not
-// overlap); lam (B, H, nq) contiguous float32; the mask (if any) float32 with element strides mask_strides (0 where
-// broadcast, 1 or 0 along keys).
-// exp_scale: LOG2E; qk_scale: the softmax scale. sizes: B, H, Hkv, nq, nk, d, dv, block_rows.
-// nonfinite: null, or where to write whether q, k or v holds a NaN or an infinity (then the output is not to be
-// used): the kernel scans them as it reads them, k and v while it transposes k, q block by block.
-// maps: null, or (B, H, 2, nq, nk_pad) float32 where to keep each row's two normalised maps, P1 / l1 and P2 / l2,
-// for diff_attention_cpu_backward (written up to the keys the row's block reads; zero rows where fully masked).
-// Returns 0; -1 for sizes it cannot take; -2 when out of memory.
-extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const float* v, const float* lam,
-                                          const float* mask, const long* mask_strides, const long* layouts,
-                                          float exp_scale, float qk_scale, float* out, const int* sizes, int causal,
-                                          int n_threads, int* nonfinite, float* maps) {
-  Problem P{q, k, v, lam, mask,
-            {layouts[0], layouts[1], layouts[2]}, {layouts[3], layouts[4], layouts[5]}, {layouts[6], layouts[7], layouts[8]},
-            {layouts[9], layouts[10], layouts[11]},
-            nullptr, out, maps,
-            sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], qk_scale,
-            mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
+// The forward of the problem `in` (see Inputs and ForwardArgs). Returns 0; -1 for sizes it cannot take; -2 when out
+// of memory.
+extern "C" int diff_attention_cpu_forward(const Inputs* in, ForwardArgs* args) {
+  Problem P{*in, *args};
   P.nk_pad = (P.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   const int BQ = P.block_rows;
   if (BQ <= 0 || BQ % SCORE_ROWS || BQ % OUT_ROWS || P.dv % OUT_COLS || P.d <= 0 || P.nq < 0 || P.nk < 0 ||
@@ -796,7 +809,7 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
     return -1;
   const long key_maps = (long)P.batch * 2 * P.kv_heads, key_tiles = P.nk_pad / SCORE_COLS;
   const long blocks = (P.nq + BQ - 1) / BQ, items = (long)P.batch * P.heads * blocks;
-  const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max(items, key_maps * key_tiles)));
+  const int n_workers = (int)std::max(1L, std::min<long>(P.n_threads, std::max(items, key_maps * key_tiles)));
   const bool row_major = P.nq <= ROW_MAJOR_ROWS;
   std::vector<Scratch> scratch;
   Carver c;
@@ -814,7 +827,7 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
     }
   }
   std::atomic<bool> seen{false};
-  std::atomic<bool>* scan = nonfinite ? &seen : nullptr;
+  std::atomic<bool>* scan = P.scan ? &seen : nullptr;
   if (!row_major || scan) {  // row-major scores: no transposed k, only the scan
     run_items(key_maps * key_tiles, n_workers, [&](int, long i) {
       const long m = i / key_tiles;
@@ -827,29 +840,16 @@ extern "C" int diff_attention_cpu_forward(const float* q, const float* k, const 
     block(P, (int)(i / blocks / P.heads), (int)(i / blocks % P.heads), (int)(i % blocks) * BQ, scratch[t], scan);
   });
   release_large_block();
-  if (nonfinite) *nonfinite = seen.load() ? 1 : 0;
+  args->nonfinite = seen.load() ? 1 : 0;
   return 0;
 }
 
 
-// The gradients of diff_attention_cpu_forward's output: dout (B, H, nq, dv) float32 with contiguous rows, the other
-// inputs as the forward's; dq, dk, dv shaped as q, k, v (float32, contiguous rows, written in full, not
-// overlapping) and dlam (B, H, nq) contiguous float32. layouts: the element strides of batch, head and row of q, k,
-// v, dout, dq, dk and dv. sizes: B, H, Hkv, nq, nk, d, dv, block_rows. maps: null (the maps are recomputed from q
-// and k), or the forward's kept maps (then q and k are read for dk and dq only, and the mask not at all).
-// Returns 0; -1 for sizes it cannot take; -2 when out of memory.
-extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const float* v, const float* lam,
-                                           const float* mask, const long* mask_strides, const float* dout,
-                                           const long* layouts, float exp_scale, float qk_scale, float* dq,
-                                           float* dk, float* dv, float* dlam, const int* sizes, int causal,
-                                           int n_threads, const float* maps) {
-  const long* L = layouts;
-  Grad G{q, k, v, lam, mask, dout,
-         {L[0], L[1], L[2]}, {L[3], L[4], L[5]}, {L[6], L[7], L[8]}, {L[9], L[10], L[11]},
-         {L[12], L[13], L[14]}, {L[15], L[16], L[17]}, {L[18], L[19], L[20]},
-         nullptr, nullptr, nullptr, maps, dq, dk, dv, dlam,
-         sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], 0, sizes[5], sizes[6], sizes[7], 1, qk_scale,
-         mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3], exp_scale, causal != 0};
+// The gradients of diff_attention_cpu_forward's output for the problem `in` (see Inputs and BackwardArgs). With kept
+// maps, q and k are read for dk and dq only, and the mask not at all. Returns 0; -1 for sizes it cannot take; -2 when
+// out of memory.
+extern "C" int diff_attention_cpu_backward(const Inputs* in, const BackwardArgs* args) {
+  Grad G{*in, *args};
   G.nk_pad = (G.nk + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   const int BQ = G.block_rows;
   if (BQ <= 0 || BQ % SCORE_ROWS || BQ % DQ_ROWS || G.d % 32 || G.dv % OUT_COLS || G.d <= 0 || G.nq < 0 || G.nk < 0 ||
@@ -860,7 +860,7 @@ extern "C" int diff_attention_cpu_backward(const float* q, const float* k, const
   if (heads == 0) return 0;  // B = 0: nothing to write
   G.groups = (int)std::clamp<long>((MIN_ITEMS + heads - 1) / heads, 1, std::max(row_blocks, 1L));
   const long items = heads * G.groups, key_items = vmaps * ktiles, transposes = (kmaps + vmaps) * ktiles;
-  const int n_workers = (int)std::max(1L, std::min<long>(n_threads, std::max({items, key_items, transposes})));
+  const int n_workers = (int)std::max(1L, std::min<long>(G.n_threads, std::max({items, key_items, transposes})));
   std::vector<GradScratch> scratch;
   Carver c;
   for (int pass = 0; pass < 2; ++pass) {  // sizes, then pieces of the block
@@ -909,4 +909,38 @@ extern "C" long diff_attention_cpu_kept_bytes() { return (long)(kept.size * size
 // Keep blocks of at most this many bytes between calls (default 64 MiB); returns the previous limit.
 extern "C" long diff_attention_cpu_keep_at_most(long bytes) {
   return (long)(keep_floats.exchange((size_t)std::max(0L, bytes) / sizeof(float)) * sizeof(float));
+}
+
+// The boundary's layout, for cpu_fused.py's check of its ctypes Structures: per struct one row with an empty field
+// name and its size, then one row per field (offset, size) in declaration order.
+struct FieldAt {
+  const char *type, *field;
+  long offset, size;
+};
+#define DA_STRUCT(T) {#T, "", 0, (long)sizeof(T)}
+#define DA_FIELD(T, F) {#T, #F, (long)offsetof(T, F), (long)sizeof(T::F)}
+const FieldAt boundary_fields[] = {
+    DA_STRUCT(Layout), DA_FIELD(Layout, b), DA_FIELD(Layout, h), DA_FIELD(Layout, r),
+    DA_STRUCT(Inputs), DA_FIELD(Inputs, q), DA_FIELD(Inputs, k), DA_FIELD(Inputs, v), DA_FIELD(Inputs, lam),
+    DA_FIELD(Inputs, mask), DA_FIELD(Inputs, lq), DA_FIELD(Inputs, lk), DA_FIELD(Inputs, lv),
+    DA_FIELD(Inputs, mask_b), DA_FIELD(Inputs, mask_h), DA_FIELD(Inputs, mask_q), DA_FIELD(Inputs, mask_k),
+    DA_FIELD(Inputs, batch), DA_FIELD(Inputs, heads), DA_FIELD(Inputs, kv_heads), DA_FIELD(Inputs, nq),
+    DA_FIELD(Inputs, nk), DA_FIELD(Inputs, d), DA_FIELD(Inputs, dv), DA_FIELD(Inputs, block_rows),
+    DA_FIELD(Inputs, causal), DA_FIELD(Inputs, n_threads), DA_FIELD(Inputs, qk_scale), DA_FIELD(Inputs, exp_scale),
+    DA_STRUCT(ForwardArgs), DA_FIELD(ForwardArgs, out), DA_FIELD(ForwardArgs, maps), DA_FIELD(ForwardArgs, lo),
+    DA_FIELD(ForwardArgs, scan), DA_FIELD(ForwardArgs, nonfinite),
+    DA_STRUCT(BackwardArgs), DA_FIELD(BackwardArgs, dout), DA_FIELD(BackwardArgs, maps), DA_FIELD(BackwardArgs, gq),
+    DA_FIELD(BackwardArgs, gk), DA_FIELD(BackwardArgs, gv), DA_FIELD(BackwardArgs, glam), DA_FIELD(BackwardArgs, ldo),
+    DA_FIELD(BackwardArgs, lgq), DA_FIELD(BackwardArgs, lgk), DA_FIELD(BackwardArgs, lgv),
+};
+static_assert(std::is_standard_layout_v<Layout> && std::is_standard_layout_v<Inputs> &&
+              std::is_standard_layout_v<ForwardArgs> && std::is_standard_layout_v<BackwardArgs>,
+              "the boundary's structs must have C's layout (ctypes mirrors them)");
+#undef DA_STRUCT
+#undef DA_FIELD
+
+// The rows of boundary_fields: *rows points at them; returns how many.
+extern "C" int diff_attention_cpu_fields(const FieldAt** rows) {
+  *rows = boundary_fields;
+  return (int)(sizeof(boundary_fields) / sizeof(boundary_fields[0]));
 }
