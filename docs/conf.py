@@ -74,9 +74,6 @@ nitpick_ignore_regex = [
     (r"py:class", r"[a-z_][a-z0-9_]*"),  # napoleon's "steps, lr: ..." field names several attributes, read as types
 ]
 
-# math: MathJax 3 from the site itself (sphinx-mathjax-offline copies it); the SVG output draws glyphs as paths, so
-# a page opened from file:// needs no web fonts (the package's default, CHTML, loads fonts that file:// refuses)
-mathjax_path = "mathjax/tex-svg.js"
 
 html_theme = "furo"
 html_title = "diffattn-tutorial"
@@ -85,3 +82,10 @@ html_css_files = ["course.css"]
 html_copy_source = False
 html_show_sourcelink = False
 html_last_updated_fmt = None
+
+
+def setup(app):
+    """Math: MathJax 3 from the site itself (sphinx-mathjax-offline copies it), in its SVG output, which draws glyphs
+    as paths, so a page opened from ``file://`` needs no web fonts. The package sets its CHTML build in its own
+    ``setup``, after this file's settings are read; this runs after every extension's ``setup``."""
+    app.config.mathjax_path = "mathjax/tex-svg.js"

@@ -1,19 +1,19 @@
-"""What the course website adds to Sphinx that no package does; each job is a small function connected in setup.
+"""What the course website adds to Sphinx that no package does, each job a small function connected in setup.
 
-* **Chapter banners.** Every page built from a notebook gets the *Open in Colab* badge (the notebook's own, or one
-  made from ``[project.urls] Repository`` by ``tools/notebook_header.py``) and a *download this notebook* link to
-  the ``.ipynb``, copied next to the page so the link works from ``file://``. The badge image is served locally.
+* **Chapter banners.** Beside a notebook's *Open in Colab* badge, a *download this notebook* link to the ``.ipynb``,
+  copied next to the page (it works from ``file://``); the badge image is the site's own, so it shows offline.
 * **Widgets.** A stored live widget (its text fallback starts with ``[live widget``) becomes a note saying it needs
   a running kernel; a progress bar (tqdm's widget) is dropped.
-* **Search from file://.** Result titles are plain text (a chapter title's math as its letters, not raw TeX), and
-  excerpts work without a server: Sphinx fetches each result's page for its excerpt, which a browser refuses on
-  ``file://``, so each page's text also ships as a script that ``_static/offline-search.js`` loads instead.
+* **Search from file://.** Result titles in plain text (a title's math as letters, not raw TeX); excerpts without a
+  server (Sphinx fetches each result's page, which a browser refuses on ``file://``: each page's text ships as a
+  script that ``_static/offline-search.js`` loads instead).
+* Two settings Sphinx's pieces have no option for: a short name resolves as Sphinx resolves ``.name``, and the
+  library's constant docstrings stay prose (napoleon reads ``X: Y`` there as a type).
 """
 
 from __future__ import annotations
 
 import html
-import importlib.util
 import json
 import re
 import shutil
@@ -26,30 +26,21 @@ from sphinx.transforms import SphinxTransform
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_FOLDERS = ("notebooks", "exercises", "solutions")
+COLAB = "https://colab.research.google.com/github/"
 COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
-LOCAL_BADGE = "_static/colab-badge.svg"
+LOCAL_BADGE = "/docs/_static/colab-badge.svg"  # from the source folder (the repository root)
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 LIVE_WIDGET = "[live widget"  # how the course's show_interactive starts a widget's text fallback
-PAGE_TEXT = "_page_text"  # the folder of the pages' texts for search excerpts
 
 
 def notebook_path(app: Sphinx, docname: str) -> str | None:
     """``notebooks/NN_topic.ipynb`` for a page built from a course notebook, else None."""
-    if docname.split("/")[0] in NOTEBOOK_FOLDERS and app.env.doc2path(docname).suffix == ".ipynb":
-        return f"{docname}.ipynb"
-    return None
-
-
-def colab_url(rel: str) -> str:
-    """The Colab address of notebook ``rel``, by ``tools/notebook_header.py`` (the one home of that rule)."""
-    spec = importlib.util.spec_from_file_location("notebook_header", ROOT / "tools" / "notebook_header.py")
-    header = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(header)
-    return header.colab_link(header.repository_url(), rel)
+    notebook = docname.split("/")[0] in NOTEBOOK_FOLDERS and app.env.doc2path(docname).suffix == ".ipynb"
+    return f"{docname}.ipynb" if notebook else None
 
 
 class ChapterBanner(SphinxTransform):
-    """Under a notebook's title: its Colab badge (its own, or one made here) and the download link."""
+    """Beside a notebook's Colab badge: the download link; the badge image from the site itself."""
 
     default_priority = 500
 
@@ -57,18 +48,15 @@ class ChapterBanner(SphinxTransform):
         rel = notebook_path(self.app, self.env.docname)
         if rel is None:
             return
-        download = nodes.reference("", "download this notebook (.ipynb)", refuri=Path(rel).name,
-                                   classes=["download-notebook"])
-        badge = next((ref for ref in self.document.findall(nodes.reference)
-                      if ref.get("refuri", "").startswith("https://colab.research.google.com/github/")), None)
-        if badge is not None:
-            badge.parent += [nodes.Text(" · "), download]
+        badge = next((ref for ref in self.document.findall(nodes.reference) if ref.get("refuri", "").startswith(COLAB)),
+                     None)
+        if badge is None:  # tools/notebook_header.py writes one into every notebook (tests/test_docs.py checks)
             return
-        image = nodes.image(uri=COLAB_BADGE, alt="Open In Colab", candidates={"?": COLAB_BADGE})
-        para = nodes.paragraph("", "", nodes.reference("", "", image, refuri=colab_url(rel)), nodes.Text(" · "),
-                               download)
-        section = next(iter(self.document.findall(nodes.section)), None)
-        (section or self.document).insert(1 if section is not None else 0, para)
+        badge.parent += [nodes.Text(" · "), nodes.reference("", "download this notebook (.ipynb)",
+                                                            refuri=Path(rel).name, classes=["download-notebook"])]
+        for image in self.document.findall(nodes.image):
+            if image.get("uri") == COLAB_BADGE:
+                image["uri"] = LOCAL_BADGE  # Sphinx copies it into _images/
 
 
 class StaticWidgets(SphinxTransform):
@@ -91,46 +79,12 @@ class StaticWidgets(SphinxTransform):
                                                  nodes.paragraph("", said), classes=["note", "static-widget"]))
 
 
-def short_names(app: Sphinx, env, node, contnode):
-    """A Python reference Sphinx did not find, looked up again as Sphinx looks up ``.name``: the one documented
-    object whose full name ends with it (``MultiheadDiffAttn`` in interop's docstrings, defined in layers)."""
-    if node.get("refdomain") != "py" or node.get("refspecific"):
-        return None
-    node["refspecific"] = True  # two matches: Sphinx's own "more than one target" warning fails the build
-    return env.get_domain("py").resolve_xref(env, node["refdoc"], app.builder, node["reftype"],
-                                             node["reftarget"], node, contnode)
-
-
-PROSE: dict[str, list[str]] = {}  # a constant's or attribute's docstring, kept from napoleon
-
-
-def keep_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str]) -> None:
-    """Napoleon reads a constant's docstring ``Seed of the data: ...`` as ``type: description`` (Google style for
-    attributes); the library writes those docstrings as prose, so they are kept as written (restored after it)."""
-    if what in ("data", "attribute", "property"):
-        PROSE[name] = list(lines)
-
-
-def restore_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str]) -> None:
-    if name in PROSE:
-        lines[:] = PROSE.pop(name)
-
-
-def localise_badge(app: Sphinx, doctree, docname: str) -> None:
-    """The Colab badge image from the site's own ``_static`` (it then shows offline too)."""
-    for image in doctree.findall(nodes.image):
-        if image.get("uri") == COLAB_BADGE:
-            image["uri"] = "../" * docname.count("/") + LOCAL_BADGE
-            image["candidates"] = {"?": image["uri"]}
-
-
 def tex_as_text(tex: str) -> str:
     r"""TeX as readable text for a title: ``\lambda_{\text{init}}`` -> ``λ_init`` (Greek letters by name)."""
     def letter(match: re.Match) -> str:
-        name = match.group(1)
-        case = "CAPITAL" if name[0].isupper() else "SMALL"
+        case = "CAPITAL" if match.group(1)[0].isupper() else "SMALL"
         try:
-            return unicodedata.lookup(f"GREEK {case} LETTER {name.upper()}")
+            return unicodedata.lookup(f"GREEK {case} LETTER {match.group(1).upper().replace('LAMBDA', 'LAMDA')}")
         except KeyError:
             return ""  # \text, \mathrm, \left: the command goes, its argument stays
     return re.sub(r"[{}]", "", re.sub(r"\\([A-Za-z]+)\s*", letter, tex))
@@ -143,27 +97,44 @@ def plain_titles(app: Sphinx, doctree) -> None:
         math.replace_self(nodes.Text(tex_as_text(math.astext())))
 
 
-def page_text(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
-    """Each page's text as a script (for search excerpts from file://); the search page loads the loader."""
+def beside_page(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
+    """Next to each page: its notebook (the download link's target) and its text as a script (search excerpts)."""
     if pagename == "search":
         app.add_js_file("offline-search.js")
     if doctree is None:
         return
-    path = Path(app.outdir, PAGE_TEXT, pagename + ".js")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(app.outdir, "_page_text", f"{pagename}.js")  # offline-search.js reads it there
+    for folder in (path.parent, Path(app.outdir, pagename).parent):  # the page itself is written after this event
+        folder.mkdir(parents=True, exist_ok=True)
+    if (rel := notebook_path(app, pagename)) is not None:
+        shutil.copy2(ROOT / rel, Path(app.outdir, rel))
     text = json.dumps(f'<div role="main">{html.escape(doctree.astext())}</div>')  # what Search.htmlToText reads
     path.write_text(f"window.coursePageText[document.currentScript.src] = {text};\n", encoding="utf-8")
 
 
-def copy_notebooks(app: Sphinx, exc) -> None:
-    """After a good build, each notebook next to its page (its download link)."""
-    if exc is not None or app.builder.format != "html":
-        return
-    for docname in app.env.found_docs:
-        rel = notebook_path(app, docname)
-        if rel is not None:
-            (Path(app.outdir) / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, Path(app.outdir) / rel)
+def short_names(app: Sphinx, env, node, contnode):
+    """A Python reference Sphinx did not find, looked up as Sphinx looks up ``.name``: the one documented object
+    whose full name ends with it (``MultiheadDiffAttn`` in interop's docstrings, defined in layers)."""
+    if node.get("refdomain") != "py" or node.get("refspecific"):
+        return None
+    node["refspecific"] = True  # two matches: Sphinx's own "more than one target" warning fails the build
+    return env.get_domain("py").resolve_xref(env, node["refdoc"], app.builder, node["reftype"], node["reftarget"],
+                                             node, contnode)
+
+
+PROSE: dict[str, list[str]] = {}  # constants' and attributes' docstrings, kept from napoleon
+
+
+def keep_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str]) -> None:
+    """Napoleon reads a constant's docstring ``Seed of the data: ...`` as ``type: description`` (Google style for
+    attributes); the library's are prose: kept before napoleon runs and restored after it."""
+    if what in ("data", "attribute", "property"):
+        PROSE[name] = list(lines)
+
+
+def restore_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str]) -> None:
+    if name in PROSE:
+        lines[:] = PROSE.pop(name)
 
 
 def setup(app: Sphinx) -> dict:
@@ -174,7 +145,5 @@ def setup(app: Sphinx) -> dict:
     app.connect("autodoc-process-docstring", keep_prose, priority=400)  # napoleon's runs at 500
     app.connect("autodoc-process-docstring", restore_prose, priority=600)
     app.connect("missing-reference", short_names)
-    app.connect("doctree-resolved", localise_badge)
-    app.connect("html-page-context", page_text)
-    app.connect("build-finished", copy_notebooks)
+    app.connect("html-page-context", beside_page)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
