@@ -1,7 +1,7 @@
 """diffattn_tutorial: differential attention (Differential Transformer, arXiv 2410.05258, and DIFF V2), built to be exact.
 
 The modules are layers, each importing only from the lines above its own (imports inside functions included;
-``tests/test_architecture.py`` checks it):
+``tests/test_architecture.py`` checks it)::
 
     constants, paths, argtypes, recorded, golden   leaves: LOG2E, the cache folder, argument types, recorded results
     validation      masks, and the checks every public function runs on its inputs

@@ -4,11 +4,10 @@
     python docs/build.py                 # -> docs/_build/html/index.html
     python docs/build.py OUT_DIR         # somewhere else
 
-It renders the committed notebooks from their stored outputs (nothing is executed), the exercises' texts and the
-API reference from the library's docstrings, with warnings as errors: a broken cross-reference, a missing page or
-a docstring that names an object that does not exist fails the build. ``docs/conf.py`` says why Sphinx with
-MyST-NB, and ``docs/_ext/course_site.py`` what the site adds (API pages, Colab and download links, widgets, offline
-math).
+It renders the committed notebooks from their stored outputs (nothing is executed), the exercises, their
+solutions, the README and the API reference from the library's docstrings, with warnings as errors: a broken
+cross-reference, a missing page or a docstring that names an object that does not exist fails the build.
+``docs/conf.py`` says why Sphinx with MyST-NB and which extensions do what.
 """
 
 from __future__ import annotations
@@ -21,10 +20,16 @@ ROOT = DOCS.parent
 DEFAULT_OUT = DOCS / "_build" / "html"
 HOME = "docs/index.html"  # where Sphinx writes the home page (the source folder is the repository root)
 
-REDIRECT = """<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>diffattn-tutorial</title>
-<meta http-equiv="refresh" content="0; url={home}"></head>
-<body><p><a href="{home}">diffattn-tutorial: the course</a></p></body></html>
+# The folder's own index.html: a page with a link to the home page, not a redirect (an instant meta refresh keeps
+# a headless browser's screenshot of the folder waiting for a page that never finishes loading).
+LANDING = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>diffattn-tutorial</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 3em auto; line-height: 1.5">
+<h1>diffattn-tutorial</h1>
+<p>Learn differential attention by building it: a course of Jupyter notebooks and the library they build.</p>
+<p><a href="{home}">Open the course</a></p>
+</body></html>
 """
 
 
@@ -36,7 +41,7 @@ def build(out: Path = DEFAULT_OUT, *, quiet: bool = False) -> int:
     args = ["-W", "--keep-going", "-b", "html", "-c", str(DOCS), "-d", str(out / ".doctrees"), str(ROOT), str(out)]
     status = build_main(args + (["-q"] if quiet else []))
     if status == 0:
-        (out / "index.html").write_text(REDIRECT.format(home=HOME))  # the folder's index opens the home page
+        (out / "index.html").write_text(LANDING.format(home=HOME))
     return status
 
 

@@ -1,5 +1,5 @@
 """Train the library's :class:`~diffattn_tutorial.training.model.TinyLM` with the standard PyTorch stack, on one CPU or
-many GPUs: ``python -m diffattn_tutorial.training.loop`` (also ``diffattn-tutorial train``), launched by ``torchrun``.
+many GPUs: ``python -m diffattn_tutorial.training.loop`` (also ``diffattn-tutorial train``), launched by ``torchrun``::
 
     python -m diffattn_tutorial.training.loop --attention diff --steps 200 --out runs/diff             # one process
     torchrun --nproc_per_node=2 -m diffattn_tutorial.training.loop --attention diff --strategy fsdp2 \\

@@ -161,6 +161,7 @@ class Facts:
         return out
 
     def row(self) -> dict:
+        """These facts as a JSON-ready dict (:meth:`from_row` reads it back)."""
         d = dataclasses.asdict(self)
         d["wgmma_shapes"] = list(self.wgmma_shapes)
         return d
