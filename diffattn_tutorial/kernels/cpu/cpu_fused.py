@@ -264,7 +264,7 @@ def _float_mask(mask: Tensor) -> Tensor:
     additive entry ``<= finfo(dtype).min`` becomes ``-inf``: masked, as ``diff_attention`` and the Triton kernel
     count it (a row of them sees no key and gives zero, not a uniform average)."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     low = mask <= torch.finfo(mask.dtype).min
     return mask.float().masked_fill(low, float("-inf")) if low.any() else mask.float()
 
@@ -380,7 +380,7 @@ def _backward(lib: ctypes.CDLL, grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     block_rows = _backward_block_rows(nq, _round_up(nk, KEY_MULTIPLE), d_pad)
     m, strides = _mask_view(mask, (B, H, nq, nk))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # laid out as q, k, v where dense
-    dlam = torch.empty(B, H, nq, dtype=torch.float32)
+    dlam = torch.empty(B, H, nq, dtype=torch.float32, device=q.device)
     sizes = (ctypes.c_int * 8)(B, H, Hkv, nq, nk, d_pad, 2 * d_pad, block_rows)
     rc = lib.diff_attention_cpu_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), lam_rows.data_ptr(),
                                          None if m is None else m.data_ptr(), strides, grad_out.data_ptr(),
