@@ -96,6 +96,14 @@ def constant_under_compile(fn: Callable) -> Callable:
     return fn
 
 
+def _device_type(device: str) -> Optional[str]:
+    """The device type ``device`` names (``"cuda"`` for ``"cuda:1"``), or None where it names none."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return None
+
+
 def _pure_pytorch(device: torch.device) -> tuple[bool, str]:
     return True, "pure PyTorch"
 
@@ -126,6 +134,9 @@ class Backend:
     transforms: bool = True
     """Whether it runs under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``, ...): PyTorch ops do; a kernel
     handed its inputs' memory does not (a transform's tensors have none of their own)."""
+    second_derivative: bool = True
+    """Whether a gradient of its gradients can be taken (``create_graph=True``, a gradient penalty): not where a fused
+    kernel's backward has no derivative (``diff_attention`` then refuses a second derivative by name)."""
     family: str = "maps"
     """``"maps"`` (explicit maps), ``"sdpa"`` (scaled_dot_product_attention calls) or ``"kernel"`` (a fused one)."""
     origin: str = ""
@@ -148,6 +159,25 @@ class Backend:
             raise ValueError(f"backend {self.name!r}: causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
         if self.raw_mask and self.causal != "own":
             raise ValueError(f"backend {self.name!r}: a raw_mask backend applies causal itself (causal='own')")
+        for field in ("run", "status", "run_scanning"):
+            fn = getattr(self, field)
+            if not callable(fn) and not (field == "run_scanning" and fn is None):
+                raise TypeError(f"backend {self.name!r}: {field} must be a function (got {fn!r}); to reuse a "
+                                f"registered backend's, pass get_backend('naive').{field}")
+        self._check_devices()
+
+    def _check_devices(self) -> None:
+        """``devices`` is None or a tuple of device types: ``("gpu",)`` would match no tensor and never run."""
+        if self.devices is None:
+            return
+        if isinstance(self.devices, str) or not isinstance(self.devices, (tuple, list)) or not self.devices:
+            raise TypeError(f"backend {self.name!r}: devices must be None or a non-empty tuple of device types such "
+                            f"as ('cuda', 'cpu'), got {self.devices!r}")
+        for d in self.devices:
+            if not isinstance(d, str) or _device_type(d) != d:
+                hint = " (a GPU is 'cuda')" if d == "gpu" else ""
+                raise ValueError(f"backend {self.name!r}: devices names {d!r}, which is not a torch device type"
+                                 f"{hint}; give types such as 'cpu', 'cuda', 'mps'")
 
     def runs_on(self, device: torch.device) -> bool:
         return self.devices is None or device.type in self.devices
@@ -226,9 +256,12 @@ def _run_triton(c: Call) -> Tensor:
 
 @constant_under_compile  # asked while torch.compile traces a call: answered eagerly, once
 def _cpu_fused_status(device: torch.device) -> tuple[bool, str]:
-    from diffattn_tutorial.kernels.cpu import cpu_fused
+    from diffattn_tutorial.kernels.cpu import build, cpu_fused
 
-    return cpu_fused.kernel_status()
+    if build.loaded() is not None:
+        return cpu_fused.kernel_status()
+    with torch.device("cpu"):  # the first load's self-check allocates: on the CPU, whatever the caller's default
+        return cpu_fused.kernel_status()
 
 
 def _run_cpu_fused(c: Call, scan: bool = False) -> Optional[Tensor]:
@@ -255,22 +288,22 @@ TABLE: tuple[Backend, ...] = (
     Backend("sdpa_wide", "two SDPA calls with V of width 2d (timm, unilm `flashdiff_1`)", _on_sdpa("sdpa_wide"),
             origin="timm, unilm multihead_flashdiff_1", **_SDPA),
     Backend("sdpa_split", "four SDPA calls with V split in halves, equal head dims (unilm `flashdiff_2`): reaches "
-            "fused kernels", _on_sdpa("sdpa_split"), dropout=False, origin="unilm multihead_flashdiff_2", **_SDPA),
+            "fused kernels", _on_sdpa("sdpa_split"), dropout=False, second_derivative=False, origin="unilm multihead_flashdiff_2", **_SDPA),
     Backend("sdpa_stacked", "one SDPA call over 4H stacked heads (vasqu `multihead-sdpadiff`)",
-            _on_sdpa("sdpa_stacked"), dropout=False, origin="vasqu multihead-sdpadiff", **_SDPA),
+            _on_sdpa("sdpa_stacked"), dropout=False, second_derivative=False, origin="vasqu multihead-sdpadiff", **_SDPA),
     Backend("sdpa_padded", "two SDPA calls with q and k zero-padded to width 2d (q.k unchanged), V whole: both reach "
-            "the fused CPU kernel", _on_sdpa("sdpa_padded"), dropout=False, **_SDPA),
+            "the fused CPU kernel", _on_sdpa("sdpa_padded"), dropout=False, second_derivative=False, **_SDPA),
     Backend("chunked", "the same arithmetic over cache-sized query chunks; causal chunks skip invisible keys",
             _run_chunked),
     Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and "
             "backward; on a CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status,
             devices=("cuda", "cpu"), dtypes=_FLOAT32_OR_16BIT, dropout=False, mask_grad=False, transforms=False,
-            family="kernel", requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
+            second_derivative=False, family="kernel", requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
     Backend("cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
             "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
             "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_FLOAT32_OR_16BIT,
-            compute_dtype=torch.float32, dropout=False, mask_grad=False, transforms=False, family="kernel",
-            requires="a C++ compiler", causal="own", run_scanning=_run_cpu_fused_scanning),
+            compute_dtype=torch.float32, dropout=False, mask_grad=False, transforms=False, second_derivative=False,
+            family="kernel", requires="a C++ compiler", causal="own", run_scanning=_run_cpu_fused_scanning),
 )
 """Every backend, in the order the lists of names show them."""
 

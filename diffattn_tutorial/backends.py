@@ -127,9 +127,17 @@ def registered(backend: Backend, *, auto: Optional[Mapping[str, tuple[Choice, ..
 
 def get_backend(name: str) -> Backend:
     """The registered backend ``name`` (not an alias). Raises ValueError naming the choices."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; choose one of {('auto',) + names()}")
+    check_name(name)
     return _REGISTRY[name]
+
+
+def check_name(backend: object, allowed: Optional[Sequence[str]] = None) -> str:
+    """``backend`` where it is one of ``allowed`` (default: ``"auto"`` and every name ``diff_attention`` takes);
+    else the one error every entry point gives (``diff_attention``, the layers, ``--attn-backend``)."""
+    allowed = ("auto",) + names() if allowed is None else tuple(allowed)
+    if not isinstance(backend, str) or backend not in allowed:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {allowed}")
+    return backend
 
 
 def registry() -> tuple[Backend, ...]:
@@ -149,6 +157,13 @@ def as_device(device: Union[str, torch.device]) -> torch.device:
 def auto_order(device: Union[str, torch.device]) -> tuple[Choice, ...]:
     """``"auto"``'s order on ``device``'s type (:data:`~diffattn_tutorial.backend_table.AUTO`)."""
     return _AUTO.get(as_device(device).type, _AUTO[OTHER_DEVICES])
+
+
+def _auto_with_reference(device: torch.device) -> tuple[Choice, ...]:
+    """``"auto"``'s order with the reference last (it takes every call): an order registered with only forward-only
+    (or dropout-free, ...) backends still trains, on the reference, instead of refusing every such call."""
+    order = auto_order(device)
+    return order + (Choice(REFERENCE),)
 
 
 def names(select: Callable[[Backend], bool] = lambda b: True, *, aliases: bool = True) -> tuple[str, ...]:
@@ -248,7 +263,7 @@ def _chosen_for(c: Choice, needs: Needs) -> bool:
 
 
 def _order(alias: str, device: torch.device) -> tuple[Choice, ...]:
-    return auto_order(device) if alias == "auto" else tuple(Choice(n) for n in SDPA_ORDER if n in _REGISTRY)
+    return _auto_with_reference(device) if alias == "auto" else tuple(Choice(n) for n in SDPA_ORDER if n in _REGISTRY)
 
 
 def _choose(alias: str, device: torch.device, needs: Needs, usable: Callable[[Backend], bool]) -> Optional[Backend]:
@@ -258,7 +273,22 @@ def _choose(alias: str, device: torch.device, needs: Needs, usable: Callable[[Ba
 
 
 def _works_here(device: torch.device) -> Callable[[Backend], bool]:
-    return lambda b: b.status(device)[0]
+    return lambda b: status_of(b, device)[0]
+
+
+def status_of(b: Backend, device: torch.device) -> tuple[bool, str]:
+    """``b.status(device)``, or ``(False, why)`` where it raises or answers something other than ``(bool, str)``:
+    a registered backend's broken status makes it unavailable, not every listing of the backends."""
+    if b.name in _BUILT_IN:  # the table's never raise (tested)
+        return b.status(device)
+    try:
+        answer = b.status(device)
+    except Exception as e:  # noqa: BLE001 - whatever it is, the backend is not usable here
+        return False, f"its status raised {type(e).__name__}: {e}"
+    if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)
+            and isinstance(answer[1], str)):
+        return False, f"its status answered {answer!r}, not (works: bool, why: str)"
+    return answer
 
 
 def resolve(backend: str, device: Union[str, torch.device], needs: Needs = ANY_CALL, *, check: bool = True) -> str:
@@ -313,7 +343,7 @@ def _refuse(b: Backend, device: torch.device, needs: Needs) -> None:
     if needs.transforms and not b.transforms:
         raise ValueError(f"backend {name!r} does not run under torch.func transforms (grad, vmap, jacrev, ...): it "
                          f"hands its inputs' memory to a kernel; use backend='auto' or {auto_for()!r} there")
-    ok, why = b.status(device)
+    ok, why = status_of(b, device)
     if not ok:
         raise RuntimeError(f"backend {name!r} is unavailable here: {why}")
 
@@ -349,7 +379,7 @@ def _auto_rule(device: torch.device, usable: Callable[[Backend], bool], notes: b
     drop = _choose("auto", device, ANY_CALL._replace(dropout=True), usable)
     if main is None or drop is None:
         return "no registered backend takes every call here"
-    order = auto_order(device)
+    order = _auto_with_reference(device)
     first_main = next(i for i, c in enumerate(order) if c.backend == main.name and _chosen_for(c, ANY_CALL))
     before = [c for c in order[:first_main] if _REGISTRY[c.backend].runs_on(device) and usable(_REGISTRY[c.backend])]
     clauses = [f"{tick}{c.backend}{tick} for {_condition(c)}"
@@ -377,7 +407,7 @@ def backend_status(device: Union[str, torch.device] = "cpu") -> dict[str, tuple[
             status[name] = (True, f"-> {_sdpa_rule(device)}")
             continue
         b = _REGISTRY[name]
-        status[name] = b.status(device) if b.runs_on(device) else (False, f"runs on {_where(b)} only")
+        status[name] = status_of(b, device) if b.runs_on(device) else (False, f"runs on {_where(b)} only")
     status["auto"] = (True, f"-> {_auto_rule(device, lambda b: b.runs_on(device) and status[b.name][0], notes=False)}")
     return status
 

@@ -11,12 +11,15 @@ Bad input ends with one line on stderr naming the fix, and exit code 2: no trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import platform
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Iterator, NoReturn, Optional
 
 import torch
 
@@ -179,10 +182,51 @@ def _out_of_memory(error: BaseException) -> bool:
 
 
 def check(args: argparse.Namespace) -> int:
-    """Run a learner's exercise notebook and print one line per task (see ``diffattn_tutorial.course.scorecard``)."""
+    """Run a learner's exercise notebook and print one line per task (see ``diffattn_tutorial.course.scorecard``).
+    Ctrl-C stops it (exit code 130), however the notebook runner reports the interrupt it got."""
     from diffattn_tutorial.course.scorecard import check_notebook
 
-    return check_notebook(args.notebook, timeout=args.timeout)
+    with _noting_ctrl_c() as interrupted:
+        code = check_notebook(args.notebook, timeout=args.timeout)
+    if interrupted:
+        raise KeyboardInterrupt
+    return code
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c() -> Iterator[list[bool]]:
+    """Within: SIGINT raises KeyboardInterrupt and is noted in the list yielded (which then holds True), whatever
+    handles it. The notebook runner (nbclient) replaces the SIGINT handler with its own, which stops the kernel and
+    makes the run fail with another error (an ``AssertionError`` from its event loop); every SIGINT handler installed
+    within is wrapped, so that the interrupt is still raised and the command stops (exit code 130) instead of
+    reporting a notebook that could not run. The kernel is stopped either way (the runner's exit handler)."""
+    noted: list[bool] = []
+    install = signal.signal
+
+    def noting(handler):
+        def on_sigint(signum, frame):
+            noted.append(True)
+            handler(signum, frame)  # the runner's own (it stops the kernel), then the interrupt as Python's default
+            raise KeyboardInterrupt
+        return on_sigint
+
+    def installing(signum, handler):
+        return install(signum, noting(handler) if signum == signal.SIGINT and callable(handler) else handler)
+
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
+        yield noted
+        return
+    before = install(signal.SIGINT, noting(lambda signum, frame: None))
+    signal.signal = installing
+    try:
+        yield noted
+    except Exception:
+        if noted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal = install
+        install(signal.SIGINT, before)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from einops import rearrange
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from diffattn_tutorial.validation import _combine_masks, _fix_fully_masked, forward_ad_active, under_torch_func
+from diffattn_tutorial.validation import combine_masks, fix_fully_masked, forward_ad_active, under_torch_func
 
 Tensor = torch.Tensor
 
@@ -84,7 +84,7 @@ def naive_reference(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: boo
     combined with the bottom-right ``causal`` mask; fully masked rows zero): the reference a fused kernel checks
     itself against before it is used."""
     nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
-    mask, valid = _fix_fully_masked(_combine_masks(attn_mask, causal, nq, nk, q.device))
+    mask, valid = fix_fully_masked(combine_masks(attn_mask, causal, nq, nk, q.device))
     out = naive(q, k, v, lam, mask, d ** -0.5 if scale is None else scale, 0.0)
     return out if valid is None else out.masked_fill(~valid, 0.0)
 

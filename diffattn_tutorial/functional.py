@@ -37,19 +37,21 @@ from diffattn_tutorial.constants import LOG2E  # noqa: F401 (the functional API 
 from diffattn_tutorial.formulations import dual_maps, expand_kv_groups, sdpa, softmax_dtype
 from diffattn_tutorial.validation import (  # noqa: F401 (causal_mask, check_diff_inputs: the functional API)
     LambdaLike,
-    _check_lambda,
-    _check_mask,
-    _check_plain,
-    _check_scale_dropout,
-    _check_tensor,
-    _combine_masks,
-    _fix_fully_masked,
-    _may_hold_nonfinite,
-    _rows_reading_nonfinite,
-    _zero_nonfinite,
     causal_mask,
+    check_causal,
     check_diff_inputs,
+    check_lambda,
+    check_mask,
+    check_plain,
+    check_scale,
+    check_scale_dropout,
+    check_tensor,
+    combine_masks,
+    fix_fully_masked,
+    may_hold_nonfinite,
+    rows_reading_nonfinite,
     under_torch_func,
+    zero_nonfinite,
 )
 
 Tensor = torch.Tensor
@@ -206,14 +208,14 @@ def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: 
         out = _run(b, call, scanning=True)  # None where q, k or v holds a NaN or an infinity
         if out is not None:
             return out
-    elif not _may_hold_nonfinite(call.q, call.k, call.v):
+    elif not may_hold_nonfinite(call.q, call.k, call.v):
         return _run(b, call)
     seen = _mask_with_causal(call) if b.raw_mask else call.mask
-    nan_rows = _rows_reading_nonfinite(call.q, call.k, call.v, seen, call.is_causal)
+    nan_rows = rows_reading_nonfinite(call.q, call.k, call.v, seen, call.is_causal)
     if call.is_causal or seen is not None:  # hidden keys must stay harmless, whatever they hold
-        call = call._replace(k=_zero_nonfinite(call.k), v=_zero_nonfinite(call.v))
+        call = call._replace(k=zero_nonfinite(call.k), v=zero_nonfinite(call.v))
     q = call.q  # its non-finite entries zeroed below: a fully masked row reads nothing, its gradient stays zero too
-    out = _run(b, call._replace(q=_zero_nonfinite(q))).masked_fill(nan_rows, float("nan"))
+    out = _run(b, call._replace(q=zero_nonfinite(q))).masked_fill(nan_rows, float("nan"))
     return out + _nan_gradient_for_nonfinite(q, nan_rows) if q.requires_grad else out
 
 
@@ -234,9 +236,9 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     its :class:`~diffattn_tutorial.backend_table.Call`. Empty problems go to the reference backend."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {('auto',) + BACKENDS}")
-    _check_causal(causal)
+    causal = check_causal(causal)
     lam_t, mask, (B, H, Hkv, Nq, Nk, d) = check_diff_inputs(q, k, v, lam, attn_mask)
-    _check_scale_dropout(scale, dropout_p)
+    check_scale_dropout(scale, dropout_p)
     needs = Needs(dtype=q.dtype, grad=_needs_grad(q, k, v, lam_t), mask_grad=_needs_grad(mask),
                   dropout=dropout_p > 0, compiling=torch.compiler.is_compiling(),
                   transforms=under_torch_func(), queries=Nq, head_dim=d)
@@ -244,17 +246,46 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     b = backends.get_backend(REFERENCE if Nk == 0 or q.numel() == 0 else name)  # nothing to compute: zeros
     is_causal = causal and b.applies_causal(Nq, Nk, mask is not None)
     scale = d ** -0.5 if scale is None else float(scale)
+    if needs.grad and not b.second_derivative and not (needs.compiling or needs.transforms):
+        q, k, v = _FirstDerivativeOnly.apply(_no_second_derivative(b.name, backend), q, k, v)
     call = Call(q, k, v, lam_t, mask, causal, None, is_causal, scale, dropout_p)
     return b, call if b.raw_mask else call._replace(mask=_mask_with_causal(call))
 
 
-def _check_causal(causal) -> None:
-    """A bool (or a traced one, or 0/1): ``causal="no"`` would be truthy and run causal attention without a word."""
-    if isinstance(causal, (bool, torch.SymBool)) or type(causal).__name__ == "bool_":  # numpy's bool too
-        return
-    if isinstance(causal, int) and causal in (0, 1):
-        return
-    raise TypeError(f"causal must be True or False, got {causal!r}")
+def _no_second_derivative(name: str, asked: str) -> str:
+    chosen = "" if asked == name else f" (backend={asked!r} chose it)"
+    return (f"backend {name!r}{chosen} has no second derivative (a gradient of its gradients, as a gradient penalty "
+            f"takes): its fused kernel's backward has none; use diff_attention(..., backend='naive') there")
+
+
+class _FirstDerivativeOnly(torch.autograd.Function):
+    """q, k, v as they are; where their gradients are built as a graph (``create_graph=True``), the gradients pass
+    through :class:`_Refused`, so that differentiating them again names the fix before it reaches a fused kernel's
+    backward, which has no derivative (PyTorch's own message names an internal operator)."""
+
+    @staticmethod
+    def forward(ctx, message: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.message = message
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]) -> tuple:
+        if torch.is_grad_enabled():  # create_graph
+            grads = tuple(None if g is None else _Refused.apply(ctx.message, g) for g in grads)
+        return (None, *grads)
+
+
+class _Refused(torch.autograd.Function):
+    """The identity, whose derivative raises ``message``."""
+
+    @staticmethod
+    def forward(ctx, message: str, g: Tensor) -> Tensor:
+        ctx.message = message
+        return g.view_as(g)
+
+    @staticmethod
+    def backward(ctx, _: Tensor):
+        raise RuntimeError(ctx.message)
 
 
 def _mask_with_causal(call: Call) -> Optional[Tensor]:
@@ -262,7 +293,7 @@ def _mask_with_causal(call: Call) -> Optional[Tensor]:
     ``causal`` itself and there is no other mask."""
     if call.is_causal and call.attn_mask is None:
         return None
-    return _combine_masks(call.attn_mask, call.causal, call.q.shape[2], call.k.shape[2], call.q.device)
+    return combine_masks(call.attn_mask, call.causal, call.q.shape[2], call.k.shape[2], call.q.device)
 
 
 def _run(b: Backend, call: Call, scanning: bool = False) -> Optional[Tensor]:
@@ -272,7 +303,7 @@ def _run(b: Backend, call: Call, scanning: bool = False) -> Optional[Tensor]:
     if b.raw_mask:  # its own causal masking and zero rows
         out = run(call)
         return None if scanning and out is None else backends.checked_output(b, call, out)
-    mask, valid = _fix_fully_masked(call.mask)
+    mask, valid = fix_fully_masked(call.mask)
     out = run(call._replace(mask=mask))
     if scanning and out is None:
         return None
@@ -290,13 +321,15 @@ def diff_attention_maps(q: Tensor, k: Tensor, lam: LambdaLike, *, causal: bool =
 
     q ``(B, 2H, Nq, d)``, k ``(B, 2Hkv, Nk, d)``; each map is ``(B, H, Nq, Nk)``. Fully masked rows are 0.
     """
-    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
-    _check_tensor("k", k, 4, "(B, 2Hkv, Nk, d)")
+    check_tensor("q", q, 4, "(B, 2H, Nq, d)")
+    check_tensor("k", k, 4, "(B, 2Hkv, Nk, d)")
+    causal = check_causal(causal)
+    check_scale(scale)
     B, H2, Nq, d = q.shape
     v_dummy = q.new_empty(B, k.shape[1] // 2, k.shape[2], 2 * d)  # reuse the full validation
     lam_t, mask, _ = check_diff_inputs(q, k, v_dummy, lam, attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
-    full, valid = _fix_fully_masked(_combine_masks(mask, causal, Nq, k.shape[2], q.device))
+    full, valid = fix_fully_masked(combine_masks(mask, causal, Nq, k.shape[2], q.device))
     maps = dual_maps(q, expand_kv_groups(k, v_dummy, H2 // 2)[0], full, scale)
     if valid is not None:
         maps = maps.masked_fill(~valid.unsqueeze(2), 0.0)
@@ -324,13 +357,8 @@ def _plain(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: b
     return sdpa(q, k, v, mask, is_causal, scale, dropout_p)
 
 
-_PLAIN_WORDS = ", ".join(map(repr, PLAIN_BACKENDS[:-1])) + f" or {PLAIN_BACKENDS[-1]!r}"
-
-
 def _plain_backend(backend: str) -> str:
-    if backend not in PLAIN_BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} for plain attention; choose {_PLAIN_WORDS}")
-    return "sdpa" if backend == "auto" else backend
+    return "sdpa" if backends.check_name(backend, PLAIN_BACKENDS) == "auto" else backend
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, attn_mask: Optional[Tensor] = None,
@@ -341,12 +369,13 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     ``j // (Hq // Hkv)``. Same mask conventions as :func:`diff_attention`; backends ``"naive"``,
     ``"sdpa"``, ``"auto"``. Returns ``(B, Hq, Nq, dv)``.
     """
-    mask, (B, Hq, Nq, Nk, d) = _check_plain(q, k, v, attn_mask, "softmax_attention")
-    _check_scale_dropout(scale, dropout_p)
+    mask, (B, Hq, Nq, Nk, d) = check_plain(q, k, v, attn_mask, "softmax_attention")
+    causal = check_causal(causal)
+    check_scale_dropout(scale, dropout_p)
     scale = d ** -0.5 if scale is None else float(scale)
     backend = _plain_backend(backend)
     is_causal = causal and mask is None and Nq == Nk and backend == "sdpa"
-    full, valid = _fix_fully_masked(None if is_causal else _combine_masks(mask, causal, Nq, Nk, q.device))
+    full, valid = fix_fully_masked(None if is_causal else combine_masks(mask, causal, Nq, Nk, q.device))
     out = _plain(q, k, v, full, is_causal, scale, dropout_p, backend)
     return out if valid is None else out.masked_fill(~valid, 0.0)
 
@@ -359,20 +388,22 @@ def diff_attention_v2(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causa
     ``(B, H, Nq, 1)``. Both heads of a pair must sit in one GQA group (``H % Hkv == 0``). Returns
     ``(B, H, Nq, d)``; ``attn_mask`` broadcasts to ``(B, H, Nq, Nk)`` and applies to both heads of a pair.
     """
-    _check_tensor("q", q, 4, "(B, 2H, Nq, d)")
+    check_tensor("q", q, 4, "(B, 2H, Nq, d)")
+    causal = check_causal(causal)
+    check_scale(scale)
     if q.shape[1] % 2:
         raise ValueError(f"q has {q.shape[1]} heads, an odd number: DIFF V2 needs 2H query heads (pairs 2i, 2i+1)")
     H = q.shape[1] // 2
     mask_h = None
     if attn_mask is not None:  # validate against H heads, then repeat for the 2H query heads
-        _check_tensor("k", k, 4, "(B, Hkv, Nk, d)")
-        mask_h = _check_mask(attn_mask, (q.shape[0], H, q.shape[2], k.shape[2]), q)
+        check_tensor("k", k, 4, "(B, Hkv, Nk, d)")
+        mask_h = check_mask(attn_mask, (q.shape[0], H, q.shape[2], k.shape[2]), q)
         if mask_h.shape[1] != 1:
             mask_h = mask_h.repeat_interleave(2, dim=1)
-    _, (B, Hq, Nq, Nk, d) = _check_plain(q, k, v, mask_h, "diff_attention_v2")
+    _, (B, Hq, Nq, Nk, d) = check_plain(q, k, v, mask_h, "diff_attention_v2")
     if H % k.shape[1]:
         raise ValueError(f"H = {H} is not a multiple of Hkv = {k.shape[1]}: the two query heads of a pair would "
                          f"fall in different GQA groups; choose num_kv_heads dividing num_heads")
-    lam_t = _check_lambda(lam, (B, H, Nq, 1), q)
+    lam_t = check_lambda(lam, (B, H, Nq, 1), q)
     out = softmax_attention(q, k, v, causal=causal, attn_mask=mask_h, scale=scale, backend=backend)
     return out[:, 0::2] - lam_t * out[:, 1::2]

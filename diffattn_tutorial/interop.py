@@ -525,11 +525,15 @@ def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if cfg[k] is None:
             raise TypeError(f"from_llama needs the LlamaConfig key {k!r} (or config=model.config)")
+        if isinstance(cfg[k], bool) or not isinstance(cfg[k], int) or cfg[k] < 1:
+            raise ValueError(f"{k} must be a whole number >= 1, got {cfg[k]!r}")
     rope = dict(cfg.pop("rope_parameters") or {})  # transformers >= 5 keeps theta and the type here
     scaling = cfg.pop("rope_scaling") or {}
     cfg["rope_theta"] = rope.get("rope_theta", cfg["rope_theta"])
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     cfg["num_key_value_heads"] = cfg["num_key_value_heads"] or cfg["num_attention_heads"]
+    if isinstance(cfg["num_key_value_heads"], bool) or not isinstance(cfg["num_key_value_heads"], int):
+        raise ValueError(f"num_key_value_heads must be a whole number >= 1, got {cfg['num_key_value_heads']!r}")
     width = cfg["hidden_size"] // cfg["num_attention_heads"]
     problems = [what for what, bad in [
         (f"RoPE type {rope_type!r} (only 'default')", rope_type != "default"),

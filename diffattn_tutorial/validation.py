@@ -6,6 +6,8 @@ Errors name the argument and the fix. A mask is bool (True = may attend) or addi
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -30,7 +32,7 @@ def causal_mask(nq: int, nk: int, device: Optional[torch.device] = None) -> Tens
     return j <= i + (nk - nq)
 
 
-def _combine_masks(
+def combine_masks(
     attn_mask: Optional[Tensor], causal: bool, nq: int, nk: int, device: torch.device
 ) -> Optional[Tensor]:
     """One 4-D mask (bool or additive float) from ``attn_mask`` and ``causal``; None if neither."""
@@ -44,7 +46,7 @@ def _combine_masks(
     return attn_mask
 
 
-def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Make fully masked rows harmless: they attend everywhere, and are zeroed after attention.
 
     Returns ``(mask, valid)`` where ``valid`` is a bool ``(..., Nq, 1)`` tensor (None if every row
@@ -65,7 +67,7 @@ def _fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optiona
     return torch.where(valid, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)), valid
 
 
-def _rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+def rows_reading_nonfinite(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
     """Bool ``(B, H, Nq, 1)``: the output rows that read a NaN or an infinity, through their own query (either
     map) or a key position they may attend to (in either key map or the value of their KV group there).
 
@@ -110,7 +112,7 @@ def forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
-def _may_hold_nonfinite(*tensors: Tensor) -> bool:
+def may_hold_nonfinite(*tensors: Tensor) -> bool:
     """False when every entry of ``tensors`` is finite: on a CPU one summing pass each (a NaN or an infinity
     anywhere makes the total non-finite; a sum that merely overflows only sends the call down the careful
     path). On other devices always True, so that no call waits for the device to answer, and under
@@ -121,10 +123,10 @@ def _may_hold_nonfinite(*tensors: Tensor) -> bool:
         return not bool(torch.isfinite(sum(t.sum(dtype=torch.float32) for t in tensors)))
 
 
-def _zero_nonfinite(t: Tensor) -> Tensor:
+def zero_nonfinite(t: Tensor) -> Tensor:
     """``t`` with NaN and infinite entries zeroed. Applied to k and v where a mask hides keys, so that a hidden
     one cannot reach a row through ``-inf + NaN``, ``inf - inf`` or ``0 * inf`` (the rows that do read it get
-    NaN from :func:`_rows_reading_nonfinite`)."""
+    NaN from :func:`rows_reading_nonfinite`)."""
     return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
@@ -133,7 +135,7 @@ def _zero_nonfinite(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, t: object, ndim: int, layout: str) -> Tensor:
+def check_tensor(name: str, t: object, ndim: int, layout: str) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
     if t.ndim != ndim:
@@ -143,7 +145,7 @@ def _check_tensor(name: str, t: object, ndim: int, layout: str) -> Tensor:
     return t
 
 
-def _check_same(q: Tensor, **others: Tensor) -> None:
+def check_same(q: Tensor, **others: Tensor) -> None:
     for name, t in others.items():
         if t.dtype != q.dtype:
             raise TypeError(f"q and {name} must share one dtype, got q {q.dtype} and {name} {t.dtype}; "
@@ -153,14 +155,14 @@ def _check_same(q: Tensor, **others: Tensor) -> None:
                              f"{t.device}; move with {name}.to(q.device)")
 
 
-def _broadcasts_to(t: Tensor, target: tuple[int, ...]) -> bool:
+def broadcasts_to(t: Tensor, target: tuple[int, ...]) -> bool:
     """Whether ``t`` (of at most ``len(target)`` dims) broadcasts to exactly ``target``."""
     if t.ndim > len(target):
         return False
     return all(n == 1 or n == m for n, m in zip(reversed(t.shape), reversed(target)))  # aligned from the right
 
 
-def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:
+def check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q: Tensor) -> Optional[Tensor]:
     """Validate ``attn_mask`` against ``target = (B, H, Nq, Nk)``; return it as a 4-D view, or, for a float mask of
     another dtype than q's, a 4-D copy in q's dtype with its entries ``<= finfo(its dtype).min`` as ``-inf``."""
     if attn_mask is None:
@@ -173,7 +175,7 @@ def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], 
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}; move it with "
                          f"attn_mask.to(q.device)")
-    if not (attn_mask.ndim >= 1 and _broadcasts_to(attn_mask, target)):
+    if not (attn_mask.ndim >= 1 and broadcasts_to(attn_mask, target)):
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(B, H, Nq, Nk) = {target}; give it shape (Nq, Nk), (B, 1, Nq, Nk) or "
                          f"(B, H, Nq, Nk) (padding masks: (B, 1, 1, Nk))")
@@ -184,7 +186,7 @@ def _check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], 
     return attn_mask
 
 
-def _check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor) -> Tensor:
+def check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor) -> Tensor:
     """Validate ``lam`` (number, 0-dim tensor, or broadcastable to ``(B, H, Nq, 1)``); return a tensor."""
     if isinstance(lam, (int, float)) and not isinstance(lam, bool):
         return torch.tensor(float(lam), dtype=q.dtype, device=q.device)
@@ -194,7 +196,7 @@ def _check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor)
         raise TypeError(f"lam must be a floating-point tensor, got {lam.dtype}; use lam.float()")
     if lam.ndim > 0 and lam.device != q.device:
         raise ValueError(f"lam is on {lam.device} but q is on {q.device}; move it with lam.to(q.device)")
-    if not _broadcasts_to(lam, target):
+    if not broadcasts_to(lam, target):
         raise ValueError(f"lam of shape {tuple(lam.shape)} does not broadcast to (B, H, Nq, 1) = {target}: "
                          f"use a scalar, one value per head (H, 1, 1), or one per token and head (B, H, Nq, 1)")
     if lam.ndim > 0:
@@ -202,19 +204,42 @@ def _check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor)
     return lam.to(device=q.device, dtype=q.dtype)
 
 
-def _check_scale_dropout(scale: Optional[float], dropout_p: float) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None (1/sqrt(d)), got {scale!r}")
+def check_scale(scale: object, name: str = "scale") -> Optional[float]:
+    """``scale`` as a float, or None: a finite positive number (a bool, ``inf`` or NaN would give 1.0 or NaN maps
+    without a word). Every function that takes a softmax scale checks it here."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, torch.SymBool)) or type(scale).__name__ == "bool_" \
+            or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"{name} must be a positive finite number or None (1/sqrt(d)), got {scale!r}")
+    if isinstance(scale, (numbers.Real)) and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be a positive finite number or None (1/sqrt(d)), got {scale!r}")
+    return scale
+
+
+def check_scale_dropout(scale: object, dropout_p: float) -> None:
+    check_scale(scale)
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor, q_layout: str, k_layout: str, v_layout: str) -> None:
+def check_causal(causal: object) -> bool:
+    """``causal`` as a bool (a traced one as it is): a bool, numpy's or 0/1. ``causal="no"`` would be truthy and run
+    causal attention without a word. Every function and layer that takes ``causal`` checks it here."""
+    if isinstance(causal, torch.SymBool):
+        return causal
+    numpy_bool = type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_")
+    if isinstance(causal, bool) or numpy_bool or (isinstance(causal, int) and causal in (0, 1)):
+        return bool(causal)
+    raise TypeError(f"causal must be True or False, got {causal!r}")
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, q_layout: str, k_layout: str, v_layout: str) -> None:
     """q, k, v are 4-D tensors of one device and dtype family, with one batch size (the layouts name their dims)."""
-    _check_tensor("q", q, 4, q_layout)
-    _check_tensor("k", k, 4, k_layout)
-    _check_tensor("v", v, 4, v_layout)
-    _check_same(q, k=k, v=v)
+    check_tensor("q", q, 4, q_layout)
+    check_tensor("k", k, 4, k_layout)
+    check_tensor("v", v, 4, v_layout)
+    check_same(q, k=k, v=v)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
 
@@ -227,7 +252,7 @@ def check_diff_inputs(
     Returns ``(lam, attn_mask, (B, H, Hkv, Nq, Nk, d))`` with ``lam`` a tensor and ``attn_mask`` a 4-D view.
     Raises ``ValueError``/``TypeError`` naming the argument and the fix.
     """
-    _check_qkv(q, k, v, "(B, 2H, Nq, d)", "(B, 2Hkv, Nk, d)", "(B, Hkv, Nk, 2d)")
+    check_qkv(q, k, v, "(B, 2H, Nq, d)", "(B, 2Hkv, Nk, d)", "(B, Hkv, Nk, 2d)")
     B, H2, Nq, d = q.shape
     if H2 % 2:
         raise ValueError(f"q has {H2} heads, an odd number: differential attention needs 2H query heads, "
@@ -253,15 +278,15 @@ def check_diff_inputs(
     if H % Hkv:
         raise ValueError(f"H = {H} differential heads is not a multiple of Hkv = {Hkv} KV groups: "
                          f"choose num_kv_heads dividing num_heads")
-    lam_t = _check_lambda(lam, (B, H, Nq, 1), q)
-    mask = _check_mask(attn_mask, (B, H, Nq, Nk), q)
+    lam_t = check_lambda(lam, (B, H, Nq, 1), q)
+    mask = check_mask(attn_mask, (B, H, Nq, Nk), q)
     return lam_t, mask, (B, H, Hkv, Nq, Nk, d)
 
 
-def _check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], what: str) -> tuple:
+def check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], what: str) -> tuple:
     """The checks of :func:`~diffattn_tutorial.functional.softmax_attention` and ``diff_attention_v2`` (``what``
     names the caller): returns the 4-D mask and ``(B, Hq, Nq, Nk, d)``."""
-    _check_qkv(q, k, v, "(B, Hq, Nq, d)", "(B, Hkv, Nk, d)", "(B, Hkv, Nk, dv)")
+    check_qkv(q, k, v, "(B, Hq, Nq, d)", "(B, Hkv, Nk, d)", "(B, Hkv, Nk, dv)")
     B, Hq, Nq, d = q.shape
     if k.shape[3] != d:
         raise ValueError(f"q and k head dims differ: q {d}, k {k.shape[3]}")
@@ -274,5 +299,11 @@ def _check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], w
     if Hq % k.shape[1]:
         raise ValueError(f"{what}: {Hq} query heads is not a multiple of {k.shape[1]} KV heads; "
                          f"choose num_kv_heads dividing the query heads")
-    mask = _check_mask(attn_mask, (B, Hq, Nq, k.shape[2]), q)
+    mask = check_mask(attn_mask, (B, Hq, Nq, k.shape[2]), q)
     return mask, (B, Hq, Nq, k.shape[2], d)
+
+
+__all__ = ["LambdaLike", "causal_mask", "combine_masks", "fix_fully_masked", "rows_reading_nonfinite",
+           "under_torch_func", "forward_ad_active", "may_hold_nonfinite", "zero_nonfinite", "check_tensor",
+           "check_same", "broadcasts_to", "check_mask", "check_lambda", "check_scale", "check_scale_dropout",
+           "check_causal", "check_qkv", "check_diff_inputs", "check_plain"]

@@ -112,12 +112,12 @@ def test_all_backends_agree_with_the_paper(B, Hkv, rep, Nq, Nk, d, causal, lam_k
 def test_chunked_small_chunks_and_causal_key_skipping(chunk, rep, Nq, Nk, causal, lam_kind, mask_kind, seed):
     """Many chunks per call: slicing of mask, per-token lambda and (causal) the visible keys stays exact."""
     from diffattn_tutorial.formulations import chunked
-    from diffattn_tutorial.validation import _combine_masks, _fix_fully_masked
+    from diffattn_tutorial.validation import combine_masks, fix_fully_masked
 
     q, k, v, lam, mask = make(2, 2 * rep, 2, Nq, Nk, 8, torch.float64, seed, lam_kind, mask_kind)
     lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape))
     mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    full, valid = _fix_fully_masked(_combine_masks(mask4, causal, Nq, Nk, q.device))
+    full, valid = fix_fully_masked(combine_masks(mask4, causal, Nq, Nk, q.device))
     out = chunked(q, k, v, lam4, full, 8 ** -0.5, 0.0, causal=causal, chunk=chunk)
     if valid is not None:
         out = out.masked_fill(~valid, 0.0)

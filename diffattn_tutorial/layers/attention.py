@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from diffattn_tutorial import functional
+from diffattn_tutorial import backends, functional
 from diffattn_tutorial.backend_table import PLAIN_BACKENDS
-from diffattn_tutorial.backends import BACKENDS
 from diffattn_tutorial.layers.rope import apply_rope, check_rope
+from diffattn_tutorial.validation import check_causal
 
 Tensor = torch.Tensor
 Rope = Optional[tuple[Tensor, Tensor]]
@@ -141,12 +141,6 @@ class StaticKVCache:
         self.k = self.v = self.positions = None
 
 
-def _check_backend(backend: str, allowed: tuple[str, ...]) -> str:
-    if backend not in allowed:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {allowed}")
-    return backend
-
-
 class _Attention(nn.Module):
     """Shared plumbing: input checks, q/k/v projection, qk-norm, RoPE and the KV cache."""
 
@@ -158,7 +152,9 @@ class _Attention(nn.Module):
     k_proj: nn.Linear
     v_proj: nn.Linear
 
-    def _check_x(self, x: Tensor, context: Optional[Tensor], rope: Rope, cache: Optional[KVCache]) -> None:
+    def _check_x(self, x: Tensor, context: Optional[Tensor], rope: Rope, cache: Optional[KVCache],
+                 causal: bool) -> None:
+        check_causal(causal)  # before a cache is written
         if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.embed_dim:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must be (B, N, embed_dim={self.embed_dim}), got {shape}")
@@ -224,7 +220,7 @@ class MultiheadAttention(_Attention):
         self.head_dim = embed_dim // num_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
-        self.backend = _check_backend(backend, PLAIN_BACKENDS)
+        self.backend = backends.check_name(backend, PLAIN_BACKENDS)
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
         self.k_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
         self.v_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
@@ -233,7 +229,7 @@ class MultiheadAttention(_Attention):
     def forward(self, x: Tensor, *, rope: Rope = None, causal: bool = False, attn_mask: Optional[Tensor] = None,
                 context: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         """``x (B, N, C) -> (B, N, C)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
-        self._check_x(x, context, rope, cache)
+        self._check_x(x, context, rope, cache, causal)
         q, k, v = self._qkv(x, context, rope, cache, self.num_heads, self.num_kv_heads, self.num_kv_heads)
         out = functional.softmax_attention(q, k, v, causal=causal, attn_mask=attn_mask,
                                            dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
@@ -291,7 +287,7 @@ class MultiheadDiffAttn(_Attention):
         self.depth, self.lambda_mode = depth, lambda_mode
         self.lambda_init = functional.lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
-        self.backend = _check_backend(backend, ("auto",) + BACKENDS)
+        self.backend = backends.check_name(backend)
         q_width, kv_width = 2 * num_heads * self.head_dim, 2 * num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias, **dd)
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=qkv_bias, **dd)
@@ -328,7 +324,7 @@ class MultiheadDiffAttn(_Attention):
                         attn_mask: Optional[Tensor] = None, context: Optional[Tensor] = None,
                         cache: Optional[KVCache] = None) -> Tensor:
         """The per-head outputs before sub-norm, ``(B, H, N, 2 * head_dim)``."""
-        self._check_x(x, context, rope, cache)
+        self._check_x(x, context, rope, cache, causal)
         H, Hkv = self.num_heads, self.num_kv_heads
         q, k, v = self._qkv(x, context, rope, cache, 2 * H, 2 * Hkv, Hkv)
         return functional.diff_attention(q, k, v, self.lambda_full(), causal=causal, attn_mask=attn_mask,
@@ -389,7 +385,7 @@ class DiffAttnV2(_Attention):
         self.embed_dim = self.kdim = d_model
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_interleaved = rope_interleaved
-        self.backend = _check_backend(backend, PLAIN_BACKENDS)
+        self.backend = backends.check_name(backend, PLAIN_BACKENDS)
         self.q_proj = nn.Linear(d_model, 2 * num_heads * head_dim, bias=False, **dd)
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
@@ -406,7 +402,7 @@ class DiffAttnV2(_Attention):
     def forward(self, x: Tensor, *, rope: Rope = None, causal: bool = False, attn_mask: Optional[Tensor] = None,
                 cache: Optional[KVCache] = None) -> Tensor:
         """``x (B, N, d_model) -> (B, N, d_model)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
-        self._check_x(x, None, rope, cache)
+        self._check_x(x, None, rope, cache, causal)
         q, k, v = self._qkv(x, None, rope, cache, 2 * self.num_heads, self.num_kv_heads, self.num_kv_heads)
         out = functional.diff_attention_v2(q, k, v, self.lambda_full(x), causal=causal, attn_mask=attn_mask,
                                            backend=self.backend)

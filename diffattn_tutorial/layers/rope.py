@@ -79,7 +79,7 @@ def interleaved_to_half_split(w: Tensor, head_dim: int, dim: int = 0) -> Tensor:
 
     ``w`` holds heads of width ``head_dim`` along ``dim`` (e.g. ``q_proj.weight``).
     """
-    perm_one = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    perm_one = torch.cat([torch.arange(0, head_dim, 2, device=w.device), torch.arange(1, head_dim, 2, device=w.device)])
     n_heads = w.shape[dim] // head_dim
-    perm = (perm_one[None, :] + head_dim * torch.arange(n_heads)[:, None]).flatten().to(w.device)
+    perm = (perm_one[None, :] + head_dim * torch.arange(n_heads, device=w.device)[:, None]).flatten()
     return w.index_select(dim, perm)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import types
 import weakref
 from dataclasses import dataclass
@@ -293,9 +294,10 @@ class TinyLM(nn.Module):
         """
         self._check_idx(idx)
         _check_cache(cache)
-        _check_sampling(temperature, top_k, generator)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        temperature, top_k = _check_sampling(temperature, top_k, generator)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         _check_compile(compile)
         total = idx.shape[1] + max_new_tokens
         if idx.shape[1] == 0 or total > self.cfg.max_len:
@@ -430,14 +432,18 @@ def _check_cache(cache: Optional[str]) -> None:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
 
 
-def _check_sampling(temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+def _check_sampling(temperature: float, top_k: Optional[int],
+                    generator: Optional[torch.Generator]) -> tuple[float, Optional[int]]:
+    """``(temperature, top_k)`` as Python numbers (numpy's scalars are taken too), or an error naming the fix."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0 <= float(temperature) < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k must be a whole number >= 1 (the tokens to sample among) or None, got {top_k!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
                         f"got {type(generator).__name__}")
+    return float(temperature), None if top_k is None else int(top_k)
 
 
 def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -448,7 +454,11 @@ def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: Optional[int]
     ``generator``) from ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely tokens when
     given (ties at the ``top_k``-th value are kept); ``top_k`` at or above the vocabulary keeps every token.
     """
-    _check_sampling(temperature, top_k, generator)
+    temperature, top_k = _check_sampling(temperature, top_k, generator)
+    if not isinstance(logits, Tensor) or logits.ndim != 2 or not logits.is_floating_point() or logits.shape[1] == 0:
+        got = f"shape {tuple(logits.shape)} {logits.dtype}" if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a float tensor (B, vocab) with vocab >= 1, got {got}; for a model's "
+                         f"output (B, N, vocab) pass logits[:, -1]")
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     scaled = logits.float() / temperature if logits.dtype != torch.float64 else logits / temperature
