@@ -38,8 +38,10 @@ LIBRARY = {
     "check_amplifier_output": amplifier_output,
     "check_gains": amplifier_gains,
     "check_cmrr_db": cmrr_db,
-    "check_attention": softmax_attention,
-    "check_answer_noise_shares": answer_noise_shares,
+    "check_attention": lambda q, k, v, keep: torch.softmax(  # by hand: the check refuses the library's attention
+        (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep[:, None, None, :], float("-inf")), -1) @ v,
+    "check_answer_noise_shares": lambda attn, answer, context: ((attn * answer).sum(-1),  # by hand: refused too
+                                                                (attn * (context & ~answer)).sum(-1)),
     "check_split_pairs": lambda t: (t[:, 0::2], t[:, 1::2]),
     "check_diff_attn": diff_attention,
     "check_lambda_init": lambda_init_fn,
@@ -191,10 +193,16 @@ def test_cmrr_db_mistakes():
 # --------------------------------------------------------------------------------------------
 
 
-def _attn(scale_of, dim=-1):
-    def f(q, k, v):
-        return torch.softmax(q @ k.transpose(-1, -2) * scale_of(q, v), dim=dim) @ v
+def _attn(scale_of, dim=-1, fill=float("-inf"), after=False, mask=lambda keep: keep[:, None, None, :]):
+    def f(q, k, v, keep):
+        s = q @ k.transpose(-1, -2) * scale_of(q, v)
+        if after:
+            return torch.softmax(s, dim=dim).masked_fill(~mask(keep), 0.0) @ v
+        return torch.softmax(s.masked_fill(~mask(keep), fill), dim=dim) @ v
     return f
+
+
+_D = lambda q, v: q.shape[-1] ** -0.5  # noqa: E731 - the right scale
 
 
 def test_attention_mistakes():
@@ -203,10 +211,38 @@ def test_attention_mistakes():
     fails(c, _attn(lambda q, v: 1 / q.shape[-1]), "scaled by 1/d")
     fails(c, _attn(lambda q, v: v.shape[-1] ** -0.5), "value width")
     fails(c, _attn(lambda q, v: q.shape[-1] ** 0.5), "instead of dividing")
-    fails(c, _attn(lambda q, v: q.shape[-1] ** -0.5, dim=-2), "wrong axis")
-    fails(c, lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1), "attention map")
-    fails(c, lambda q, k, v: softmax_attention(q, k, v.detach(), backend="naive"), "gradient")
-    fails(c, lambda q, k, v: softmax_attention(q.detach(), k.detach(), v.detach()), "differentiabl")
+    fails(c, _attn(_D, dim=-2), "wrong axis")
+    fails(c, lambda q, k, v, keep: torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1), "attention map")
+    fails(c, lambda q, k, v, keep: LIBRARY["check_attention"](q, k, v.detach(), keep), "gradient")
+    fails(c, lambda q, k, v, keep: LIBRARY["check_attention"](q.detach(), k.detach(), v.detach(), keep), "differentiabl")
+
+
+def test_attention_padding_mistakes():
+    c = checks.check_attention
+    fails(c, _attn(_D, mask=lambda keep: torch.ones_like(keep)[:, None, None, :]), "padding keys still get weight")
+    fails(c, lambda q, k, v, keep: _attn(_D)(q, k, v, torch.ones_like(keep)), "padding keys still get weight")
+    fails(c, _attn(_D, mask=lambda keep: ~keep[:, None, None, :]), "inverted")
+    fails(c, _attn(_D, after=True), "after the softmax")
+    fails(c, _attn(_D, fill=0.0), "scores were set to 0")
+    fails(c, _attn(_D, mask=lambda keep: keep[:, None, :, None]), "queries instead of the keys")
+
+
+def test_attention_renormalised_after_the_softmax_is_right(capsys):
+    def renormalised(q, k, v, keep):
+        w = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) * keep[:, None, None, :]
+        return w / w.sum(-1, keepdim=True) @ v
+    checks.check_attention(renormalised)
+    assert capsys.readouterr().out.startswith("PASSED")
+
+
+def test_attention_refuses_the_implementations():
+    import torch.nn.functional as F
+    c = checks.check_attention
+    fails(c, lambda q, k, v, keep: F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :]),
+          "calls PyTorch's scaled_dot_product_attention: .*rule")
+    fails(c, lambda q, k, v, keep: softmax_attention(q, k, v, attn_mask=keep[:, None, None, :]),
+          "calls the library's softmax_attention")
+    fails(checks.check_answer_noise_shares, answer_noise_shares, "calls the library's answer_noise_shares: .*rule")
 
 
 def test_answer_noise_shares_mistakes():
@@ -223,19 +259,22 @@ def test_answer_noise_shares_mistakes():
     fails(c, lambda a, ans, ctx: share(a, ans), "pair")
 
 
+_shares = LIBRARY["check_answer_noise_shares"]
+
+
 def test_answer_noise_shares_on_differential_maps():
     """The maps include differential ones: negative entries, rows summing to 1 - lambda."""
     c = checks.check_answer_noise_shares
-    fails(c, lambda a, ans, ctx: answer_noise_shares(a.clamp(min=0), ans, ctx), "clamped the map")
-    fails(c, lambda a, ans, ctx: answer_noise_shares(a.abs(), ans, ctx), "absolute value of the map")
-    fails(c, lambda a, ans, ctx: answer_noise_shares(a / a.sum(-1, keepdim=True), ans, ctx), "renormalised")
+    fails(c, lambda a, ans, ctx: _shares(a.clamp(min=0), ans, ctx), "clamped the map")
+    fails(c, lambda a, ans, ctx: _shares(a.abs(), ans, ctx), "absolute value of the map")
+    fails(c, lambda a, ans, ctx: _shares(a / a.sum(-1, keepdim=True), ans, ctx), "renormalised")
 
     def clamp_renorm(a, ans, ctx):
         a = a.clamp(min=0)
-        return answer_noise_shares(a / a.sum(-1, keepdim=True), ans, ctx)
+        return _shares(a / a.sum(-1, keepdim=True), ans, ctx)
 
     fails(c, clamp_renorm, "clamped .* and renormalised")
-    fails(c, lambda a, ans, ctx: tuple(t.clamp(min=0) for t in answer_noise_shares(a, ans, ctx)), "lost its sign")
+    fails(c, lambda a, ans, ctx: tuple(t.clamp(min=0) for t in _shares(a, ans, ctx)), "lost its sign")
 
 
 # --------------------------------------------------------------------------------------------

@@ -466,6 +466,14 @@ def mutants_of(source: str, *, notebook: str, task: int) -> list[Mutant]:
 
 # Mistakes learners made (issue 34's list), as (edits of the answer's text, what they are): each becomes one mutant.
 NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], str]]] = {
+    ("02_softmax_attention_and_noise", 1): [
+        ((('float("-inf")', "0.0"),), "padding scores set to 0 instead of -inf"),
+        ((("scores = scores.masked_fill(~keep[:, None, None, :], float(\"-inf\"))", "pass"),
+          ("return weights @ v", "return weights.masked_fill(~keep[:, None, None, :], 0.0) @ v")),
+         "padding weights zeroed after the softmax, not renormalised"),
+        ((("~keep[:, None, None, :]", "~keep[:, None, :, None]"),), "the mask over the queries instead of the keys"),
+        ((("~keep[:, None, None, :]", "keep[:, None, None, :]"),), "the mask inverted"),
+    ],
     ("04_lambda_reparameterisation", 1): [
         ((("return 0.8 - 0.6 * math.exp(-0.3 * depth)", "return 1 - (0.8 - 0.6 * math.exp(-0.3 * depth))"),),
          "returned 1 - lambda_init"),

@@ -113,9 +113,9 @@ def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Cal
         finally:
             sys.setprofile(before)
             if hits:
-                raise CheckFailed(f"`{name}` calls {hits[0]}: this task asks you to build that yourself, from "
-                                  f"tensor operations (rule: no library or PyTorch implementation of what the task "
-                                  f"builds)")
+                raise CheckFailed(f"`{name}` calls {hits[0]}: this task asks you to build that yourself (rule: "
+                                  f"an answer may not call the library's or PyTorch's implementation of what its "
+                                  f"task builds)")
 
     return watched
 
