@@ -363,15 +363,25 @@ def test_reparam_lambda_mistakes():
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1)) - torch.exp(dot(q2, k2)), "forgot lambda_init")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q2, k2)) - torch.exp(dot(q1, k1)) + li, "wrong order")
     fails(c, lambda q1, k1, q2, k2, li: dot(q1, k1) - dot(q2, k2) + li, "forgot the exp")
-    fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1).sum() - torch.exp(q2 * k2).sum() + li, "exp before the sum")
+    fails(c, lambda q1, k1, q2, k2, li: (torch.exp(q1 * k1).sum(-1) - torch.exp(q2 * k2).sum(-1) + li), "exp before the sum")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, q2)) - torch.exp(dot(k1, k2)) + li, "wrong vectors")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k2)) - torch.exp(dot(q2, k1)) + li, "crossed the pairs")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1) - dot(q2, k2)) + li, "one exp of the difference")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1)) - torch.exp(dot(q2, k2)) - li, "subtracted lambda_init")
-    fails(c, lambda q1, k1, q2, k2, li: math.exp(dot(q1, k1)) - math.exp(dot(q2, k2)) + li, "Python number")
-    fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1) - torch.exp(q2 * k2) + li, "vector of shape")
+    fails(c, lambda q1, k1, q2, k2, li: math.exp(dot(q1, k1).sum()) - math.exp(dot(q2, k2).sum()) + li, "Python number")
+    fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1) - torch.exp(q2 * k2) + li, "the vectors' own")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1.detach())) - torch.exp(dot(q2, k2)) + li,
           "lambda_k1 gets no gradient")
+    dots = [lambda a, b: (a * b).sum(), lambda a, b: (a * b).sum(0), lambda a, b: a @ b.transpose(-1, -2)]
+    for dot_, match in zip(dots, ["one number for", "summed over the heads", r"\(H, H\) matrix"]):
+        fails(c, lambda q1, k1, q2, k2, li, f=dot_: torch.exp(f(q1, k1)) - torch.exp(f(q2, k2)) + li, match)
+
+
+def test_reparam_lambda_any_dot_product_over_d_passes(capsys):
+    c = checks.check_reparam_lambda
+    c(lambda q1, k1, q2, k2, li: torch.exp(torch.einsum("...d,...d->...", q1, k1))
+      - torch.exp(torch.einsum("...d,...d->...", q2, k2)) + li)
+    assert capsys.readouterr().out.startswith("PASSED")
 
 
 # --------------------------------------------------------------------------------------------

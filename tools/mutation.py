@@ -474,6 +474,12 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("~keep[:, None, None, :]", "~keep[:, None, :, None]"),), "the mask over the queries instead of the keys"),
         ((("~keep[:, None, None, :]", "keep[:, None, None, :]"),), "the mask inverted"),
     ],
+    ("04_lambda_reparameterisation", 2): [
+        ((("(lambda_q1 * lambda_k1).sum(-1)", "(lambda_q1 * lambda_k1).sum()"),
+          ("(lambda_q2 * lambda_k2).sum(-1)", "(lambda_q2 * lambda_k2).sum()")), "summed over every head too"),
+        ((("(lambda_q1 * lambda_k1).sum(-1)", "(lambda_q1 @ lambda_k1.T)"),
+          ("(lambda_q2 * lambda_k2).sum(-1)", "(lambda_q2 @ lambda_k2.T)")), "every head against every head"),
+    ],
     ("04_lambda_reparameterisation", 1): [
         ((("return 0.8 - 0.6 * math.exp(-0.3 * depth)", "return 1 - (0.8 - 0.6 * math.exp(-0.3 * depth))"),),
          "returned 1 - lambda_init"),
