@@ -474,6 +474,13 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("~keep[:, None, None, :]", "~keep[:, None, :, None]"),), "the mask over the queries instead of the keys"),
         ((("~keep[:, None, None, :]", "keep[:, None, None, :]"),), "the mask inverted"),
     ],
+    ("11_diff_attention_in_the_wild", 2): [
+        ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.ones(paths, paths, dtype=torch.bool)"),),
+         "every path reads every path"),
+        ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.eye(paths, dtype=torch.bool)"),),
+         "each path reads only its own keys"),
+        ((("dtype=torch.bool).tril()", "dtype=torch.bool).tril(-1)"),), "each path reads only the earlier paths"),
+    ],
     ("04_lambda_reparameterisation", 2): [
         ((("(lambda_q1 * lambda_k1).sum(-1)", "(lambda_q1 * lambda_k1).sum()"),
           ("(lambda_q2 * lambda_k2).sum(-1)", "(lambda_q2 * lambda_k2).sum()")), "summed over every head too"),
