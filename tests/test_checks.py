@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from einops import rearrange
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
@@ -43,7 +44,8 @@ LIBRARY = {
     "check_answer_noise_shares": lambda attn, answer, context: ((attn * answer).sum(-1),  # by hand: refused too
                                                                 (attn * (context & ~answer)).sum(-1)),
     "check_split_pairs": lambda t: (t[:, 0::2], t[:, 1::2]),
-    "check_diff_attn": diff_attention,
+    "check_diff_attn": lambda q, k, v, lam: diff_attention(  # q, k in the blocked layout (DiffLlama's)
+        *(rearrange(t, "b (two h) n d -> b (h two) n d", two=2) for t in (q, k)), v, lam),
     "check_lambda_init": lambda_init_fn,
     "check_reparam_lambda": reparam_lambda,
     "check_rms_norm": rms_norm,
@@ -306,14 +308,20 @@ def _dual(q, k, v, lam, *, scale=None, dim=-1, blocked=False, order=1, lam_float
     return (a1 - (lam.item() if lam_float else lam) * a2) @ v
 
 
+def _blocked(fn):
+    """A mistake written on the interleaved layout, run on the blocked heads the check passes."""
+    from diffattn_tutorial.checks._helpers import blocked_as_interleaved
+    return lambda q, k, v, lam: fn(blocked_as_interleaved(q), blocked_as_interleaved(k), v, lam)
+
+
 def test_diff_attn_mistakes():
-    c = checks.check_diff_attn
-    checks.check_diff_attn(_dual)
+    c = lambda fn: checks.check_diff_attn(_blocked(fn))  # noqa: E731
+    c(_dual)
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, scale=1.0), "forgot the scale")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, scale=v.shape[-1] ** -0.5), "full head dim \\(2d\\)")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, scale=1 / q.shape[-1]), "scaled by 1/d")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, order=-1), "wrong order")
-    fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, blocked=True), "blocked")
+    fails(checks.check_diff_attn, _dual, "interleaved \\(2i with 2i \\+ 1, Task 1")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, dim=-2), "wrong axis")
     fails(c, lambda q, k, v, lam: lam * _dual(q, k, v, torch.tensor(1.0, dtype=q.dtype)), "both maps")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, torch.tensor(1.0, dtype=q.dtype)), "lambda is ignored")

@@ -474,6 +474,10 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("~keep[:, None, None, :]", "~keep[:, None, :, None]"),), "the mask over the queries instead of the keys"),
         ((("~keep[:, None, None, :]", "keep[:, None, None, :]"),), "the mask inverted"),
     ],
+    ("03_dual_softmax", 2): [
+        ((("(q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)",
+           "(q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)"),), "Task 1's interleaved split on blocked heads"),
+    ],
     ("11_diff_attention_in_the_wild", 2): [
         ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.ones(paths, paths, dtype=torch.bool)"),),
          "every path reads every path"),
