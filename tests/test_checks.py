@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from einops import rearrange
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
@@ -38,10 +39,13 @@ LIBRARY = {
     "check_amplifier_output": amplifier_output,
     "check_gains": amplifier_gains,
     "check_cmrr_db": cmrr_db,
-    "check_attention": softmax_attention,
-    "check_answer_noise_shares": answer_noise_shares,
+    "check_attention": lambda q, k, v, keep: torch.softmax(  # by hand: the check refuses the library's attention
+        (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep[:, None, None, :], float("-inf")), -1) @ v,
+    "check_answer_noise_shares": lambda attn, answer, context: ((attn * answer).sum(-1),  # by hand: refused too
+                                                                (attn * (context & ~answer)).sum(-1)),
     "check_split_pairs": lambda t: (t[:, 0::2], t[:, 1::2]),
-    "check_diff_attn": diff_attention,
+    "check_diff_attn": lambda q, k, v, lam: diff_attention(  # q, k in the blocked layout (DiffLlama's)
+        *(rearrange(t, "b (two h) n d -> b (h two) n d", two=2) for t in (q, k)), v, lam),
     "check_lambda_init": lambda_init_fn,
     "check_reparam_lambda": reparam_lambda,
     "check_rms_norm": rms_norm,
@@ -191,10 +195,16 @@ def test_cmrr_db_mistakes():
 # --------------------------------------------------------------------------------------------
 
 
-def _attn(scale_of, dim=-1):
-    def f(q, k, v):
-        return torch.softmax(q @ k.transpose(-1, -2) * scale_of(q, v), dim=dim) @ v
+def _attn(scale_of, dim=-1, fill=float("-inf"), after=False, mask=lambda keep: keep[:, None, None, :]):
+    def f(q, k, v, keep):
+        s = q @ k.transpose(-1, -2) * scale_of(q, v)
+        if after:
+            return torch.softmax(s, dim=dim).masked_fill(~mask(keep), 0.0) @ v
+        return torch.softmax(s.masked_fill(~mask(keep), fill), dim=dim) @ v
     return f
+
+
+_D = lambda q, v: q.shape[-1] ** -0.5  # noqa: E731 - the right scale
 
 
 def test_attention_mistakes():
@@ -203,10 +213,38 @@ def test_attention_mistakes():
     fails(c, _attn(lambda q, v: 1 / q.shape[-1]), "scaled by 1/d")
     fails(c, _attn(lambda q, v: v.shape[-1] ** -0.5), "value width")
     fails(c, _attn(lambda q, v: q.shape[-1] ** 0.5), "instead of dividing")
-    fails(c, _attn(lambda q, v: q.shape[-1] ** -0.5, dim=-2), "wrong axis")
-    fails(c, lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1), "attention map")
-    fails(c, lambda q, k, v: softmax_attention(q, k, v.detach(), backend="naive"), "gradient")
-    fails(c, lambda q, k, v: softmax_attention(q.detach(), k.detach(), v.detach()), "differentiabl")
+    fails(c, _attn(_D, dim=-2), "wrong axis")
+    fails(c, lambda q, k, v, keep: torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1), "attention map")
+    fails(c, lambda q, k, v, keep: LIBRARY["check_attention"](q, k, v.detach(), keep), "gradient")
+    fails(c, lambda q, k, v, keep: LIBRARY["check_attention"](q.detach(), k.detach(), v.detach(), keep), "differentiabl")
+
+
+def test_attention_padding_mistakes():
+    c = checks.check_attention
+    fails(c, _attn(_D, mask=lambda keep: torch.ones_like(keep)[:, None, None, :]), "padding keys still get weight")
+    fails(c, lambda q, k, v, keep: _attn(_D)(q, k, v, torch.ones_like(keep)), "padding keys still get weight")
+    fails(c, _attn(_D, mask=lambda keep: ~keep[:, None, None, :]), "inverted")
+    fails(c, _attn(_D, after=True), "after the softmax")
+    fails(c, _attn(_D, fill=0.0), "scores were set to 0")
+    fails(c, _attn(_D, mask=lambda keep: keep[:, None, :, None]), "queries instead of the keys")
+
+
+def test_attention_renormalised_after_the_softmax_is_right(capsys):
+    def renormalised(q, k, v, keep):
+        w = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) * keep[:, None, None, :]
+        return w / w.sum(-1, keepdim=True) @ v
+    checks.check_attention(renormalised)
+    assert capsys.readouterr().out.startswith("PASSED")
+
+
+def test_attention_refuses_the_implementations():
+    import torch.nn.functional as F
+    c = checks.check_attention
+    fails(c, lambda q, k, v, keep: F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :]),
+          "calls PyTorch's scaled_dot_product_attention: .*rule")
+    fails(c, lambda q, k, v, keep: softmax_attention(q, k, v, attn_mask=keep[:, None, None, :]),
+          "calls the library's softmax_attention")
+    fails(checks.check_answer_noise_shares, answer_noise_shares, "calls the library's answer_noise_shares: .*rule")
 
 
 def test_answer_noise_shares_mistakes():
@@ -223,19 +261,22 @@ def test_answer_noise_shares_mistakes():
     fails(c, lambda a, ans, ctx: share(a, ans), "pair")
 
 
+_shares = LIBRARY["check_answer_noise_shares"]
+
+
 def test_answer_noise_shares_on_differential_maps():
     """The maps include differential ones: negative entries, rows summing to 1 - lambda."""
     c = checks.check_answer_noise_shares
-    fails(c, lambda a, ans, ctx: answer_noise_shares(a.clamp(min=0), ans, ctx), "clamped the map")
-    fails(c, lambda a, ans, ctx: answer_noise_shares(a.abs(), ans, ctx), "absolute value of the map")
-    fails(c, lambda a, ans, ctx: answer_noise_shares(a / a.sum(-1, keepdim=True), ans, ctx), "renormalised")
+    fails(c, lambda a, ans, ctx: _shares(a.clamp(min=0), ans, ctx), "clamped the map")
+    fails(c, lambda a, ans, ctx: _shares(a.abs(), ans, ctx), "absolute value of the map")
+    fails(c, lambda a, ans, ctx: _shares(a / a.sum(-1, keepdim=True), ans, ctx), "renormalised")
 
     def clamp_renorm(a, ans, ctx):
         a = a.clamp(min=0)
-        return answer_noise_shares(a / a.sum(-1, keepdim=True), ans, ctx)
+        return _shares(a / a.sum(-1, keepdim=True), ans, ctx)
 
     fails(c, clamp_renorm, "clamped .* and renormalised")
-    fails(c, lambda a, ans, ctx: tuple(t.clamp(min=0) for t in answer_noise_shares(a, ans, ctx)), "lost its sign")
+    fails(c, lambda a, ans, ctx: tuple(t.clamp(min=0) for t in _shares(a, ans, ctx)), "lost its sign")
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,14 +308,20 @@ def _dual(q, k, v, lam, *, scale=None, dim=-1, blocked=False, order=1, lam_float
     return (a1 - (lam.item() if lam_float else lam) * a2) @ v
 
 
+def _blocked(fn):
+    """A mistake written on the interleaved layout, run on the blocked heads the check passes."""
+    from diffattn_tutorial.checks._helpers import blocked_as_interleaved
+    return lambda q, k, v, lam: fn(blocked_as_interleaved(q), blocked_as_interleaved(k), v, lam)
+
+
 def test_diff_attn_mistakes():
-    c = checks.check_diff_attn
-    checks.check_diff_attn(_dual)
+    c = lambda fn: checks.check_diff_attn(_blocked(fn))  # noqa: E731
+    c(_dual)
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, scale=1.0), "forgot the scale")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, scale=v.shape[-1] ** -0.5), "full head dim \\(2d\\)")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, scale=1 / q.shape[-1]), "scaled by 1/d")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, order=-1), "wrong order")
-    fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, blocked=True), "blocked")
+    fails(checks.check_diff_attn, _dual, "interleaved \\(2i with 2i \\+ 1, Task 1")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, lam, dim=-2), "wrong axis")
     fails(c, lambda q, k, v, lam: lam * _dual(q, k, v, torch.tensor(1.0, dtype=q.dtype)), "both maps")
     fails(c, lambda q, k, v, lam: _dual(q, k, v, torch.tensor(1.0, dtype=q.dtype)), "lambda is ignored")
@@ -324,15 +371,25 @@ def test_reparam_lambda_mistakes():
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1)) - torch.exp(dot(q2, k2)), "forgot lambda_init")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q2, k2)) - torch.exp(dot(q1, k1)) + li, "wrong order")
     fails(c, lambda q1, k1, q2, k2, li: dot(q1, k1) - dot(q2, k2) + li, "forgot the exp")
-    fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1).sum() - torch.exp(q2 * k2).sum() + li, "exp before the sum")
+    fails(c, lambda q1, k1, q2, k2, li: (torch.exp(q1 * k1).sum(-1) - torch.exp(q2 * k2).sum(-1) + li), "exp before the sum")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, q2)) - torch.exp(dot(k1, k2)) + li, "wrong vectors")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k2)) - torch.exp(dot(q2, k1)) + li, "crossed the pairs")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1) - dot(q2, k2)) + li, "one exp of the difference")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1)) - torch.exp(dot(q2, k2)) - li, "subtracted lambda_init")
-    fails(c, lambda q1, k1, q2, k2, li: math.exp(dot(q1, k1)) - math.exp(dot(q2, k2)) + li, "Python number")
-    fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1) - torch.exp(q2 * k2) + li, "vector of shape")
+    fails(c, lambda q1, k1, q2, k2, li: math.exp(dot(q1, k1).sum()) - math.exp(dot(q2, k2).sum()) + li, "Python number")
+    fails(c, lambda q1, k1, q2, k2, li: torch.exp(q1 * k1) - torch.exp(q2 * k2) + li, "the vectors' own")
     fails(c, lambda q1, k1, q2, k2, li: torch.exp(dot(q1, k1.detach())) - torch.exp(dot(q2, k2)) + li,
           "lambda_k1 gets no gradient")
+    dots = [lambda a, b: (a * b).sum(), lambda a, b: (a * b).sum(0), lambda a, b: a @ b.transpose(-1, -2)]
+    for dot_, match in zip(dots, ["one number for", "summed over the heads", r"\(H, H\) matrix"]):
+        fails(c, lambda q1, k1, q2, k2, li, f=dot_: torch.exp(f(q1, k1)) - torch.exp(f(q2, k2)) + li, match)
+
+
+def test_reparam_lambda_any_dot_product_over_d_passes(capsys):
+    c = checks.check_reparam_lambda
+    c(lambda q1, k1, q2, k2, li: torch.exp(torch.einsum("...d,...d->...", q1, k1))
+      - torch.exp(torch.einsum("...d,...d->...", q2, k2)) + li)
+    assert capsys.readouterr().out.startswith("PASSED")
 
 
 # --------------------------------------------------------------------------------------------

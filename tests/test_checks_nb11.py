@@ -62,17 +62,28 @@ def test_axonml_bugs_are_named(kwargs, match):
 
 # --- TASK 2 -----------------------------------------------------------------------------------------------------
 
+def _kron(block, inner):
+    return torch.kron(block.int(), inner.int()).bool()
+
+
 def test_block_causal_mask():
-    check_block_causal_mask(lambda n, paths: causal_mask(n, n).repeat(1, paths))
-    check_block_causal_mask(lambda n, paths: torch.cat([torch.ones(n, n, dtype=torch.bool).tril()] * paths, dim=1))
+    tri = lambda m, off=0: torch.ones(m, m, dtype=torch.bool).tril(off)  # noqa: E731
+    check_block_causal_mask(lambda n, paths: _kron(tri(paths), causal_mask(n, n)))
+    check_block_causal_mask(lambda n, paths: torch.cat([torch.cat([causal_mask(n, n) if j <= i else
+                                                                   torch.zeros(n, n, dtype=torch.bool)
+                                                                   for j in range(paths)], 1) for i in range(paths)]))
     for fn, match in [
-        (lambda n, paths: causal_mask(n, paths * n), "bottom-right"),
-        (lambda n, paths: torch.ones(n, paths * n, dtype=torch.bool).tril(), "top-left"),
-        (lambda n, paths: ~causal_mask(n, n).repeat(1, paths), "swapped"),
-        (lambda n, paths: causal_mask(n, n).repeat(1, paths).float(), "bool"),
-        (lambda n, paths: causal_mask(n, n).repeat(paths, 1), "shape"),
-        (lambda n, paths: torch.ones(n, n, dtype=torch.bool).tril(-1).repeat(1, paths), "own position"),
-        (lambda n, paths: torch.ones(n, paths * n, dtype=torch.bool), "differs at query"),
+        (lambda n, paths: causal_mask(n, n).repeat(1, paths), "one path's queries"),  # the notebook's mask
+        (lambda n, paths: causal_mask(n, n).repeat(paths, paths), "every path reads every path's keys"),
+        (lambda n, paths: _kron(torch.eye(paths, dtype=torch.bool), causal_mask(n, n)), "only its own keys"),
+        (lambda n, paths: _kron(tri(paths, -1), causal_mask(n, n)), "not its own"),
+        (lambda n, paths: causal_mask(paths * n, paths * n), "one causal mask over all"),
+        (lambda n, paths: _kron(tri(paths), tri(n, -1)), "own position"),
+        (lambda n, paths: _kron(tri(paths), torch.ones(n, n, dtype=torch.bool)), "inside a block every position"),
+        (lambda n, paths: ~_kron(tri(paths), causal_mask(n, n)), "swapped"),
+        (lambda n, paths: _kron(tri(paths), causal_mask(n, n)).float(), "bool"),
+        (lambda n, paths: causal_mask(n, n), "shape"),
+        (lambda n, paths: torch.ones(paths * n, paths * n, dtype=torch.bool).triu(), "differs at query"),
     ]:
         with pytest.raises(CheckFailed, match=match):
             check_block_causal_mask(fn)

@@ -466,6 +466,31 @@ def mutants_of(source: str, *, notebook: str, task: int) -> list[Mutant]:
 
 # Mistakes learners made (issue 34's list), as (edits of the answer's text, what they are): each becomes one mutant.
 NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], str]]] = {
+    ("02_softmax_attention_and_noise", 1): [
+        ((('float("-inf")', "0.0"),), "padding scores set to 0 instead of -inf"),
+        ((("scores = scores.masked_fill(~keep[:, None, None, :], float(\"-inf\"))", "pass"),
+          ("return weights @ v", "return weights.masked_fill(~keep[:, None, None, :], 0.0) @ v")),
+         "padding weights zeroed after the softmax, not renormalised"),
+        ((("~keep[:, None, None, :]", "~keep[:, None, :, None]"),), "the mask over the queries instead of the keys"),
+        ((("~keep[:, None, None, :]", "keep[:, None, None, :]"),), "the mask inverted"),
+    ],
+    ("03_dual_softmax", 2): [
+        ((("(q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)",
+           "(q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)"),), "Task 1's interleaved split on blocked heads"),
+    ],
+    ("11_diff_attention_in_the_wild", 2): [
+        ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.ones(paths, paths, dtype=torch.bool)"),),
+         "every path reads every path"),
+        ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.eye(paths, dtype=torch.bool)"),),
+         "each path reads only its own keys"),
+        ((("dtype=torch.bool).tril()", "dtype=torch.bool).tril(-1)"),), "each path reads only the earlier paths"),
+    ],
+    ("04_lambda_reparameterisation", 2): [
+        ((("(lambda_q1 * lambda_k1).sum(-1)", "(lambda_q1 * lambda_k1).sum()"),
+          ("(lambda_q2 * lambda_k2).sum(-1)", "(lambda_q2 * lambda_k2).sum()")), "summed over every head too"),
+        ((("(lambda_q1 * lambda_k1).sum(-1)", "(lambda_q1 @ lambda_k1.T)"),
+          ("(lambda_q2 * lambda_k2).sum(-1)", "(lambda_q2 @ lambda_k2.T)")), "every head against every head"),
+    ],
     ("04_lambda_reparameterisation", 1): [
         ((("return 0.8 - 0.6 * math.exp(-0.3 * depth)", "return 1 - (0.8 - 0.6 * math.exp(-0.3 * depth))"),),
          "returned 1 - lambda_init"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import sys
 import sysconfig
 import traceback
 from typing import Callable, Mapping, NoReturn, Optional, Sequence, Union
@@ -55,17 +56,22 @@ def fail(hint: str) -> NoReturn:
     raise CheckFailed(hint)
 
 
-def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
+def exercise_check(task: int, name: str, refuses: Optional[Callable[[], Mapping[Callable, str]]] = None
+                   ) -> Callable[[Callable], Callable]:
     """Mark a ``check_*`` as the check of ``TASK task`` whose function is called ``name``, and make its errors
     one clean line: a ``NotImplementedError`` from the learner's stub becomes :class:`NotAttempted`, a
-    :class:`CheckFailed` loses the traceback into the check, anything else becomes a :class:`CheckFailed`."""
+    :class:`CheckFailed` loses the traceback into the check, anything else becomes a :class:`CheckFailed`.
+
+    ``refuses`` returns ``{implementation: what it is}``: the library's or PyTorch's implementations of what the
+    task asks to build; the learner's function may not call them (:func:`refusing`)."""
 
     def decorate(check: Callable) -> Callable:
         @functools.wraps(check)
         def wrapper(fn, *args, **kwargs):
             try:
                 with threads(1):  # the inputs are tiny: one thread is fastest, and steady on a busy machine
-                    return check(fn, *args, **kwargs)
+                    watched = refusing(fn, refuses(), name=name) if refuses is not None and callable(fn) else fn
+                    return check(watched, *args, **kwargs)
             except NotImplementedError:
                 raise NotAttempted(task, name) from None
             except CheckFailed as e:
@@ -75,9 +81,43 @@ def exercise_check(task: int, name: str) -> Callable[[Callable], Callable]:
                                   f"{_first_line(e)}); compare its type and shape with the docstring") from None
 
         wrapper.task, wrapper.function_name = task, name  # type: ignore[attr-defined]
+        wrapper.refuses = refuses  # type: ignore[attr-defined]
         return wrapper
 
     return decorate
+
+
+def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Callable:
+    """``fn`` watched while it runs: if it calls one of ``refused`` (a Python function, matched by its code, so an
+    alias or a method call counts too; or a builtin such as PyTorch's ``scaled_dot_product_attention``, matched
+    by identity), the call fails with the rule, naming what it called, even when the answer it returns is right.
+
+    The watch is ``sys.setprofile`` for the duration of the learner's call only: the check's own references
+    run unwatched. A profiler set before (a debugger's) is restored after."""
+    codes = {getattr(f, "__code__", None): what for f, what in refused.items() if hasattr(f, "__code__")}
+    builtins = {id(f): what for f, what in refused.items() if not hasattr(f, "__code__")}
+
+    @functools.wraps(fn)
+    def watched(*args, **kwargs):
+        hits: list[str] = []
+
+        def profile(frame, event, arg):
+            what = codes.get(frame.f_code) if event == "call" else builtins.get(id(arg)) if event == "c_call" else None
+            if what is not None and not hits:
+                hits.append(what)
+
+        before = sys.getprofile()
+        sys.setprofile(profile)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.setprofile(before)
+            if hits:
+                raise CheckFailed(f"`{name}` calls {hits[0]}: this task asks you to build that yourself (rule: "
+                                  f"an answer may not call the library's or PyTorch's implementation of what its "
+                                  f"task builds)")
+
+    return watched
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,5 +1,5 @@
-"""Checks for ``exercises/02_softmax_attention_and_noise.ipynb``: scaled dot-product attention and the
-share of attention that lands on the answer versus the noise. References: ``functional.softmax_attention``
+"""Checks for ``exercises/02_softmax_attention_and_noise.ipynb``: scaled dot-product attention over padded keys
+(without PyTorch's or the library's attention) and the share of attention that lands on the answer versus the noise. References: ``functional.softmax_attention``
 and ``measure.attention_stats.answer_noise_shares``."""
 
 from __future__ import annotations
@@ -14,39 +14,81 @@ from diffattn_tutorial.measure.attention_stats import answer_noise_shares
 
 __all__ = ["check_attention", "check_answer_noise_shares"]
 
-# (B, H, Nq, Nk, d, dv): odd lengths, Nq != Nk, dv != d so a scale by sqrt(dv) shows, batch > 1
-_ATTN_SHAPES = [(2, 3, 5, 7, 8, 6), (1, 2, 9, 9, 16, 4), (3, 1, 4, 11, 4, 10)]
+Tensor = torch.Tensor
+
+# (B, H, Nq, Nk, d, dv): odd lengths, Nq != Nk, dv != d so a scale by sqrt(dv) shows, batch > 1; the first has
+# Nq == Nk, so that a mask over the queries has the keys' shape (and gets its hint, not a crash)
+_ATTN_SHAPES = [(3, 2, 9, 9, 16, 4), (2, 3, 5, 7, 8, 6), (3, 1, 4, 11, 4, 10)]
 
 
-def _manual(q, k, v, *, scale, dim=-1):
-    return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=dim) @ v
+def _keep(B: int, nk: int, seed: int) -> Tensor:
+    """A padding mask ``(B, Nk)``, True = a real key: sequence b keeps its first ``length_b`` keys, at least one
+    and fewer than Nk (every sequence is padded, so an inverted mask has a key in every row too)."""
+    lengths = torch.randint(1, nk, (B,), generator=torch.Generator().manual_seed(seed))
+    return torch.arange(nk) < lengths[:, None]
 
 
-@exercise_check(task=1, name="attention")
+def _manual(q, k, v, keep, *, scale, dim=-1, fill=float("-inf"), after=False, axis="keys"):
+    """Attention with one mistake at a time (the knobs), for the hints."""
+    s = q @ k.transpose(-1, -2) * scale  # (B, H, Nq, Nk)
+    m = keep[:, None, None, :] if axis == "keys" else keep[:, None, :, None]
+    if after:
+        return torch.softmax(s, dim=dim).masked_fill(~m, 0.0) @ v
+    return torch.softmax(s.masked_fill(~m, fill), dim=dim) @ v
+
+
+def _reference(q, k, v, keep):
+    return softmax_attention(q, k, v, attn_mask=keep[:, None, None, :], backend="naive")
+
+
+def _attention_implementations() -> dict:
+    import diffattn_tutorial.formulations as formulations
+    return {torch.nn.functional.scaled_dot_product_attention: "PyTorch's scaled_dot_product_attention",
+            softmax_attention: "the library's softmax_attention",
+            **{f: f"the library's {f.__name__}" for f in vars(formulations).values()
+               if callable(f) and getattr(f, "__module__", "") == formulations.__name__ and "attention" in f.__name__}}
+
+
+@exercise_check(task=1, name="attention", refuses=_attention_implementations)
 def check_attention(fn: Callable) -> None:
-    """``fn(q, k, v)`` with q ``(B, H, Nq, d)``, k ``(B, H, Nk, d)``, v ``(B, H, Nk, dv)`` -> ``(B, H, Nq, dv)``."""
+    """``fn(q, k, v, keep)`` with q ``(B, H, Nq, d)``, k ``(B, H, Nk, d)``, v ``(B, H, Nk, dv)`` and ``keep`` a bool
+    ``(B, Nk)`` (True = a real key, False = padding) -> ``(B, H, Nq, dv)``."""
     what = "attention"
     for i, (B, H, nq, nk, d, dv) in enumerate(_ATTN_SHAPES):
         q, k, v = randn(B, H, nq, d, seed=100 + i) * 1.5, randn(B, H, nk, d, seed=110 + i) * 1.5, randn(B, H, nk, dv, seed=120 + i)
-        expected = softmax_attention(q, k, v, backend="naive")
-        got = call(fn, q, k, v, what=what)
+        keep = _keep(B, nk, seed=140 + i)
+        expected = _reference(q, k, v, keep)
+        got = call(fn, q, k, v, keep.clone(), what=what)
         if isinstance(got, torch.Tensor) and got.shape == (B, H, nq, nk):
             fail(f"{what} returned the attention map (B, H, Nq, Nk): the output is the weighted sum of the values, "
                  f"(B, H, Nq, dv)")
-        expect(got, expected, what=what, wrong={
-            "forgot the scale: divide the scores q k^T by sqrt(d) before the softmax": _manual(q, k, v, scale=1.0),
-            "scaled by 1/d: the scale is 1/sqrt(d)": _manual(q, k, v, scale=1 / d),
+        wrong = {
+            "the padding keys still get weight: keep is False for padding, and a padding key must get none":
+                _manual(q, k, v, torch.ones_like(keep), scale=d ** -0.5),
+            "the mask is inverted: keep is True for the real keys, False for padding":
+                _manual(q, k, v, ~keep, scale=d ** -0.5),
+            "the padding weights were set to 0 after the softmax: the weights left no longer sum to 1; a padding "
+            "key must be out of the softmax itself": _manual(q, k, v, keep, scale=d ** -0.5, after=True),
+            "the padding scores were set to 0: a score of 0 still gets weight exp(0) in the softmax; a padding key "
+            "needs a score that the softmax turns into exactly 0": _manual(q, k, v, keep, scale=d ** -0.5, fill=0.0),
+            "forgot the scale: divide the scores q k^T by sqrt(d) before the softmax": _manual(q, k, v, keep, scale=1.0),
+            "scaled by 1/d: the scale is 1/sqrt(d)": _manual(q, k, v, keep, scale=1 / d),
             "scaled by the value width: the scale is 1/sqrt(d) with d the q/k head dim, not v's width dv":
-                _manual(q, k, v, scale=dv ** -0.5),
-            "multiplied by sqrt(d) instead of dividing": _manual(q, k, v, scale=d ** 0.5),
+                _manual(q, k, v, keep, scale=dv ** -0.5),
+            "multiplied by sqrt(d) instead of dividing": _manual(q, k, v, keep, scale=d ** 0.5),
             "normalised over the wrong axis: the softmax runs over the keys (the last axis of the scores), so "
-            "each query's weights sum to 1": _manual(q, k, v, scale=d ** -0.5, dim=-2),
-        })
+            "each query's weights sum to 1": _manual(q, k, v, keep, scale=d ** -0.5, dim=-2),
+        }
+        if nq == nk:
+            wrong["masked the queries instead of the keys: keep (B, Nk) marks keys, so it broadcasts as (B, 1, 1, Nk) "
+                  "against the (B, H, Nq, Nk) scores"] = _manual(q, k, v, keep, scale=d ** -0.5, axis="queries")
+        expect(got, expected, what=what, wrong=wrong)
     B, H, nq, nk, d, dv = _ATTN_SHAPES[0]
-    expect_grads(fn, lambda q, k, v: softmax_attention(q, k, v, backend="naive"),
-                       {"q": randn(B, H, nq, d, seed=130), "k": randn(B, H, nk, d, seed=131),
-                        "v": randn(B, H, nk, dv, seed=132)}, what=what)
-    passed("softmax(q k^T / sqrt(d)) v, gradients included.")
+    keep = _keep(B, nk, seed=150)
+    expect_grads(lambda q, k, v: fn(q, k, v, keep.clone()), lambda q, k, v: _reference(q, k, v, keep),
+                 {"q": randn(B, H, nq, d, seed=130), "k": randn(B, H, nk, d, seed=131),
+                  "v": randn(B, H, nk, dv, seed=132)}, what=what)
+    passed("softmax(q k^T / sqrt(d)) v over the real keys only, gradients included.")
 
 
 def _shares_case(i: int, B: int, H: int, nq: int, nk: int, per_batch: bool, differential: bool):
@@ -81,7 +123,8 @@ _OUT_SIGN_HINT = ("{name} lost its sign: on a differential map a share can be ne
                   "than added there); keep the sum as it is, no absolute value or clamp")
 
 
-@exercise_check(task=2, name="answer_noise_shares")
+@exercise_check(task=2, name="answer_noise_shares",
+                refuses=lambda: {answer_noise_shares: "the library's answer_noise_shares"})
 def check_answer_noise_shares(fn: Callable) -> None:
     """``fn(attn, answer, context)`` -> ``(to_answer, to_noise)``, each ``(..., Nq)``.
 

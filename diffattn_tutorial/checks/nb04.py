@@ -1,5 +1,5 @@
 """Checks for ``exercises/04_lambda_reparameterisation.ipynb``: ``lambda_init(depth)`` (0-based depth) and the
-re-parameterised lambda. References: ``functional.lambda_init_fn`` and ``functional.reparam_lambda``."""
+re-parameterised lambda, one per head. References: ``functional.lambda_init_fn`` and ``functional.reparam_lambda``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _DEPTHS = list(range(0, 13)) + [23, 47]
 
 @exercise_check(task=1, name="lambda_init")
 def check_lambda_init(fn: Callable) -> None:
-    """``fn(depth)`` -> ``0.8 - 0.6 * exp(-0.3 * depth)`` for the 0-based layer index ``depth``."""
+    """``fn(depth)`` -> the paper's lambda_init (a float) for the 0-based layer index ``depth``."""
     what = "lambda_init"
     results = [call(fn, depth, what=f"{what}({depth})") for depth in _DEPTHS]
     if any(isinstance(r, torch.Tensor) for r in results):
@@ -49,19 +49,31 @@ def _dot(a, b):
 
 @exercise_check(task=2, name="reparam_lambda")
 def check_reparam_lambda(fn: Callable) -> None:
-    """``fn(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)``, four ``(d,)`` vectors and a float ->
-    ``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`` as a 0-dim tensor."""
+    """``fn(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)``: four ``(H, d)`` tensors (row h: head h's
+    vector) or four ``(d,)`` vectors, and a float -> the re-parameterised lambda of each head, ``(H,)`` (0-dim
+    for ``(d,)`` vectors)."""
     what = "reparam_lambda"
-    for i, (d, li) in enumerate([(8, 0.2), (5, lambda_init_fn(3)), (16, lambda_init_fn(11)), (1, 0.5)]):
-        q1, k1, q2, k2 = (randn(d, seed=400 + 10 * i + j) * 0.6 for j in range(4))
+    for i, (heads, d, li) in enumerate([(4, 8, 0.2), (3, 5, lambda_init_fn(3)), (None, 16, lambda_init_fn(11)),
+                                        (2, 1, 0.5), (6, 6, lambda_init_fn(1))]):
+        shape = (d,) if heads is None else (heads, d)
+        q1, k1, q2, k2 = (randn(*shape, seed=400 + 10 * i + j) * 0.6 for j in range(4))
         expected = reparam_lambda(q1, k1, q2, k2, li)
-        got = call(fn, q1, k1, q2, k2, li, what=what)
+        got = call(fn, q1, k1, q2, k2, li, what=f"{what} on {shape} vectors")
         if isinstance(got, (int, float)):
             fail(f"{what} returned a Python number: build lambda with torch operations on the four tensors, so "
                  f"that it stays a tensor and the vectors get gradients")
-        if isinstance(got, torch.Tensor) and got.shape == (d,) and d > 1:
-            fail(f"{what} returned a vector of shape ({d},): each exponential takes a dot product, one number, "
-                 f"so the elementwise products must be summed first")
+        if isinstance(got, torch.Tensor) and got.shape == shape and d > 1:
+            fail(f"{what} returned shape {tuple(got.shape)}, the vectors' own: each exponential takes a dot product, "
+                 f"one number per head, so the elementwise products must be summed over d first")
+        if isinstance(got, torch.Tensor) and heads is not None and heads > 1 and got.dim() == 0:
+            fail(f"{what} returned one number for {heads} heads: a dot product is over d (the last axis) only; "
+                 f"summing over every entry mixes the heads, and each head has its own lambda")
+        if isinstance(got, torch.Tensor) and heads is not None and heads > 1 and got.shape == (d,) and d != heads:
+            fail(f"{what} returned shape ({d},): the products were summed over the heads; a dot product is over d, "
+                 f"the last axis, one lambda per head")
+        if isinstance(got, torch.Tensor) and heads is not None and heads > 1 and got.shape == (heads, heads):
+            fail(f"{what} returned an (H, H) matrix: every head's query vector met every head's key vector (a "
+                 f"matrix product); each head dots its own two vectors, row h with row h")
         wrong = {
             "forgot lambda_init: lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init":
                 torch.exp(_dot(q1, k1)) - torch.exp(_dot(q2, k2)),
@@ -86,10 +98,13 @@ def check_reparam_lambda(fn: Callable) -> None:
             "averaged the products: a dot product sums the elementwise products": torch.exp((q1 * k1).mean(-1))
                 - torch.exp((q2 * k2).mean(-1)) + li,
         }
+        if heads is not None and heads > 1:
+            wrong["summed over the heads as well: each head's lambda uses its own two dot products, over d"] = \
+                (torch.exp(_dot(q1, k1).sum()) - torch.exp(_dot(q2, k2).sum()) + li).expand(heads)
         if d == 1:  # exp-before-sum equals the right answer for one element; skip that hint
             wrong.pop(next(h for h in wrong if h.startswith("took exp before")))
         expect(got, expected, what=what, wrong=wrong)
-    vecs = {name: randn(6, seed=450 + j) * 0.6 for j, name in enumerate(["lambda_q1", "lambda_k1", "lambda_q2",
+    vecs = {name: randn(3, 6, seed=450 + j) * 0.6 for j, name in enumerate(["lambda_q1", "lambda_k1", "lambda_q2",
                                                                            "lambda_k2"])}
     expect_grads(lambda *v: fn(*v, 0.35), lambda *v: reparam_lambda(*v, 0.35), vecs, what=what,
                        missing_hints={n: "Build lambda from the tensors with torch operations (a Python float or "
@@ -97,5 +112,5 @@ def check_reparam_lambda(fn: Callable) -> None:
                                          "vectors." for n in vecs})
     li = lambda_init_fn(2)
     init = reparam_lambda(*(randn(64, seed=460 + j) * 0.1 for j in range(4)), li).item()
-    passed(f"lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init; at init (N(0, 0.1), d=64, depth 2) it is "
+    passed(f"one lambda per head, a dot product over d for each; at init (N(0, 0.1), d=64, depth 2) it is "
            f"{init:.3f} next to lambda_init {li:.3f}.")

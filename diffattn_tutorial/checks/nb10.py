@@ -31,7 +31,11 @@ def _lam(logits: Tensor) -> Tensor:
 _V2_CASES = [(2, 2, 2, 5, 5, 4, False), (1, 4, 2, 6, 6, 8, True), (2, 3, 1, 3, 7, 4, True), (1, 4, 4, 4, 9, 4, False)]
 
 
-@exercise_check(task=1, name="diff_v2")
+def _v2_implementations() -> dict:
+    return {diff_attention_v2: "the library's diff_attention_v2", DiffAttnV2.forward: "a DiffAttnV2 layer"}
+
+
+@exercise_check(task=1, name="diff_v2", refuses=_v2_implementations)
 def check_diff_v2(fn: Callable) -> None:
     """``fn(q, k, v, lam_logits, *, causal=False)``: q ``(B, 2H, Nq, d)``, k and v ``(B, Hkv, Nk, d)``, lam_logits
     ``(B, Nq, H)`` (the output of ``lambda_proj``, before the sigmoid) -> ``(B, H, Nq, d)``."""
@@ -211,7 +215,8 @@ _FORWARD_HINTS = {
 }
 
 
-@exercise_check(task=3, name="forward_v2")
+@exercise_check(task=3, name="forward_v2", refuses=lambda: {DiffAttnV2.forward: "the layer's own forward "
+                                                            "(layer(x) or layer.forward)"})
 def check_forward_v2(fn: Callable) -> None:
     """``fn(x, layer)``: x ``(B, N, C)``, ``layer`` a :class:`DiffAttnV2` -> ``(B, N, C)``, equal to
     ``layer(x, causal=True)``."""

@@ -1,7 +1,7 @@
 """Checks for ``exercises/11_diff_attention_in_the_wild.ipynb``: fixing the bugs of public implementations.
 
 1. axonml's ``DifferentialAttention`` (a frozen copy of lambda, an ignored mask), on its per-head halves layout;
-2. the Introspective fork's causal mask over concatenated paths (flash-attn aligns it bottom-right);
+2. the Introspective fork's causal mask over concatenated paths, for the queries of every path at once;
 3. vasqu's four-call SDPA formulation under GQA (both maps of a head read the same key map);
 4. Hugging Face DiffLlama's halves pairing, reordered into this library's adjacent pairs.
 
@@ -115,43 +115,63 @@ def check_axonml_fixed(fn: Callable) -> None:
 
 # --- TASK 2: the Introspective mask ----------------------------------------------------------------------------
 
+def _paths_mask(n: int, paths: int, *, blocks: str = "earlier", within: str = "causal") -> Tensor:
+    """The all-paths mask ``(paths * n, paths * n)`` built from two choices (the right one, or a mistake):
+    which key blocks a path reads (``earlier``: its own and earlier paths', ``own``, ``strict``: earlier only,
+    ``all``) and what it sees inside a block (``causal``: p <= t, ``strict``: p < t, ``all``)."""
+    pj = torch.arange(paths)
+    block = {"earlier": pj[None, :] <= pj[:, None], "own": pj[None, :] == pj[:, None],
+             "strict": pj[None, :] < pj[:, None], "all": torch.ones(paths, paths, dtype=torch.bool)}[blocks]
+    inner = {"causal": causal_mask(n, n), "strict": causal_mask(n, n).tril(-1),
+             "all": torch.ones(n, n, dtype=torch.bool)}[within]
+    return torch.kron(block.to(torch.int8), inner.to(torch.int8)).bool()
+
+
 @exercise_check(task=2, name="block_causal_mask")
 def check_block_causal_mask(fn: Callable) -> None:
-    """``fn(n, paths)`` -> bool ``(n, paths * n)``: keys are ``paths`` blocks of the same n token positions;
-    query t may attend to position p of every block when p <= t."""
+    """``fn(n, paths)`` -> bool ``(paths * n, paths * n)``, True = may attend: the queries and the keys of all
+    paths, path by path (row and column ``i * n + t`` are path i at token position t)."""
     what = "block_causal_mask"
-    for n, paths in [(6, 3), (4, 1), (5, 2), (1, 3), (7, 4)]:
+    for n, paths in [(6, 3), (4, 1), (5, 2), (1, 3), (3, 4)]:
         got = call(fn, n, paths, what=what)
         if not isinstance(got, Tensor):
             fail(f"{what} should return a torch.Tensor, got {type(got).__name__}")
         if got.dtype != torch.bool:
             fail(f"{what} returned dtype {got.dtype}: return a bool mask, True = may attend")
-        if got.shape != (n, paths * n):
-            fail(f"{what}({n}, {paths}) returned shape {tuple(got.shape)}, expected (n, paths * n) = "
-                 f"{(n, paths * n)}")
-        expected = causal_mask(n, n).repeat(1, paths)
+        if got.shape == (n, paths * n) and paths > 1:
+            fail(f"{what}({n}, {paths}) returned shape {(n, paths * n)}: that is one path's queries (the notebook's "
+                 f"mask); this mask holds the queries of every path, (paths * n, paths * n)")
+        if got.shape != (paths * n, paths * n):
+            fail(f"{what}({n}, {paths}) returned shape {tuple(got.shape)}, expected (paths * n, paths * n) = "
+                 f"{(paths * n, paths * n)}")
+        expected = _paths_mask(n, paths)
         if torch.equal(got, expected):
             continue
         wrong = {
-            "the mask is aligned bottom-right over all paths * n keys, as flash-attn's causal=True does when keys "
-            "outnumber queries: query t then sees future positions of every block but the last. Make each block "
-            "causal on its own": causal_mask(n, paths * n),
-            "the mask is aligned top-left over all paths * n keys, as SDPA's is_causal=True: the later blocks "
-            "(the earlier paths' keys) are hidden entirely. Repeat one n x n causal mask for every block":
-                torch.ones(n, paths * n, dtype=torch.bool).tril(),
-            "True and False are swapped: True means may attend": ~expected,
+            "every path reads every path's keys: path i reads its own keys and those of the earlier paths, never a "
+            "later path's (a later path is computed after it)": _paths_mask(n, paths, blocks="all"),
+            "each path reads only its own keys: path i also reads the earlier paths' keys, at the same positions":
+                _paths_mask(n, paths, blocks="own"),
+            "path i reads only the earlier paths' keys, not its own: a path attends to its own keys too":
+                _paths_mask(n, paths, blocks="strict"),
+            "one causal mask over all paths * n positions: it lets a later path's query at t see an earlier "
+            "path's positions p > t (its future). Causality is per token position, inside every block":
+                causal_mask(paths * n, paths * n),
             "each query sees only earlier positions (p < t), not itself: a token may attend to its own position":
-                causal_mask(n, n).tril(-1).repeat(1, paths),
-            "the blocks are stacked along the queries: the keys (the last axis) hold the paths' blocks side by side":
-                causal_mask(n, n),
+                _paths_mask(n, paths, within="strict"),
+            "inside a block every position is visible: query t may see position p of a block only when p <= t":
+                _paths_mask(n, paths, within="all"),
+            "True and False are swapped: True means may attend": ~expected,
         }
         for hint, candidate in wrong.items():
             if candidate.shape == got.shape and torch.equal(got, candidate):
                 fail(f"{what} is not right. Likely mistake: {hint}")
         bad = (got != expected).nonzero()[0].tolist()
-        fail(f"{what}({n}, {paths}) differs at query {bad[0]}, key {bad[1]} (block {bad[1] // n}, position "
-             f"{bad[1] % n}): query t may attend to position p of every block exactly when p <= t")
-    passed("each path's keys are causal at their own token positions: no future token leaks.")
+        fail(f"{what}({n}, {paths}) differs at query {bad[0]} (path {bad[0] // n}, position {bad[0] % n}), key "
+             f"{bad[1]} (path {bad[1] // n}, position {bad[1] % n}): compare which paths it may read and which "
+             f"positions inside a block")
+    passed("every path reads its own and the earlier paths' keys, causal at each token position: no future token "
+           "and no later path leaks.")
 
 
 # --- TASK 3: vasqu's four calls under GQA ----------------------------------------------------------------------

@@ -36,7 +36,12 @@ Tensor = torch.Tensor
 _V2_CASES = [(32, 4, 4), (32, 4, 2), (24, 2, 1)]  # (C, H, Hkv)
 
 
-@exercise_check(task=1, name="mirror_to_v2")
+def _conversions() -> dict:
+    from diffattn_tutorial.layers import convert
+    return {f: f"the library's {f.__name__}" for f in (convert.to_diff_v2, convert.convert_layer, convert.convert_model)}
+
+
+@exercise_check(task=1, name="mirror_to_v2", refuses=_conversions)
 def check_mirror_to_v2(fn: Callable) -> None:
     """``fn(layer)``: a ``MultiheadAttention`` (no biases) -> a ``DiffAttnV2`` computing the same function."""
     what = "mirror_to_v2"
