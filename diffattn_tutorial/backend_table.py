@@ -308,10 +308,11 @@ TABLE: tuple[Backend, ...] = (
 """Every backend, in the order the lists of names show them."""
 
 DECODE_QUERIES = 1
-"""On a CPU ``"auto"`` runs ``naive`` for calls with at most this many query rows: decoding one token. At the small
-heads of the course's models the fused kernel's cost per call (heads padded to a width of 32, the call itself) is
-not repaid there; at a head dim of 64 the kernel is the faster from one row (``benchmarks/bench_cpu_queries.py``),
-and no head-dim rule for decoding is made yet."""
+"""On a CPU ``"auto"`` runs ``naive`` for calls with at most this many query rows: decoding one token. This is a
+choice, not a measurement: whether the fused kernel's cost per call (heads padded to a width of 32, the call
+itself) is repaid at one row for the course's small heads (d = 16) is UNMEASURED, because
+``benchmarks/bench_cpu_queries.py`` times a head dim of 64 only, and there the kernel is the faster from one row
+(``benchmarks/results_cpu_queries_*.json``). No head-dim rule for decoding is made until d = 16 is measured."""
 
 CPU_FUSED_TRAIN_MIN_HEAD_DIM = 32
 """On a CPU ``"auto"`` trains with the fused kernel only where the head dim is at least this: narrower heads are

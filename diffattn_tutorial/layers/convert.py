@@ -2,24 +2,33 @@
 differential one: DIFF V2 exactly, the paper's V1 as closely as its form allows.
 
 The options follow axolotl's ``diff-transformer`` conversion (``--mirror-weights``, ``--zero-init``,
-``--split-heads``, ``--sublayer-norm``, a warm-up of the negative branch), each with what it preserves:
+``--split-heads``, ``--sublayer-norm``, a warm-up of the negative branch), each with what it preserves, with one
+difference of layout: axolotl's ``--split-heads`` pairs the baseline's heads by halves (head ``i`` with head
+``i + H/2``: its queries and keys are cut with ``chunk(2)`` and its values put side by side the same way), while
+``heads="split"`` here pairs adjacent heads (``2i`` with ``2i + 1``), the layout of the course's V1 layers. Both
+are a fixed choice of which baseline heads share a differential head; neither keeps the baseline's function.
+Two words for "the same function" below: **exact** is bit for bit (``torch.equal``), **equal to float tolerance**
+is within rounding (another order of the same operations, or a scale by ``1 / (1 - lambda)``):
 
 * :func:`to_diff_v2` doubles the query heads: query head ``2i`` is the baseline's head ``i``, ``2i + 1`` the
   negative map (``negative="mirror"``: the same query, ``"zero"``: a zero query, whose map is uniform). Keys and
   values are the baseline's, so both heads of a pair stay in head ``i``'s GQA group. ``lambda_proj`` starts at
   zero, so lambda is ``sigmoid(0) = 1/2`` on every token; with a mirrored negative the head outputs
-  ``a - a/2 = a/2`` and ``o_proj`` is ``out_proj * 2``: the same function, exactly.
+  ``a - a/2 = a/2`` and ``o_proj`` is ``out_proj * 2``: the same function, exact (every step only moves exponents).
 * :func:`to_diff_v1` gives the paper's layer. ``heads="split"`` pairs baseline heads ``2i`` and ``2i + 1`` as the
   two maps of differential head ``i`` and copies every weight (the course's parameter-matched ``"diff"``);
   ``"double"`` keeps every baseline head as the positive map and adds a negative one. V1 applies one pair of maps
-  to a value of width ``2d`` and divides each head by its RMS (the sub-norm), so a split conversion is never
-  exact, and a doubled one only without the sub-norm.
+  to a value of width ``2d`` and divides each head by its RMS (the sub-norm), so a split conversion never keeps
+  the baseline's function, and a doubled one keeps it only without the sub-norm: equal to float tolerance with a
+  mirrored negative (its ``out_proj`` is divided by ``1 - lambda_init``, and V1 runs its own attention backend),
+  exact with a zero negative under the warm-up.
 * ``warmup=True`` multiplies lambda by a factor ``lambda_mix``, an optional buffer of the layers (0 at conversion,
   raised to 1 by :func:`set_warmup` during fine-tuning, removed by :func:`finish_warmup`): at 0 the negative branch
   is off and the layer is the baseline.
 
 :func:`why_not_exact` says, in one sentence, why an option set cannot reproduce the baseline (None if it does);
-the tests and notebook 14 assert equal logits where it returns None and measure the gap where it does not.
+the tests and notebook 14 assert outputs equal to float tolerance where it returns None (notebook 14 also names
+the exact ones) and measure the gap where it does not.
 """
 
 from __future__ import annotations
