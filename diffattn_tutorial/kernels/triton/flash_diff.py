@@ -56,14 +56,7 @@ INTERPRETER_BLOCK = 16
 """Tile size under the interpreter: small, so the CPU tests cover several tiles and ragged edges."""
 
 
-def _interpret_mode() -> bool:
-    """True when Triton itself was imported for its CPU interpreter (``TRITON_INTERPRET=1`` set first).
-
-    ``@triton.jit`` chooses between the compiler and the interpreter when it decorates a function, and
-    Triton's own library functions (``tl.sum``, ``tl.zeros``, ...) are decorated when ``triton`` is first
-    imported, so the variable must be set **before** the first ``import triton`` in the process.
-    """
-    return type(tl.sum).__name__ == "InterpretedFunction"
+_interpret_mode = launch.interpret_mode
 
 
 def _interpret_requested() -> bool:
@@ -154,11 +147,7 @@ def chosen_configs() -> dict[str, dict]:
 # ============================================================================================
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs: exact ("ieee") products unless torch allows TF32 for matmuls (16-bit: tensor cores)."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+_dot_precision = launch.dot_precision
 
 
 def _mask_args(mask: Optional[Tensor], shape4: tuple[int, int, int, int], q: Tensor):

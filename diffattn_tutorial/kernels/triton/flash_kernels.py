@@ -284,8 +284,8 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
         FIRST: tl.constexpr = 1 if MAPS == MAPS_2 else 0  # the map held in slot 1 (its head offset)
         Q1 = Q + b64 * stride_qb + (2 * h64 + FIRST) * stride_qh + m64 * stride_qm
         K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
-        V = V + b64 * stride_vb + g64 * stride_vh
-        MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
+        Vg = V + b64 * stride_vb + g64 * stride_vh
+        MASKm = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -318,14 +318,14 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
         # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
         full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
         acc1, m1, l1, chk1, acc2, m2, l2, chk2 = _fwd_kv_loop(
-            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, V, MASK, start_m, lo=0,
+            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, Vg, MASKm, start_m, lo=0,
             hi=full_hi, Nq=Nq, Nk=Nk,
             qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False, CAUSAL=CAUSAL,
             MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL,
             DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         acc1, m1, l1, chk1, acc2, m2, l2, chk2 = _fwd_kv_loop(
-            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, V, MASK, start_m,
+            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, Vg, MASKm, start_m,
             lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
             qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True, CAUSAL=CAUSAL,
@@ -336,7 +336,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
         offs_dv = tl.arange(0, BLOCK_DV)
         o_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
         o_mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
-        LSE = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
+        LSEm = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
         o_slot1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
         if CAREFUL:  # the rows that read a NaN or an infinity: NaN, and their log-sum-exps (the backward's P)
             bad = (chk1 > 0) | (chk2 > 0)
@@ -351,7 +351,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
             tl.store(FLAG, n_bad * 0 + 1, mask=n_bad > 0)
         if MAPS == MAPS_2:
             tl.store(O2 + o_off, o_slot1.to(O2.dtype.element_ty), mask=o_mask)
-            tl.store(LSE + Nq, _lse(m1, l1), mask=row_ok)
+            tl.store(LSEm + Nq, _lse(m1, l1), mask=row_ok)
         else:
             lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
                           other=0.0).to(tl.float32)
@@ -359,7 +359,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
                 o2 = acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None]
                 if STORE_O2:
                     tl.store(O2 + o_off, o2.to(O2.dtype.element_ty), mask=o_mask)
-                tl.store(LSE + Nq, _lse(m2, l2), mask=row_ok)
+                tl.store(LSEm + Nq, _lse(m2, l2), mask=row_ok)
                 out = o_slot1 - lam[:, None] * o2
                 tl.store(OUT + o_off, out.to(OUT.dtype.element_ty), mask=o_mask)
             else:  # o2 comes back from memory, one half of its width at a time (a whole tile would not fit
@@ -372,7 +372,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
                 tl.store(OUT + h_off, (o_a - lam[:, None] * o2_a).to(OUT.dtype.element_ty), mask=a_mask)
                 o2_b = tl.load(O2 + BLOCK_D + h_off, mask=b_mask, other=0.0)
                 tl.store(OUT + BLOCK_D + h_off, (o_b - lam[:, None] * o2_b).to(OUT.dtype.element_ty), mask=b_mask)
-            tl.store(LSE, _lse(m1, l1), mask=row_ok)
+            tl.store(LSEm, _lse(m1, l1), mask=row_ok)
 
 
 # ============================================================================================

@@ -67,6 +67,21 @@ def record(launch: Launch) -> None:
     _recording.append(launch)
 
 
+def interpret_mode() -> bool:
+    """True when Triton itself was imported for its CPU interpreter (``TRITON_INTERPRET=1`` set before the first
+    ``import triton``: ``@triton.jit`` and Triton's own library functions choose then)."""
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: exact ("ieee") products unless torch allows TF32 for matmuls (16-bit: tensor cores)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
 def capability(device: torch.device) -> int:
     """Compute capability as 10 * major + minor: the recording's, the GPU's, or 90 (unused by the interpreter)."""
     if _recording is not None:
@@ -110,4 +125,5 @@ def tile_offsets_fit(name: str, t: Tensor) -> bool:
 
 
 __all__ = ["POISON_ENV", "MAX_TILE_ROWS", "Launch", "capture_launches", "capturing", "record", "capability",
+           "interpret_mode", "dot_precision",
            "strides", "poison", "alloc", "tile_step", "tile_offsets_fit"]
