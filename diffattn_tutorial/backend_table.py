@@ -151,6 +151,10 @@ class Backend:
     """``run`` that also scans q, k and v for NaN and infinities as it reads them: None where it finds one. Where
     it is given, ``diff_attention``'s eager CPU calls make no summing pass of their own over q, k and v first, and
     take the careful path (which calls ``run``) only on None."""
+    nan_contract: bool = False
+    """Its ``run`` meets the NaN contract itself on every device (the kernel scans q, k and v as it reads them and,
+    only where it met a NaN or an infinity, recomputes on the device, with no host synchronisation): then
+    ``diff_attention`` makes no pass of its own over q, k, v or the output."""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name in ALIASES:
@@ -298,7 +302,8 @@ TABLE: tuple[Backend, ...] = (
     Backend("triton", "the fused differential flash-attention kernel (`kernels/triton/flash_diff`), forward and "
             "backward; on a CPU only in Triton's interpreter, slowly", _run_triton, status=_triton_status,
             devices=("cuda", "cpu"), dtypes=_FLOAT32_OR_16BIT, dropout=False, mask_grad=False, transforms=False,
-            second_derivative=False, family="kernel", requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own", raw_mask=True),
+            second_derivative=False, family="kernel", requires="Triton; on a CPU, TRITON_INTERPRET=1", causal="own",
+            raw_mask=True, nan_contract=True),
     Backend("cpu_fused", "a fused C++ CPU kernel (`kernels/cpu/diff_attention_cpu.cpp`, compiled on first use by the "
             "system's C++ compiler, a registered torch operator): naive's arithmetic with a block of rows' maps kept "
             "in cache", _run_cpu_fused, status=_cpu_fused_status, devices=("cpu",), dtypes=_FLOAT32_OR_16BIT,

@@ -204,6 +204,8 @@ def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, *, causal: 
         ``(B, H, Nq, 2d)`` in the dtype of ``q``.
     """
     b, call = _prepare(q, k, v, lam, causal, attn_mask, scale, dropout_p, backend)
+    if b.nan_contract:  # the kernel scans as it reads and recomputes on the device only where it must
+        return _run(b, call)
     if b.run_scanning is not None and call.q.device.type == "cpu" and not torch.compiler.is_compiling():
         out = _run(b, call, scanning=True)  # None where q, k or v holds a NaN or an infinity
         if out is not None:

@@ -478,9 +478,9 @@ def test_the_operators_refuse_rows_too_far_apart_for_tile_offsets():
     with pytest.raises(ValueError, match="q steps 8388608 elements between rows"):
         torch.ops.diffattn.triton_forward(far, k, v, lam, None, False, 0.25, [], "fused", False)
     q = torch.empty(1, 2, 2, 16, **meta)
-    out, o2, lse = torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
+    out, o2, lse, flag = torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
     with pytest.raises(ValueError, match="q steps"):
-        torch.ops.diffattn.triton_backward(out, far, k, v, lam, None, out, o2, lse, False, 0.25, [], "fused",
+        torch.ops.diffattn.triton_backward(out, far, k, v, lam, None, out, o2, lse, flag, False, 0.25, [], "fused",
                                            [True, True, True])
     mask = torch.empty(2, 8, dtype=torch.bool, **meta).as_strided((2, 8), (2**23, 1))
     with pytest.raises(ValueError, match="attn_mask steps"):
@@ -494,13 +494,13 @@ def test_the_backward_operator_refuses_out_rows_too_far_apart():
     meta = dict(device="meta")
     q, k, v, lam = (torch.empty(1, 2, 2, 16, **meta), torch.empty(1, 2, 8, 16, **meta),
                     torch.empty(1, 1, 8, 32, **meta), torch.empty((), **meta))
-    out, o2, lse = torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
+    out, o2, lse, flag = torch.ops.diffattn.triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
     far_out = torch.empty(1, 1, 2, 32, **meta).as_strided((1, 1, 2, 32), (0, 0, 2**23, 1))
     far_o2 = torch.empty(1, 1, 2, 32, dtype=torch.float32, **meta).as_strided((1, 1, 2, 32), (0, 0, 2**23, 1))
     with pytest.raises(ValueError, match="out steps 8388608 elements between rows"):
-        torch.ops.diffattn.triton_backward(out, q, k, v, lam, None, far_out, far_o2, lse, False, 0.25, [], "fused",
+        torch.ops.diffattn.triton_backward(out, q, k, v, lam, None, far_out, far_o2, lse, flag, False, 0.25, [], "fused",
                                            [True, True, True])
-    torch.ops.diffattn.triton_backward(out, q, k, v, lam, None, out, o2, lse, False, 0.25, [], "fused",
+    torch.ops.diffattn.triton_backward(out, q, k, v, lam, None, out, o2, lse, flag, False, 0.25, [], "fused",
                                        [True, True, True])
 
 
@@ -538,8 +538,8 @@ def test_an_upstream_gradient_with_rows_far_apart_is_copied_not_refused():
     q, k, v, lam = make(1, 1, 1, 2, 8, 16, lam_kind="token")
     dout = torch.empty(2**23 + 32, device=DEVICE).as_strided((1, 1, 2, 32), (0, 0, 2**23, 1))
     with capture_launches() as launches:
-        out, o2, lse = triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
-        triton_backward(dout, q, k, v, lam, None, out, o2, lse, False, 0.25, [], "fused", [True, True, True])
+        out, o2, lse, flag = triton_forward(q, k, v, lam, None, False, 0.25, [], "fused", True)
+        triton_backward(dout, q, k, v, lam, None, out, o2, lse, flag, False, 0.25, [], "fused", [True, True, True])
     strides = {launch.args["stride_gm"] for launch in launches if "stride_gm" in launch.args}
     assert strides == {32}, strides
 

@@ -215,7 +215,7 @@ MAP2_PAST_INT32_SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from diffattn_tutorial.kernels.triton import decode as dec
-    from diffattn_tutorial.kernels.triton.flash_diff import _strides
+    from diffattn_tutorial.kernels.triton.launch import strides as _strides
 
     g = torch.Generator().manual_seed(0)
     Nq, Nk, d, BIG = 16, 40, 16, 2**26  # BIG rows (or splits) x 2 BLOCK_D = 32 floats = 2**31

@@ -60,10 +60,11 @@ def test_the_operators_pass_opcheck():
     for args in cases:
         result = opcheck(fd.triton_forward, args)
         assert set(result.values()) == {"SUCCESS"}, result
-    out, o2, lse = fd.triton_forward(*cases[0])
+    out, o2, lse, flag = fd.triton_forward(*cases[0])
     dout = torch.randn_like(out)
     for needs in ([True, True, True], [False, True, False], [True, False, False]):
-        bwd = (dout, *(t.detach() for t in (q, k, v, lam)), None, out.detach(), o2.detach(), lse.detach(), True,
+        bwd = (dout, *(t.detach() for t in (q, k, v, lam)), None, out.detach(), o2.detach(), lse.detach(), flag,
+               True,
                scale, [], "fused", needs)
         opcheck(fd.triton_backward, bwd, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     print("OK")
@@ -123,9 +124,9 @@ def test_outputs_do_not_alias_and_capture_still_records():
     through the operators instead of running them."""
     run_script("""
     q, k, v, lam = inputs(grad=False)
-    out, o2, lse = fd.triton_forward(q, k, v, lam, None, False, 0.3, [], "fused", False)
+    out, o2, lse, _ = fd.triton_forward(q, k, v, lam, None, False, 0.3, [], "fused", False)
     assert o2.numel() == 0 and out.shape == (1, 1, 9, 16) and lse.shape == (1, 1, 2, 9)
-    out, o2, lse = fd.triton_forward(q, k, v, lam, None, False, 0.3, [], "split", True)
+    out, o2, lse, _ = fd.triton_forward(q, k, v, lam, None, False, 0.3, [], "split", True)
     assert o2.shape == out.shape and o2.dtype == torch.float32
     assert o2.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
     q, k, v, lam = inputs()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 OPS = {  # each operator's tensor arguments, in its schema's order
     "forward": ("q", "k", "v", "lam", "attn_mask"),
-    "backward": ("dout", "q", "k", "v", "lam", "attn_mask", "out", "o2", "lse"),
+    "backward": ("dout", "q", "k", "v", "lam", "attn_mask", "out", "o2", "lse", "flag"),
     "decode": ("q", "k", "v", "lam", "lengths"),
 }
 DTYPES = ("float64", "float16", "bfloat16", "int32", "bool")
@@ -61,7 +61,7 @@ def _call(ex: dict) -> tuple[dict, dict]:
             stats = forward(*(t[n] for n in OPS["forward"]), *others.values(), True)
         except (ValueError, TypeError):
             pass  # the backward must refuse the change too
-    t.update(zip(("out", "o2", "lse"), stats))
+    t.update(zip(("out", "o2", "lse", "flag"), stats))
     return (t if ex["arg"] in OPS["forward"] else _change(t, ex)), others
 
 

@@ -74,36 +74,47 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 # diffattn_tutorial/recorded/compile_facts.json).
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
-        16: [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],
-        32: [_cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 4), _cfg(64, 32, 4, 3)],
-        64: [_cfg(128, 32, 8, 3), _cfg(128, 32, 8, 4), _cfg(64, 32, 4, 3)],
+        16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)],
+        32: [_cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3)],
+        64: [_cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],  # 64x64 w4 s3: the H100 probe's faster shape (MEASURED_SPILLS)
     },
     ("_diff_attn_fwd", "map"): {
-        128: [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(128, 32, 8, 2)],
+        128: [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 2)],  # 128x128 w8 s2: the probe's faster shape
     },
     ("_diff_attn_bwd_dkdv", "dkdv"): {
-        16: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3)],
-        32: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(16, 64, 4, 2)],
+        16: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
+        32: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dv"): {
-        64: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 128, 8, 3), _cfg(16, 128, 8, 2)],
+        64: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
         128: [_cfg(16, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dk"): {
-        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(16, 128, 8, 3), _cfg(16, 64, 4, 2)],
+        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dk_map"): {
         128: [_cfg(32, 128, 8, 3)],
     },
     ("_diff_attn_bwd_dq", "dq"): {
-        16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
-        32: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+        16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
+        32: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         64: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
     },
     ("_diff_attn_bwd_dq", "dq_map"): {
         128: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
     },
 }
+MEASURED_SPILLS: dict[tuple[str, str, int, str], str] = {
+    ("_diff_attn_fwd", "fused", 64, "64x64 w4 s3"):
+        "spilled 16 B before the scan, 24 B with it (sm_90a); timed about 20% faster than 128x32 w8 s3 on the H100 "
+        "probe of 2026-11-26 (recorded/gpu_session_nvidia-h100-80gb-hbm3.json), spills and all",
+    ("_diff_attn_fwd", "map", 128, "128x128 w8 s2"):
+        "spilled 56 B before the scan, 100-236 B with it (sm_90a); timed about 20% faster than 128x64 w8 s2 on the "
+        "same probe, spills and all",
+}
+"""sm_90a entries kept although they spill: ``(kernel, form, padded head dim, config) -> why``. A spill is a problem
+(:mod:`~diffattn_tutorial.kernels.triton.aot`) everywhere else; these were measured faster on a GPU with theirs."""
+
 # float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only, any plan
 _FP32_FWD, _FP32_KV, _FP32_Q = [_cfg(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
 _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
@@ -115,14 +126,14 @@ _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
 # dim, smaller tiles; each entry clean on all three targets (their ptxas allocate registers differently)
 _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "map"): {
-        16: [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
+        16: [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2)],
         32: [_cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
-        64: [_cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        64: [_cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2)],
         128: [_cfg(64, 64, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dv"): {
-        16: [_cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2), _cfg(32, 128, 8, 2)],
-        32: [_cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2), _cfg(32, 128, 8, 2)],
+        16: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
+        32: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
         64: [_cfg(16, 128, 8, 2)],
         128: [_cfg(32, 64, 8, 2)],
     },
@@ -170,7 +181,7 @@ _CONFIGS_TURING: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
 AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "split"}
 
 
-def _form(name: str, consts: dict) -> str:
+def form(name: str, consts: dict) -> str:
     """A short name for the kernel variant the constexprs select (the autotune lists are per variant): ``fused``
     (forward, both maps) or ``map`` (one map); ``dkdv`` (dV and both maps' dK), ``dv``, ``dk`` (both maps) or
     ``dk_map`` (one map); ``dq`` (both maps) or ``dq_map`` (one map); ``pre`` (the backward's preprocess)."""
@@ -200,9 +211,17 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
 
 
+def config_tables() -> dict[str, dict[tuple[str, str], dict[int, list[triton.Config]]]]:
+    """Every autotune table, by name (``hopper``, ``ampere``, ``turing``, ``float32``): what the ahead-of-time
+    compile hashes and what the tests read (the tables themselves stay private to this module)."""
+    return {"hopper": _CONFIGS_16BIT, "ampere": _CONFIGS_AMPERE, "turing": _CONFIGS_TURING, "float32": _CONFIGS_FP32}
+
+
 def autotune_enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV, "1") not in ("0", "", "false", "False")
 
 
-__all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "AMPERE_PLANS", "plan_for", "train_head_dim_limit",
-           "autotune_configs", "autotune_enabled"]
+__all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
+           "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+
+_form = form  # the name the host code has used

@@ -25,16 +25,17 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.kernels.triton import flash_diff as fd
+from diffattn_tutorial.kernels.triton import launch
 from diffattn_tutorial.kernels.triton.configs import MAX_HEAD_DIM
 from diffattn_tutorial.kernels.triton.flash_diff import (
     INTERPRETER_BLOCK,
-    _alloc,
-    _dot_precision,
-    _interpret_mode,
+    check_op_inputs,
+    check_same,
+    check_shapes,
     triton_available,
 )
 from diffattn_tutorial.kernels.triton.flash_kernels import _dot, _online_softmax_step
+from diffattn_tutorial.kernels.triton.launch import alloc, capture_launches, capturing, dot_precision, interpret_mode
 from diffattn_tutorial.validation import check_diff_inputs
 
 Tensor = torch.Tensor
@@ -227,22 +228,22 @@ def tile_shape(group: int, nq: int, d: int) -> tuple[int, int]:
 
 def _on_gpu() -> bool:
     """Launch as on a GPU: outside the interpreter, or recording launches for the ahead-of-time compile."""
-    return not _interpret_mode() or fd._capture is not None
+    return not interpret_mode() or capturing()
 
 
 def default_block_keys(device: torch.device) -> int:
     """Keys per tile: the interpreter's small tile, :data:`BLOCK_KEYS_TURING` below sm_80, else :data:`BLOCK_KEYS`."""
     if not _on_gpu():
         return INTERPRETER_BLOCK
-    return BLOCK_KEYS if fd._capability(device) >= 80 else BLOCK_KEYS_TURING
+    return BLOCK_KEYS if launch.capability(device) >= 80 else BLOCK_KEYS_TURING
 
 
 def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
     """Refuse what the kernels cannot run; where they run is not checked inside
-    :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` (launches recorded, never run)."""
-    capturing = fd._capture is not None
+    :func:`~diffattn_tutorial.kernels.triton.launch.capture_launches` (launches recorded, never run)."""
+    recording = capturing()
     ok, why = triton_available()
-    if not ok and not capturing:
+    if not ok and not recording:
         raise RuntimeError(f"the Triton decode kernel cannot run here: {why}")
     if q.dtype == torch.float64:
         raise ValueError("the Triton decode kernel computes in float32 at most; for float64 use "
@@ -250,7 +251,7 @@ def _check_decode(q: Tensor, group: int, nq: int, d: int) -> None:
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is above the kernel's {MAX_HEAD_DIM}; use diff_attention(..., backend='sdpa')")
     _check_rows(group, nq, d)
-    if not capturing and not _interpret_mode() and q.device.type != "cuda":
+    if not recording and not interpret_mode() and q.device.type != "cuda":
         raise ValueError(f"the Triton decode kernel runs on a CUDA GPU (or in the interpreter), q is on {q.device}")
 
 
@@ -266,9 +267,9 @@ def _check_op(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor, sca
               block_n: int) -> dict:
     """The decode operator's checks, in the operator and its fake implementation: shapes, dtypes, devices and
     layouts of its tensors (:func:`~diffattn_tutorial.kernels.triton.flash_diff.check_op_inputs`), never the data."""
-    sizes = fd.check_op_inputs(DECODE_OP, q, k, v, lam)
-    fd.check_same(DECODE_OP, q, torch.int32, lengths=lengths)
-    fd.check_shapes(DECODE_OP, {"lengths": ("B",)}, dict(lengths=lengths), sizes)
+    sizes = check_op_inputs(DECODE_OP, q, k, v, lam)
+    check_same(DECODE_OP, q, torch.int32, lengths=lengths)
+    check_shapes(DECODE_OP, {"lengths": ("B",)}, dict(lengths=lengths), sizes)
     if lengths.stride(0) != 1 and sizes["B"] > 1:
         raise ValueError(f"{DECODE_OP}: lengths has stride {lengths.stride(0)}; pass lengths.contiguous()")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
@@ -281,7 +282,7 @@ def _check_op(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor, sca
     # tile bases are int64, the rows inside a tile int32: a query row's offset (up to Nq rows), a key row's (up to
     # block_n rows) must stay below 2**31, as the flash kernels' guard (flash_diff._check_offsets) requires
     for name, t, rows in (("q", q, sizes["Nq"]), ("k", k, block_n), ("v", v, block_n)):
-        step = fd._tile_step(name, t)
+        step = launch.tile_step(name, t)
         if step * rows >= 2**31:
             raise ValueError(f"{DECODE_OP}: {name} steps {step} elements between rows, too large for the kernel's "
                              f"int32 offsets inside a tile ({rows} rows); pass {name}.contiguous() or a smaller "
@@ -296,7 +297,7 @@ as :data:`~diffattn_tutorial.kernels.triton.flash_diff.FORWARD_OP`), so a compil
 
 KERNELS = {"_decode_partial": _decode_partial, "_decode_combine": _decode_combine}
 """The decode kernels by name, as :data:`~diffattn_tutorial.kernels.triton.flash_diff.KERNELS` (a recorded
-:class:`~diffattn_tutorial.kernels.triton.flash_diff.Launch` names its kernel; the ahead-of-time compile looks
+:class:`~diffattn_tutorial.kernels.triton.launch.Launch` names its kernel; the ahead-of-time compile looks
 it up in both tables)."""
 
 
@@ -311,10 +312,10 @@ def _launch_options(name: str, tile: int = 0) -> dict:
 
 def _launch(name: str, grid: tuple, args: dict, consts: dict, opts: dict, dtype: torch.dtype) -> None:
     """Run kernel ``name``, or record the launch inside
-    :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` (what the ahead-of-time compile reads)."""
-    if fd._capture is not None:
+    :func:`~diffattn_tutorial.kernels.triton.launch.capture_launches` (what the ahead-of-time compile reads)."""
+    if capturing():
         config = triton.Config({}, num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2))
-        fd._capture.append(fd.Launch(name, args, dict(consts), [config], dtype))
+        launch.record(launch.Launch(name, args, dict(consts), [config], dtype))
         return
     KERNELS[name][grid](**args, **consts, **opts)
 
@@ -326,7 +327,7 @@ def triton_decode(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor,
     ``block_n`` a power of two >= 16. Refuses anything else, and mismatched shapes, dtypes or devices, by name
     (:func:`_check_op`), before a kernel reads memory."""
     sizes = _check_op(q, k, v, lam, lengths, scale, num_splits, block_n)
-    if fd._capture is None:
+    if not capturing():
         _check_decode(q, sizes["H"] // sizes["Hkv"], sizes["Nq"], sizes["d"])
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
@@ -334,21 +335,21 @@ def triton_decode(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, lengths: Tensor,
     keys_per_split = triton.cdiv(triton.cdiv(max(Nk, 1), num_splits), block_n) * block_n
     splits = max(1, triton.cdiv(Nk, keys_per_split))  # no split that starts past the buffer
     block_m, block_d = tile_shape(group, Nq, d)
-    o_part = _alloc(2, B * H * Nq, splits, 2 * block_d, like=q, dtype=torch.float32)
-    lse_part = _alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
+    o_part = alloc(2, B * H * Nq, splits, 2 * block_d, like=q, dtype=torch.float32)
+    lse_part = alloc(2, B * H * Nq, splits, like=q, dtype=torch.float32)
     upcast = not _on_gpu() and q.dtype == torch.bfloat16
     _launch("_decode_partial", (B * Hkv, splits),
-            dict(Q=q, K=k, V=v, LENS=lengths, O_PART=o_part, LSE_PART=lse_part, **fd._strides(q, "q", "bhm"),
-                 **fd._strides(k, "k", "bhn"), **fd._strides(v, "v", "bhn"), H=H, Hkv=Hkv, Nq=Nq, Nk=Nk,
+            dict(Q=q, K=k, V=v, LENS=lengths, O_PART=o_part, LSE_PART=lse_part, **launch.strides(q, "q", "bhm"),
+                 **launch.strides(k, "k", "bhn"), **launch.strides(v, "v", "bhn"), H=H, Hkv=Hkv, Nq=Nq, Nk=Nk,
                  qk_scale=scale * LOG2E, keys_per_split=keys_per_split),
-            dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+            dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype),
                  UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n),
             _launch_options("_decode_partial", block_m * block_d), q.dtype)
     out = torch.empty(B, H, Nq, 2 * d, dtype=q.dtype, device=q.device)
     lam4 = lam.reshape((1,) * (4 - lam.ndim) + tuple(lam.shape)).expand(B, H, Nq, 1)
     _launch("_decode_combine", (B * H * Nq,),
-            dict(O_PART=o_part, LSE_PART=lse_part, LAM=lam4, OUT=out, n_splits=splits, **fd._strides(lam4, "l", "bhm"),
-                 **fd._strides(out, "o", "bhm"), H=H, Nq=Nq),
+            dict(O_PART=o_part, LSE_PART=lse_part, LAM=lam4, OUT=out, n_splits=splits, **launch.strides(lam4, "l", "bhm"),
+                 **launch.strides(out, "o", "bhm"), H=H, Nq=Nq),
             dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)),
             _launch_options("_decode_combine"), q.dtype)
     return out
@@ -403,15 +404,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lam: Union[float, Tensor],
 
 
 def capture_step(head_dim: int, dtype: torch.dtype, group: int, capability: int) -> list:
-    """The launches (:class:`~diffattn_tutorial.kernels.triton.flash_diff.Launch`) one decode step makes on a GPU of
+    """The launches (:class:`~diffattn_tutorial.kernels.triton.launch.Launch`) one decode step makes on a GPU of
     compute ``capability``: one query token, ``group`` heads per KV group (2 groups), 4096 cached keys in
     :data:`MAX_SPLITS` splits (the combine's widest ``BLOCK_S``), recorded by
-    :func:`~diffattn_tutorial.kernels.triton.flash_diff.capture_launches` on CPU tensors, never run
+    :func:`~diffattn_tutorial.kernels.triton.launch.capture_launches` on CPU tensors, never run
     (:mod:`~diffattn_tutorial.kernels.triton.aot` compiles them)."""
     B, Hkv, n, d = 1, 2, 4096, head_dim
     q, k = torch.zeros(B, 2 * Hkv * group, 1, d, dtype=dtype), torch.zeros(B, 2 * Hkv, n, d, dtype=dtype)
     v, lam = torch.zeros(B, Hkv, n, 2 * d, dtype=dtype), torch.zeros(B, Hkv * group, 1, 1, dtype=dtype)
-    with fd.capture_launches(capability) as launches, torch.no_grad():
+    with capture_launches(capability) as launches, torch.no_grad():
         decode_attention(q, k, v, lam, num_splits=MAX_SPLITS)
     return launches
 

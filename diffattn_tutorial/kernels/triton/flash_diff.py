@@ -21,18 +21,16 @@ under ``torch.compile``), which refuse mismatched shapes, dtypes, devices and la
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.kernels.triton import flash_kernels as jit
+from diffattn_tutorial.kernels.triton import flash_kernels, launch
 from diffattn_tutorial.kernels.triton.configs import (
     MAX_HEAD_DIM,
     PLANS,
@@ -43,26 +41,22 @@ from diffattn_tutorial.kernels.triton.configs import (
     train_head_dim_limit,
 )
 from diffattn_tutorial.kernels.triton.flags import MAPS_BOTH, MAPS_NONE, MASK_ADD, MASK_BOOL, MASK_NONE
+from diffattn_tutorial.kernels.triton.launch import (  # noqa: F401 (POISON_ENV, MAX_TILE_ROWS: named here too)
+    MAX_TILE_ROWS,
+    POISON_ENV,
+    Launch,
+    capture_launches,
+)
+from diffattn_tutorial.kernels.triton.launch import alloc as _alloc
+from diffattn_tutorial.kernels.triton.launch import strides as _strides
 
 Tensor = torch.Tensor
 
 INTERPRETER_BLOCK = 16
 """Tile size under the interpreter: small, so the CPU tests cover several tiles and ragged edges."""
-POISON_ENV = "DIFFATTN_TRITON_POISON"
-"""Set to ``1`` to fill every buffer the kernels write (outputs, gradients, statistics) with NaN before they
-run, instead of leaving it uninitialised: a tile that is never written then shows as NaN (tests use it)."""
-MAX_TILE_ROWS = 256
-"""Offsets inside a tile are int32: a row stride times ``MAX_TILE_ROWS`` must stay below 2**31 (checked on the host)."""
 
 
-def _interpret_mode() -> bool:
-    """True when Triton itself was imported for its CPU interpreter (``TRITON_INTERPRET=1`` set first).
-
-    ``@triton.jit`` chooses between the compiler and the interpreter when it decorates a function, and
-    Triton's own library functions (``tl.sum``, ``tl.zeros``, ...) are decorated when ``triton`` is first
-    imported, so the variable must be set **before** the first ``import triton`` in the process.
-    """
-    return type(tl.sum).__name__ == "InterpretedFunction"
+_interpret_mode = launch.interpret_mode
 
 
 def _interpret_requested() -> bool:
@@ -92,50 +86,11 @@ def triton_available() -> tuple[bool, str]:
 # ============================================================================================
 
 
-@dataclasses.dataclass
-class Launch:
-    """One kernel launch as the host code makes it (recorded by :func:`capture_launches`)."""
-
-    name: str
-    args: dict  # the kernel's runtime arguments, by name
-    consts: dict  # its tl.constexpr arguments, by name
-    configs: list
-    dtype: torch.dtype
-
-
-_capture: Optional[list[Launch]] = None
-_capture_capability = 90
-_tuned: dict[tuple, object] = {}
-
-
-@contextlib.contextmanager
-def capture_launches(capability: int = 90) -> Iterator[list[Launch]]:
-    """Record the kernel launches of :func:`triton_diff_attention` (forward and backward) instead of running
-    them, on tensors of any device, as they would be on a GPU of compute ``capability`` (90: H100, 80: A100);
-    :mod:`diffattn_tutorial.kernels.triton.aot` compiles what it records."""
-    global _capture, _capture_capability
-    saved = _capture, _capture_capability
-    _capture, _capture_capability = [], capability
-    try:
-        yield _capture
-    finally:
-        _capture, _capture_capability = saved
-
-
-def _capability(device: torch.device) -> int:
-    """Compute capability as 10 * major + minor: the capture's, the GPU's, or 90 (unused by the interpreter)."""
-    if _capture is not None:
-        return _capture_capability
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return 10 * major + minor
-    return 90
-
-
-KERNELS = {"_diff_attn_fwd": jit._diff_attn_fwd, "_diff_attn_bwd_preprocess": jit._diff_attn_bwd_preprocess,
-           "_diff_attn_bwd_dkdv": jit._diff_attn_bwd_dkdv, "_diff_attn_bwd_dq": jit._diff_attn_bwd_dq}
+KERNELS = {"_diff_attn_fwd": flash_kernels._diff_attn_fwd, "_diff_attn_bwd_preprocess": flash_kernels._diff_attn_bwd_preprocess,
+           "_diff_attn_bwd_dkdv": flash_kernels._diff_attn_bwd_dkdv, "_diff_attn_bwd_dq": flash_kernels._diff_attn_bwd_dq}
 """Every kernel the host code launches, by name (a launch names its kernel; :class:`Launch` records the name)."""
 
+_tuned: dict[tuple, object] = {}
 _AUTOTUNE_KEYS = ("N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "MASK_KIND", "MASK_MIN")
 
 
@@ -151,10 +106,13 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
             dtype: torch.dtype, capability: int) -> None:
     """Launch kernel ``name`` on a 1-D grid of ``n_programs(meta)`` programs: the interpreter's fixed
     blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
-    the autotuner over :func:`autotune_configs`."""
+    the autotuner over :func:`autotune_configs`. The forward's careful launch (``CAREFUL``) always takes the
+    pinned configuration: it runs only where the scan found a non-finite value, so there is nothing to tune."""
     configs = autotune_configs(name, consts, dtype, capability)
-    if _capture is not None:
-        _capture.append(Launch(name, args, dict(consts), configs, dtype))
+    if consts.get("CAREFUL"):
+        configs = configs[:1]
+    if launch.capturing():
+        launch.record(Launch(name, args, dict(consts), configs, dtype))
         return
     kernel = KERNELS[name]
     if name == "_diff_attn_bwd_preprocess":
@@ -167,7 +125,7 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
         opts = {} if interpret else {"num_warps": same[0].num_warps if same else 4,
                                      "num_stages": same[0].num_stages if same else 2}
         kernel[(n_programs(meta),)](**args, **consts, **meta, **opts)
-    elif not autotune_enabled():
+    elif not autotune_enabled() or consts.get("CAREFUL"):
         c = configs[0]
         kernel[(n_programs(c.kwargs),)](**args, **consts, **c.kwargs, num_warps=c.num_warps,
                                         num_stages=c.num_stages)
@@ -189,17 +147,7 @@ def chosen_configs() -> dict[str, dict]:
 # ============================================================================================
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs: exact ("ieee") products unless torch allows TF32 for matmuls (16-bit: tensor cores)."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-def _strides(t: Tensor, letter: str, dims: str) -> dict[str, int]:
-    """``t``'s strides as the kernels name them: ``_strides(q, "q", "bhm")`` is ``{"stride_qb": ..., "stride_qh":
-    ..., "stride_qm": ...}`` (the first ``len(dims)`` dims)."""
-    return {f"stride_{letter}{dim}": stride for dim, stride in zip(dims, t.stride())}
+_dot_precision = launch.dot_precision
 
 
 def _mask_args(mask: Optional[Tensor], shape4: tuple[int, int, int, int], q: Tensor):
@@ -221,25 +169,13 @@ def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _tile_step(name: str, t: Tensor) -> int:
-    """The largest stride ``t`` steps inside a tile (its rows'; a mask's last two dims'), 0 if none: a broadcast
-    (size-1) dim is never stepped, and a mask of fewer than 2 dims (it broadcasts) has no row dim."""
-    dims = (-2, -1) if name == "attn_mask" else (-2,)
-    steps = [abs(t.stride(i)) for i in dims if -i <= t.ndim and t.shape[i] > 1]
-    return max(steps) if steps else 0  # not max(..., default=0): torch.compile traces this
-
-
-def _tile_offsets_fit(name: str, t: Tensor) -> bool:
-    return _tile_step(name, t) * MAX_TILE_ROWS < 2**31
-
-
 def _check_offsets(**tensors: Tensor) -> None:
     """Tile bases are int64, offsets inside a tile int32: the strides that step inside a tile (the rows' of q, k,
     v and dout; the last two of a mask) times ``MAX_TILE_ROWS`` must stay below 2**31. The batch and head strides
     may be anything (a contiguous ``(2, 32, 8192, 64)`` q has a batch stride of 2**24)."""
     for name, t in tensors.items():
-        if t is not None and not _tile_offsets_fit(name, t):
-            step = _tile_step(name, t)
+        if t is not None and not launch.tile_offsets_fit(name, t):
+            step = launch.tile_step(name, t)
             raise ValueError(f"backend='triton': {name} steps {step} elements between rows, too large for "
                              f"the kernels' int32 offsets inside a tile (limit {2**31 // MAX_TILE_ROWS}); pass "
                              f"{name}.contiguous() or use backend='sdpa'")
@@ -251,7 +187,7 @@ def _dout_for_kernels(dout: Tensor) -> Tensor:
     (a seq-first ``(N, B, H, 2d)`` gradient permuted back steps ``B H 2d`` elements between rows) is copied once
     instead of refused."""
     dout = _unit_last_stride(dout)
-    return dout if _tile_offsets_fit("dout", dout) else dout.contiguous()
+    return dout if launch.tile_offsets_fit("dout", dout) else dout.contiguous()
 
 
 def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) -> Tensor:
@@ -262,22 +198,10 @@ def tile_schedule(nq: int, nk: int, block_m: int, block_n: int, causal: bool) ->
     n_m, n_n = triton.cdiv(nq, block_m), triton.cdiv(nk, block_n)
     schedule = torch.zeros(n_m, n_n, dtype=torch.int8)
     for t in range(n_m):
-        full_hi, hi = jit._key_tile_bounds.fn(t * block_m, nq, nk, block_m, block_n, bool(causal))  # the kernels' own
+        full_hi, hi = flash_kernels._key_tile_bounds.fn(t * block_m, nq, nk, block_m, block_n, bool(causal))  # the kernels' own
         for start_n in range(0, hi, block_n):
             schedule[t, start_n // block_n] = 2 if start_n < full_hi else 1
     return schedule
-
-
-def _poison() -> bool:
-    return os.environ.get(POISON_ENV, "0") not in ("0", "", "false", "False")
-
-
-def _alloc(*shape: int, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """A buffer every element of which a kernel writes: uninitialised, or NaN under ``DIFFATTN_TRITON_POISON=1``."""
-    dtype = like.dtype if dtype is None else dtype
-    if _poison():
-        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
-    return torch.empty(shape, device=like.device, dtype=dtype)
 
 
 def _grad_buffer(t: Tensor, written: bool) -> Tensor:
@@ -462,7 +386,7 @@ def _check_target(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, block_d: int, ca
 def _check_mode(device: torch.device) -> bool:
     """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
     interpret = _interpret_mode()
-    if type(jit._diff_attn_fwd).__name__ != type(tl.sum).__name__:
+    if type(flash_kernels._diff_attn_fwd).__name__ != type(tl.sum).__name__:
         raise RuntimeError("diffattn_tutorial.kernels.triton.flash_diff was imported under a different TRITON_INTERPRET "
                            "setting than triton itself; set TRITON_INTERPRET once, before importing either")
     if device.type != "cuda" and not interpret:
@@ -502,17 +426,20 @@ def _blocks(blocks: list[int]) -> Optional[tuple[int, int]]:
 
 @torch.library.custom_op(FORWARD_OP, mutates_args=())
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                   scale: float, blocks: list[int], plan: str, store_o2: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward kernels on inputs :func:`triton_diff_attention` has checked: ``(out, o2, lse)``, ``out``
+                   scale: float, blocks: list[int], plan: str, store_o2: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernels on inputs :func:`triton_diff_attention` has checked: ``(out, o2, lse, flag)``, ``out``
     ``(B, H, Nq, 2d)`` in q's dtype, ``o2`` the map-2 output in float32 (``(B, H, Nq, 2d)`` when ``store_o2``, for
-    the backward, else empty) and ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32. Refuses
-    inputs the kernels cannot read safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts)."""
+    the backward, else empty), ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32 and ``flag``
+    ``(1,)`` int32, 1 where the kernels' scan met a NaN or an infinity (then the careful launches have made exactly
+    the rows that read one NaN, and the backward makes every gradient NaN). Refuses inputs the kernels cannot read
+    safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts)."""
     _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
-    if _capture is None:
+    if not launch.capturing():
         _check_mode(q.device)
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
-    the_plan, interpret, cap = PLANS[plan], _interpret_mode(), _capability(q.device)
+    the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
     lam4 = _lam4(lam, B, H, Nq)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     out = _alloc(B, H, Nq, 2 * d, like=q)
@@ -521,15 +448,18 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     split_maps = the_plan.fwd_maps != (MAPS_BOTH,)  # the map-1 launch reads o2 back from the map-2 launch
     o2 = _alloc(B, H, Nq, 2 * d, like=q, dtype=torch.float32) if store_o2 or split_maps else out
     lse = _alloc(B, H, 2, Nq, like=q, dtype=torch.float32)
+    flag = torch.zeros(1, device=q.device, dtype=torch.int32)  # the scan's: set by a program that met a NaN or inf
     if out.numel():
-        args = dict(Q=q, K=k, V=v, LAM=lam4, MASK=m, OUT=out, O2=o2, LSE=lse, **_strides(q, "q", "bhm"),
+        args = dict(Q=q, K=k, V=v, LAM=lam4, MASK=m, OUT=out, O2=o2, LSE=lse, FLAG=flag, **_strides(q, "q", "bhm"),
                     **_strides(k, "k", "bhn"), **_strides(v, "v", "bhn"), **_strides(out, "o", "bhm"),
                     **_strides(lam4, "l", "bhm"), **m_strides, H=H, Nq=Nq, Nk=Nk, qk_scale=scale * LOG2E,
                     N_BUCKET=n_bucket)
-        for maps in the_plan.fwd_maps:
-            _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
-                    dict(consts, MAPS=maps, STORE_O2=store_o2), _blocks(blocks), interpret, q.dtype, cap)
-    return out, (o2 if store_o2 else lse.new_empty(0)), lse  # never out itself: an operator's outputs do not alias
+        for careful in (False, True):  # the careful launches do nothing unless a plain one set the flag
+            for maps in the_plan.fwd_maps:
+                _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
+                        dict(consts, MAPS=maps, STORE_O2=store_o2, CAREFUL=careful), _blocks(blocks), interpret,
+                        q.dtype, cap)
+    return out, (o2 if store_o2 else lse.new_empty(0)), lse, flag  # never out itself: outputs do not alias
 
 
 @triton_forward.register_fake
@@ -537,7 +467,8 @@ def _(q, k, v, lam, attn_mask, causal, scale, blocks, plan, store_o2):
     _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
     B, H2, Nq, d = q.shape
     o2 = q.new_empty(B, H2 // 2, Nq, 2 * d, dtype=torch.float32) if store_o2 else q.new_empty(0, dtype=torch.float32)
-    return q.new_empty(B, H2 // 2, Nq, 2 * d), o2, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32)
+    return (q.new_empty(B, H2 // 2, Nq, 2 * d), o2, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32),
+            q.new_empty(1, dtype=torch.int32))
 
 
 def _wanted(needs: list[bool]) -> tuple[bool, bool, bool]:
@@ -547,16 +478,19 @@ def _wanted(needs: list[bool]) -> tuple[bool, bool, bool]:
 
 @torch.library.custom_op(BACKWARD_OP, mutates_args=())
 def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
-                    out: Tensor, o2: Tensor, lse: Tensor, causal: bool, scale: float, blocks: list[int], plan: str,
+                    out: Tensor, o2: Tensor, lse: Tensor, flag: Tensor, causal: bool, scale: float, blocks: list[int], plan: str,
                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward kernels: ``(dq, dk, dv, delta)``, each of dq, dk, dv a dense buffer of its input's shape where
     ``needs`` (three flags: dq, dk, dv) asks for it (dk and dv come together, :func:`_wanted`), else empty;
     ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows).
-    Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse`` not shaped as it made them."""
+    Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse``, ``flag`` not shaped as it
+    made them. Where ``flag`` is set (the forward met a NaN or an infinity) every gradient is NaN."""
     _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
-    if _capture is None:
+    check_same(BACKWARD_OP, q, torch.int32, flag=flag)
+    check_shapes(BACKWARD_OP, {"flag": ("1",)}, dict(flag=flag))
+    if not launch.capturing():
         _check_mode(q.device)
-    the_plan, interpret, cap = PLANS[plan], _interpret_mode(), _capability(q.device)
+    the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
@@ -570,7 +504,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         return dq, dk, dv, delta
     pre_bm = INTERPRETER_BLOCK if interpret else 4096 // (2 * consts["BLOCK_D"])  # 3 tiles of 2d
     _launch("_diff_attn_bwd_preprocess", lambda meta: triton.cdiv(Nq, pre_bm) * B * H,
-            dict(OUT=out, O2=o2, DO=dout, LAM=lam4, DELTA=delta, **_strides(out, "o", "bhm"),
+            dict(OUT=out, O2=o2, DO=dout, LAM=lam4, DELTA=delta, FLAG=flag, **_strides(out, "o", "bhm"),
                  **_strides(dout, "g", "bhm"), **_strides(lam4, "l", "bhm"), H=H, Nq=Nq),
             dict(HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=pre_bm), None, interpret, q.dtype, cap)
     common = dict(Q=q, K=k, V=v, LAM=lam4, MASK=m, DO=dout, LSE=lse, DELTA=delta, **_strides(q, "q", "bhm"),
@@ -581,7 +515,8 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         if not (dv_out and needs[2]) and not (dk_maps != MAPS_NONE and needs[1]):
             continue
         _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
-                dict(common, DK=dk, DV=dv, **_strides(dk, "dk", "bhn"), **_strides(dv, "dv", "bhn"), Hkv=Hkv),
+                dict(common, DK=dk, DV=dv, FLAG=flag, **_strides(dk, "dk", "bhn"), **_strides(dv, "dv", "bhn"),
+                     Hkv=Hkv),
                 dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap)
     for dq_maps in the_plan.dq_maps if needs[0] else ():
         _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
@@ -591,7 +526,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
 
 
 @triton_backward.register_fake
-def _(dout, q, k, v, lam, attn_mask, out, o2, lse, causal, scale, blocks, plan, needs):
+def _(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, causal, scale, blocks, plan, needs):
     _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
     B, H2, Nq, _ = q.shape
     grads = (t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
@@ -600,15 +535,19 @@ def _(dout, q, k, v, lam, attn_mask, out, o2, lse, causal, scale, blocks, plan, 
 
 def _save(ctx, inputs, output) -> None:
     q, k, v, lam, attn_mask, causal, scale, blocks, plan, _store_o2 = inputs
-    out, o2, lse = output
-    ctx.save_for_backward(q, k, v, lam, attn_mask, out, o2, lse)
+    out, o2, lse, flag = output
+    ctx.save_for_backward(q, k, v, lam, attn_mask, out, o2, lse, flag)
     ctx.setup = (causal, scale, blocks, plan)
+    ctx.set_materialize_grads(False)  # o2, lse and flag get no gradient: autograd would fill an o2-sized zeros
 
 
-def _backward(ctx, dout, _do2, _dlse):
-    q, k, v, lam, attn_mask, out, o2, lse = ctx.saved_tensors
+def _backward(ctx, dout, _do2, _dlse, _dflag):
+    q, k, v, lam, attn_mask, out, o2, lse, flag = ctx.saved_tensors
     need = ctx.needs_input_grad
-    dq, dk, dv, delta = triton_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, *ctx.setup, list(need[:3]))
+    if dout is None:  # out itself took no part in the loss
+        return (None,) * 10
+    dq, dk, dv, delta = triton_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, *ctx.setup,
+                                        list(need[:3]))
     dlam = None
     if need[3]:
         # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
@@ -636,7 +575,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     Checks its inputs, then runs the operator :data:`FORWARD_OP` (its backward :data:`BACKWARD_OP`), so a call
     compiles (``torch.compile(fullgraph=True)``) as one node. Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """
-    if _capture is None:
+    if not launch.capturing():
         _check_mode(q.device)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"backend='triton' runs float32, float16 and bfloat16, got {q.dtype}; for {q.dtype} use "
@@ -656,7 +595,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     if plan not in ("auto", *PLANS):
         raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
     block_d = max(16, triton.next_power_of_2(d))
-    cap = _capability(q.device)
+    cap = launch.capability(q.device)
     _check_target(q, k, v, lam, block_d, cap)
     the_plan = plan_for(block_d, cap) if plan == "auto" else PLANS[plan]
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
@@ -664,7 +603,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     scale = d ** -0.5 if scale is None else float(scale)
     lam = lam.to(device=q.device, dtype=q.dtype)
     store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
-    out, _o2, _lse = triton_forward(q, k, v, lam, attn_mask, bool(causal), scale, list(blocks or ()), the_plan.name,
+    out, _o2, _lse, _flag = triton_forward(q, k, v, lam, attn_mask, bool(causal), scale, list(blocks or ()), the_plan.name,
                                     store_o2)
     return out
 

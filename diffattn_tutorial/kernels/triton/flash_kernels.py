@@ -163,26 +163,49 @@ def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr, UPCAST: t
 
 
 @triton.jit
-def _fwd_map_step(acc, m, l, q, K, kt_off, kt_mask, v, mvals, rows, cols, Nq, Nk, qk_scale,
-                  EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile of one map's stream: load its k tile (``K`` points at the tile), score it against ``q``,
-    one online-softmax step with the shared ``v`` tile. Returns the new ``(acc, m, l)``."""
-    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
-    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
-                MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-    return _online_softmax_step(acc, m, l, s, v, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+def _finite(x):
+    """``(x with its NaN and infinities zeroed, which entries were finite)``, compared in float32 (the interpreter
+    keeps bfloat16 as raw integers)."""
+    xf = x.to(tl.float32)
+    ok = (xf == xf) & (tl.abs(xf) != float("inf"))
+    return tl.where(ok, xf, 0.0).to(x.dtype), ok
 
 
 @triton.jit
-def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map(s), the query tiles
+def _fwd_map_step(acc, m, l, chk, q, qbad, K, kt_off, kt_mask, v, vbad, mvals, rows, cols, Nq, Nk, qk_scale,
+                  EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
+                  CAREFUL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map's stream: load its k tile (``K`` points at the tile), score it against ``q``,
+    one online-softmax step with the shared ``v`` tile. Returns the new ``(acc, m, l, chk)``. ``chk`` per row:
+    the sum of the raw scores (non-finite once q or k held a NaN or an infinity: the scan, one add per score);
+    ``CAREFUL``: k zeroed where not finite, and the count of visible entries that read a non-finite value
+    (``qbad`` per row, ``vbad`` per key, k's own per key)."""
+    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
+    if CAREFUL:
+        kt, k_ok = _finite(kt)  # (d, BLOCK_N)
+        vbad = vbad | (tl.sum((~k_ok).to(tl.int32), 0) > 0)
+    s_raw = _dot(q, kt, None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST) * qk_scale
+    s = _visible(_apply_mask(s_raw, mvals, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN), rows[:, None], cols[None, :],
+                 Nq, Nk, EDGE=EDGE, CAUSAL=CAUSAL)
+    if CAREFUL:
+        reads_bad = (s > float("-inf")) & (vbad[None, :] | qbad[:, None])
+        chk = chk + tl.sum(reads_bad.to(tl.float32), 1)
+    else:
+        chk = chk + tl.sum(s_raw, 1)
+    acc, m, l = _online_softmax_step(acc, m, l, s, v, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    return acc, m, l, chk
+
+
+@triton.jit
+def _fwd_kv_loop(acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2,  # the maps' state, query tiles
                  K1, K2, V, MASK,  # base pointers: this (batch, KV group) / the mask rows of this query tile
                  start_m, lo, hi, Nq, Nk, qk_scale, stride_kn, stride_vn, stride_mm, stride_mn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                 TWO_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 TWO_MAPS: tl.constexpr, CAREFUL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Key/value tiles ``[lo, hi)``. ``TWO_MAPS``: both online-softmax streams from one load of each tile
-    (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal."""
+    (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal.
+    ``CAREFUL``: v zeroed where not finite (a hidden key's NaN would reach its rows through ``0 * NaN``)."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
     offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
@@ -199,16 +222,22 @@ def _fwd_kv_loop(acc1, m1, l1, acc2, m2, l2, q1, q2,  # running state of the map
             kt_mask = d_ok[:, None]
             v_mask = dv_ok[None, :]
         v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
+        vbad = offs_n < 0  # (BLOCK_N,) False
+        if CAREFUL:
+            v, v_ok = _finite(v)
+            vbad = tl.sum((~v_ok).to(tl.int32), 1) > 0
         mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
                                 cols[None, :] < Nk, stride_mm, stride_mn, MASK_KIND=MASK_KIND)
-        acc1, m1, l1 = _fwd_map_step(acc1, m1, l1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows, cols,
-                                     Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
-                                     MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+        acc1, m1, l1, chk1 = _fwd_map_step(acc1, m1, l1, chk1, q1, qbad1, K1 + n64 * stride_kn, kt_off, kt_mask, v,
+                                           vbad, mvals, rows, cols, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
+                                           MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, CAREFUL=CAREFUL,
+                                           DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         if TWO_MAPS:  # map 2: the same update with its own state, the same v and mask tiles
-            acc2, m2, l2 = _fwd_map_step(acc2, m2, l2, q2, K2 + n64 * stride_kn, kt_off, kt_mask, v, mvals, rows,
-                                         cols, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
-                                         MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-    return acc1, m1, l1, acc2, m2, l2
+            acc2, m2, l2, chk2 = _fwd_map_step(acc2, m2, l2, chk2, q2, qbad2, K2 + n64 * stride_kn, kt_off, kt_mask,
+                                               v, vbad, mvals, rows, cols, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
+                                               MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, CAREFUL=CAREFUL,
+                                               DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    return acc1, m1, l1, chk1, acc2, m2, l2, chk2
 
 
 @triton.jit
@@ -218,7 +247,7 @@ def _lse(m, l):
 
 
 @triton.jit
-def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
+def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
                    stride_qb, stride_qh, stride_qm,
                    stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn,
@@ -228,88 +257,122 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
                    H, Nq, Nk, qk_scale, N_BUCKET,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                   MAPS: tl.constexpr, STORE_O2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   MAPS: tl.constexpr, STORE_O2: tl.constexpr, CAREFUL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: one query tile of one (batch, differential head), on a 1-D grid (no 65535 limit).
 
     ``MAPS == MAPS_BOTH``: both maps, output ``o1 - lam o2``. ``MAPS_2``: map 2 only, stores ``o2`` (float32) and
-    its log-sum-exp. ``MAPS_1``: map 1 only, reads ``o2`` back and stores the output (run after ``MAPS_2``)."""
-    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
-    n_m = tl.cdiv(Nq, BLOCK_M)
-    pid = tl.program_id(0)
-    off_bh = pid // n_m
-    start_m = (n_m - 1 - pid % n_m) * BLOCK_M  # the longest rows first (causal: the most keys)
-    b = off_bh // H
-    h = off_bh % H
-    g = h // GROUP  # the KV group of this differential head
-    b64, h64, g64, m64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64), start_m.to(tl.int64)
-    FIRST: tl.constexpr = 1 if MAPS == MAPS_2 else 0  # the map held in slot 1 (its head offset)
-    Q1 = Q + b64 * stride_qb + (2 * h64 + FIRST) * stride_qh + m64 * stride_qm
-    K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
-    V = V + b64 * stride_vb + g64 * stride_vh
-    MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
+    its log-sum-exp. ``MAPS_1``: map 1 only, reads ``o2`` back and stores the output (run after ``MAPS_2``).
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = start_m + offs_m < Nq
-    q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
-    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l1 = tl.zeros([BLOCK_M], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    TWO_MAPS: tl.constexpr = MAPS == MAPS_BOTH
-    if TWO_MAPS:
-        q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
-        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l2 = tl.zeros([BLOCK_M], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    else:  # placeholders: the loop leaves slot 2 untouched
-        q2, m2, l2, acc2 = q1, m1, l1, acc1
+    The scan: a program that met a NaN or an infinity (a raw score or an accumulator not finite) stores 1 in
+    ``FLAG``. ``CAREFUL`` (a second launch, after every plain one): a program does nothing unless ``FLAG`` is set;
+    then it computes its rows again with non-finite entries of q, k, v zeroed and makes NaN exactly the rows that
+    read one (their output and log-sum-exp): ``diff_attention``'s contract, with no pass of the host's."""
+    go = True
+    if CAREFUL:  # the careful launch: only after the plain one found a non-finite value
+        go = tl.load(FLAG) != 0
+    if go:
+        BLOCK_DV: tl.constexpr = 2 * BLOCK_D
+        n_m = tl.cdiv(Nq, BLOCK_M)
+        pid = tl.program_id(0)
+        off_bh = pid // n_m
+        start_m = (n_m - 1 - pid % n_m) * BLOCK_M  # the longest rows first (causal: the most keys)
+        b = off_bh // H
+        h = off_bh % H
+        g = h // GROUP  # the KV group of this differential head
+        b64, h64, g64, m64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64), start_m.to(tl.int64)
+        FIRST: tl.constexpr = 1 if MAPS == MAPS_2 else 0  # the map held in slot 1 (its head offset)
+        Q1 = Q + b64 * stride_qb + (2 * h64 + FIRST) * stride_qh + m64 * stride_qm
+        K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
+        Vg = V + b64 * stride_vb + g64 * stride_vh
+        MASKm = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
 
-    # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
-    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
-    acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
-        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, lo=0, hi=full_hi, Nq=Nq, Nk=Nk,
-        qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False, CAUSAL=CAUSAL,
-        MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-    acc1, m1, l1, acc2, m2, l2 = _fwd_kv_loop(
-        acc1, m1, l1, acc2, m2, l2, q1, q2, K1, K1 + stride_kh, V, MASK, start_m, lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
-        qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True, CAUSAL=CAUSAL,
-        MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-
-    # epilogue: normalise, combine with lambda; fully masked rows (l == 0) give 0
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
-    o_mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
-    LSE = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
-    o_slot1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
-    if MAPS == MAPS_2:
-        tl.store(O2 + o_off, o_slot1.to(O2.dtype.element_ty), mask=o_mask)
-        tl.store(LSE + Nq, _lse(m1, l1), mask=row_ok)
-    else:
-        lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
-                      other=0.0).to(tl.float32)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = start_m + offs_m < Nq
+        q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
+        q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
+        qbad1 = row_ok & False
+        if CAREFUL:
+            q1, q_ok = _finite(q1)
+            qbad1 = tl.sum((~q_ok).to(tl.int32), 1) > 0
+        chk1 = tl.zeros([BLOCK_M], tl.float32)
+        m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l1 = tl.zeros([BLOCK_M], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        TWO_MAPS: tl.constexpr = MAPS == MAPS_BOTH
         if TWO_MAPS:
-            o2 = acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None]
-            if STORE_O2:
-                tl.store(O2 + o_off, o2.to(O2.dtype.element_ty), mask=o_mask)
-            tl.store(LSE + Nq, _lse(m2, l2), mask=row_ok)
-            out = o_slot1 - lam[:, None] * o2
-            tl.store(OUT + o_off, out.to(OUT.dtype.element_ty), mask=o_mask)
-        else:  # o2 comes back from memory, one half of its width at a time (a whole tile would not fit
-            # next to the accumulator in registers)
-            o_a, o_b = tl.split(tl.permute(tl.reshape(o_slot1, [BLOCK_M, 2, BLOCK_D]), [0, 2, 1]))
-            h_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_d[None, :]
-            a_mask = row_ok[:, None] & (offs_d[None, :] < 2 * HEAD_DIM)  # columns [0, BLOCK_D)
-            b_mask = row_ok[:, None] & (BLOCK_D + offs_d[None, :] < 2 * HEAD_DIM)  # [BLOCK_D, 2 BLOCK_D)
-            o2_a = tl.load(O2 + h_off, mask=a_mask, other=0.0)
-            tl.store(OUT + h_off, (o_a - lam[:, None] * o2_a).to(OUT.dtype.element_ty), mask=a_mask)
-            o2_b = tl.load(O2 + BLOCK_D + h_off, mask=b_mask, other=0.0)
-            tl.store(OUT + BLOCK_D + h_off, (o_b - lam[:, None] * o2_b).to(OUT.dtype.element_ty), mask=b_mask)
-        tl.store(LSE, _lse(m1, l1), mask=row_ok)
+            q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
+            qbad2 = qbad1
+            if CAREFUL:
+                q2, q_ok = _finite(q2)
+                qbad2 = tl.sum((~q_ok).to(tl.int32), 1) > 0
+            chk2 = tl.zeros([BLOCK_M], tl.float32)
+            m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l2 = tl.zeros([BLOCK_M], tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        else:  # placeholders: the loop leaves slot 2 untouched
+            q2, m2, l2, acc2, qbad2, chk2 = q1, m1, l1, acc1, qbad1, chk1
+
+        # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
+        full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+        acc1, m1, l1, chk1, acc2, m2, l2, chk2 = _fwd_kv_loop(
+            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, Vg, MASKm, start_m, lo=0,
+            hi=full_hi, Nq=Nq, Nk=Nk,
+            qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False, CAUSAL=CAUSAL,
+            MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL,
+            DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+        acc1, m1, l1, chk1, acc2, m2, l2, chk2 = _fwd_kv_loop(
+            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, Vg, MASKm, start_m,
+            lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
+            qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True, CAUSAL=CAUSAL,
+            MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL,
+            DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+
+        # epilogue: normalise, combine with lambda; fully masked rows (l == 0) give 0
+        offs_dv = tl.arange(0, BLOCK_DV)
+        o_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_dv[None, :]
+        o_mask = row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM)
+        LSEm = LSE + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
+        o_slot1 = acc1 / tl.where(l1 == 0.0, 1.0, l1)[:, None]
+        if CAREFUL:  # the rows that read a NaN or an infinity: NaN, and their log-sum-exps (the backward's P)
+            bad = (chk1 > 0) | (chk2 > 0)
+            o_slot1 = tl.where(bad[:, None], float("nan"), o_slot1)
+            l1 = tl.where(bad, float("nan"), l1)
+            l2 = tl.where(bad, float("nan"), l2)
+        else:  # the scan: one sum per row of the accumulators, then at most one store of the flag
+            seen = chk1 + tl.sum(acc1, 1)
+            if TWO_MAPS:
+                seen += chk2 + tl.sum(acc2, 1)
+            n_bad = tl.sum(((seen != seen) | (tl.abs(seen) == float("inf"))).to(tl.int32), 0)
+            tl.store(FLAG, n_bad * 0 + 1, mask=n_bad > 0)
+        if MAPS == MAPS_2:
+            tl.store(O2 + o_off, o_slot1.to(O2.dtype.element_ty), mask=o_mask)
+            tl.store(LSEm + Nq, _lse(m1, l1), mask=row_ok)
+        else:
+            lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
+                          other=0.0).to(tl.float32)
+            if TWO_MAPS:
+                o2 = acc2 / tl.where(l2 == 0.0, 1.0, l2)[:, None]
+                if STORE_O2:
+                    tl.store(O2 + o_off, o2.to(O2.dtype.element_ty), mask=o_mask)
+                tl.store(LSEm + Nq, _lse(m2, l2), mask=row_ok)
+                out = o_slot1 - lam[:, None] * o2
+                tl.store(OUT + o_off, out.to(OUT.dtype.element_ty), mask=o_mask)
+            else:  # o2 comes back from memory, one half of its width at a time (a whole tile would not fit
+                # next to the accumulator in registers)
+                o_a, o_b = tl.split(tl.permute(tl.reshape(o_slot1, [BLOCK_M, 2, BLOCK_D]), [0, 2, 1]))
+                h_off = b64 * stride_ob + h64 * stride_oh + m64 * stride_om + offs_m[:, None] * stride_om + offs_d[None, :]
+                a_mask = row_ok[:, None] & (offs_d[None, :] < 2 * HEAD_DIM)  # columns [0, BLOCK_D)
+                b_mask = row_ok[:, None] & (BLOCK_D + offs_d[None, :] < 2 * HEAD_DIM)  # [BLOCK_D, 2 BLOCK_D)
+                o2_a = tl.load(O2 + h_off, mask=a_mask, other=0.0)
+                tl.store(OUT + h_off, (o_a - lam[:, None] * o2_a).to(OUT.dtype.element_ty), mask=a_mask)
+                o2_b = tl.load(O2 + BLOCK_D + h_off, mask=b_mask, other=0.0)
+                tl.store(OUT + BLOCK_D + h_off, (o_b - lam[:, None] * o2_b).to(OUT.dtype.element_ty), mask=b_mask)
+            tl.store(LSEm, _lse(m1, l1), mask=row_ok)
 
 
 # ============================================================================================
@@ -318,13 +381,14 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE,
 
 
 @triton.jit
-def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
+def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA, FLAG,
                               stride_ob, stride_oh, stride_om,
                               stride_gb, stride_gh, stride_gm,
                               stride_lb, stride_lh, stride_lm,
                               H, Nq,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per query row: ``delta1 = dO . o1`` (``o1 = out + lam o2``) and ``delta2 = dO . o2``, in float32."""
+    """Per query row: ``delta1 = dO . o1`` (``o1 = out + lam o2``) and ``delta2 = dO . o2``, in float32; NaN
+    where the forward's scan set ``FLAG`` (a call that read a NaN or an infinity: every gradient is NaN then)."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_m = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -344,7 +408,8 @@ def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA,
                  + offs_dv[None, :], mask=mask, other=0.0).to(tl.float32)
     lam = tl.load(LAM + b * stride_lb + h * stride_lh + (start_m + offs_m) * stride_lm, mask=row_ok,
                   other=0.0).to(tl.float32)
-    delta2 = tl.sum(do * o2, 1)
+    poison = tl.where(tl.load(FLAG) != 0, float("nan"), 0.0)
+    delta2 = tl.sum(do * o2, 1) + poison
     delta1 = tl.sum(do * out, 1) + lam * delta2
     DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq + start_m + offs_m
     tl.store(DELTA, delta1, mask=row_ok)
@@ -429,7 +494,7 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
 
 
 @triton.jit
-def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
+def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV, FLAG,
                         stride_qb, stride_qh, stride_qm,
                         stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn,
@@ -505,6 +570,7 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV,
     if DV_OUT:
         dv_off = (b64 * stride_dvb + g64 * stride_dvh + n64 * stride_dvn + offs_n[:, None] * stride_dvn
                   + offs_dv[None, :])
+        dv += tl.where(tl.load(FLAG) != 0, float("nan"), 0.0)  # dK and dQ take NaN from delta (preprocess)
         tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
@@ -629,8 +695,3 @@ def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
         tl.store(DQ1 + dq_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
     if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
         tl.store(DQ1 + stride_dqh + dq_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
-
-
-# ============================================================================================
-# plans, configurations, launching
-# ============================================================================================
