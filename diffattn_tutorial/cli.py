@@ -1,5 +1,7 @@
 """The ``diffattn-tutorial`` command.
 
+::
+
     diffattn-tutorial doctor              versions, devices, and which attention backends work here
     diffattn-tutorial bench [options]     time and peak memory of every backend, side by side
     diffattn-tutorial check NOTEBOOK      run your exercise notebook and print a scorecard

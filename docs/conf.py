@@ -5,7 +5,7 @@ docstrings with cross-references checked (``sphinx.ext.autodoc`` and ``nitpicky`
 is the notebook reader Jupyter Book 1 itself wraps, so using it directly gives the same rendered notebooks without
 Jupyter Book's own configuration layer (Jupyter Book 2 builds with the MyST Node.js tool chain, which has no
 autodoc). Notebooks are rendered from their stored outputs (``nb_execution_mode = "off"``): the test suite already
-executes them, and a build then takes seconds.
+executes them, so the build only renders.
 
 The source folder is the repository root, read through ``include_patterns``, so the notebooks are rendered where
 they live (``notebooks/``, ``exercises/``, ``solutions/``) and their relative links to each other and to the README
@@ -18,6 +18,7 @@ from the site itself. ``_ext/course_site.py`` adds only what no package does (th
 banner, static widgets, search that works from ``file://``).
 """
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -48,7 +49,7 @@ myst_heading_anchors = 3
 # modules' docs are their docstrings, and importing a module for its docs compiles no kernel.
 autosummary_generate = True
 autosummary_context = {"api_excluded": ["diffattn_tutorial.checks"]}
-autodoc_mock_imports = [] if __import__("importlib.util").util.find_spec("triton") else ["triton"]
+autodoc_mock_imports = [] if importlib.util.find_spec("triton") else ["triton"]
 autodoc_member_order = "bysource"
 autodoc_typehints_format = "short"
 autodoc_inherit_docstrings = False  # a method without a docstring shows none, not torch.nn.Module's

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
@@ -73,8 +74,8 @@ class StaticWidgets(SphinxTransform):
             if not text.startswith(LIVE_WIDGET):
                 bundle.parent.remove(bundle)
                 continue
-            said = text.strip("[]")
-            said = said[:1].upper() + said[1:] + " Open this notebook in Colab or JupyterLab to move the sliders."
+            said = text[1:2].upper() + text[2:].rstrip("]")  # "[live widget: ...]" -> "Live widget: ..."
+            said += " Open this notebook in Colab or JupyterLab to move the sliders."
             bundle.replace_self(nodes.admonition("", nodes.title("", "Interactive widget: needs a running kernel"),
                                                  nodes.paragraph("", said), classes=["note", "static-widget"]))
 
@@ -108,7 +109,9 @@ def beside_page(app: Sphinx, pagename: str, templatename: str, context: dict, do
         folder.mkdir(parents=True, exist_ok=True)
     if (rel := notebook_path(app, pagename)) is not None:
         shutil.copy2(ROOT / rel, Path(app.outdir, rel))
-    text = json.dumps(f'<div role="main">{html.escape(doctree.astext())}</div>')  # what Search.htmlToText reads
+    words = (tex_as_text(t) if isinstance(t.parent, (nodes.math, nodes.math_block)) else t
+             for t in doctree.findall(nodes.Text))  # the page's text, its math as letters
+    text = json.dumps(f'<div role="main">{html.escape(" ".join(words))}</div>')  # what Search.htmlToText reads
     path.write_text(f"window.coursePageText[document.currentScript.src] = {text};\n", encoding="utf-8")
 
 
@@ -125,16 +128,13 @@ def short_names(app: Sphinx, env, node, contnode):
 PROSE: dict[str, list[str]] = {}  # constants' and attributes' docstrings, kept from napoleon
 
 
-def keep_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str]) -> None:
+def keep_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str], restore: bool = False) -> None:
     """Napoleon reads a constant's docstring ``Seed of the data: ...`` as ``type: description`` (Google style for
-    attributes); the library's are prose: kept before napoleon runs and restored after it."""
-    if what in ("data", "attribute", "property"):
-        PROSE[name] = list(lines)
-
-
-def restore_prose(app: Sphinx, what: str, name: str, obj, options, lines: list[str]) -> None:
-    if name in PROSE:
+    attributes); the library's are prose: kept before napoleon runs, restored after it (``restore``)."""
+    if restore and name in PROSE:
         lines[:] = PROSE.pop(name)
+    elif not restore and what in ("data", "attribute", "property"):
+        PROSE[name] = list(lines)
 
 
 def setup(app: Sphinx) -> dict:
@@ -143,7 +143,7 @@ def setup(app: Sphinx) -> dict:
     app.add_transform(StaticWidgets)
     app.connect("doctree-read", plain_titles, priority=900)  # after Sphinx's title collector
     app.connect("autodoc-process-docstring", keep_prose, priority=400)  # napoleon's runs at 500
-    app.connect("autodoc-process-docstring", restore_prose, priority=600)
+    app.connect("autodoc-process-docstring", functools.partial(keep_prose, restore=True), priority=600)
     app.connect("missing-reference", short_names)
     app.connect("html-page-context", beside_page)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
