@@ -26,7 +26,6 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from diffattn_tutorial.kernels.triton import aot as tc  # noqa: E402
-from diffattn_tutorial.kernels.triton import configs as tc_configs  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles kernels for GPU targets (ptxas)
 
