@@ -65,7 +65,8 @@ def conversion_options(attention: str, **options) -> dict:
     contradiction (a split V1 with a negative) a ``ValueError`` naming it. An option given as None is unset."""
     if attention not in OPTIONS:
         raise ValueError(f"attention must be 'diff' (V1) or 'diff_v2', got {attention!r}")
-    unknown = sorted(k for k, v in options.items() if k not in OPTIONS[attention] and v is not None)
+    known = {k for names in OPTIONS.values() for k in names}  # another target's option left None is unset
+    unknown = sorted(k for k, v in options.items() if k not in OPTIONS[attention] and not (v is None and k in known))
     if unknown:
         raise TypeError(f"unknown option(s) {unknown} for attention={attention!r}: it takes "
                         f"{', '.join(OPTIONS[attention])} (layers.convert)")
