@@ -478,6 +478,24 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("(q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)",
            "(q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)"),), "Task 1's interleaved split on blocked heads"),
     ],
+    ("10_diff_v2", 1): [
+        ((("k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)",
+           "k.repeat(1, per_group, 1, 1), v.repeat(1, per_group, 1, 1)"),), "the KV heads tiled"),
+        ((("triu(nk - nq + 1)", "triu(1)"),), "the causal mask aligned top-left"),
+        ((("triu(nk - nq + 1)", "triu(nk - nq)"),), "the causal mask hides the diagonal"),
+    ],
+    ("10_diff_v2", 3): [
+        ((("diff_v2(q, k, v, layer.lambda_proj(x))", "diff_v2(q, k, v, torch.sigmoid(layer.lambda_proj(x)))"),),
+         "the sigmoid applied twice"),
+        ((('"b h n d -> b n (h d)"', '"b h n d -> b n (d h)"'),), "heads merged feature by feature"),
+        ((("layer.k_proj(memory)", "layer.k_proj(x)"), ("layer.v_proj(memory)", "layer.v_proj(x)")),
+         "keys and values from x"),
+    ],
+    ("14_converting_trained_models", 2): [
+        ((("wide = torch.cat([v[:, :half], v[:, half:]], dim=-1)", "wide = torch.cat([v[:, 0::2], v[:, 1::2]], dim=-1)"),
+          ("softmax_attention(q[:, :half], k[:, :half], wide", "softmax_attention(q[:, 0::2], k[:, 0::2], wide")),
+         "adjacent pairs (the chapter's) instead of halves"),
+    ],
     ("11_diff_attention_in_the_wild", 2): [
         ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.ones(paths, paths, dtype=torch.bool)"),),
          "every path reads every path"),
