@@ -35,6 +35,11 @@ def fails(check, fn, match: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _grouped_rms(x, weight=None, eps=1e-5, group=None):
+    out = rms_norm(x if group is None else x.unflatten(-1, (-1, group)), None, eps).reshape(x.shape)
+    return out if weight is None else out * weight
+
+
 LIBRARY = {
     "check_amplifier_output": amplifier_output,
     "check_gains": amplifier_gains,
@@ -48,8 +53,9 @@ LIBRARY = {
         *(rearrange(t, "b (two h) n d -> b (h two) n d", two=2) for t in (q, k)), v, lam),
     "check_lambda_init": lambda_init_fn,
     "check_reparam_lambda": reparam_lambda,
-    "check_rms_norm": rms_norm,
-    "check_subln": lambda heads, lambda_init, weight=None, eps=1e-5: rms_norm(heads, weight, eps) * (1 - lambda_init),
+    "check_rms_norm": lambda x, weight=None, eps=1e-5, group=None: _grouped_rms(x, weight, eps, group),
+    "check_subln": lambda x, num_heads, lambda_init, weight=None, eps=1e-5: rms_norm(
+        x.unflatten(-1, (num_heads, -1)), weight, eps).flatten(-2) * (1 - lambda_init),
     "check_causal_mask": causal_mask,
     "check_expand_kv": expand_kv_groups,
     "check_forward": lambda x, layer: layer(x, causal=True),
@@ -397,12 +403,21 @@ def test_reparam_lambda_any_dot_product_over_d_passes(capsys):
 # --------------------------------------------------------------------------------------------
 
 
-def _rms(dim=-1, center=False, eps_inside=True, sqrt=True, mean=True, use_weight=True):
-    def f(x, weight=None, eps=1e-5):
-        y = x - x.mean(dim, keepdim=True) if center else x
+def _rms(dim=-1, center=False, eps_inside=True, sqrt=True, mean=True, use_weight=True, groups="consecutive"):
+    def f(x, weight=None, eps=1e-5, group=None):
+        D = x.shape[-1]
+        if group is not None and groups == "consecutive":
+            parts = x.unflatten(-1, (-1, group))
+        elif group is not None and groups == "strided":
+            parts = x.unflatten(-1, (group, -1)).transpose(-1, -2)
+        else:
+            parts = x
+        y = parts - parts.mean(dim, keepdim=True) if center else parts
         ms = y.pow(2).mean(dim, keepdim=True) if mean else y.pow(2).sum(dim, keepdim=True)
         den = (ms + eps).sqrt() if eps_inside and sqrt else (ms.sqrt() + eps if sqrt else ms + eps)
         out = y / den
+        out = out.transpose(-1, -2).reshape(x.shape) if (group is not None and groups == "strided") else \
+            out.reshape(*x.shape[:-1], D)
         return out * weight if (weight is not None and use_weight) else out
     return f
 
@@ -416,42 +431,47 @@ def test_rms_norm_mistakes():
     fails(c, _rms(sqrt=False), "square root")
     fails(c, _rms(mean=False), "L2 norm")
     fails(c, _rms(use_weight=False), "forgot the weight")
-    fails(c, lambda x, weight=None, eps=1e-5: torch.nn.functional.layer_norm(x, x.shape[-1:], weight, eps=eps),
-          "LayerNorm")
-    fails(c, lambda x, weight=None, eps=1e-5: rms_norm(x, None if weight is None else weight.abs(), eps), "lost its sign")
-    fails(c, lambda x, weight=None, eps=1e-6: rms_norm(x, weight, eps), "default eps")
+    fails(c, _rms(groups="ignored"), "group is ignored")
+    fails(c, _rms(groups="strided"), "strided")
+    fails(c, lambda x, weight=None, eps=1e-5, group=None: torch.nn.functional.layer_norm(
+        x, x.shape[-1:], weight, eps=eps), "LayerNorm")
+    fails(c, lambda x, weight=None, eps=1e-5, group=None: _grouped_rms(
+        x, None if weight is None else weight.abs(), eps, group), "lost its sign")
+    fails(c, lambda x, weight=None, eps=1e-6, group=None: _grouped_rms(x, weight, eps, group), "default eps")
 
 
 def test_subln_mistakes():
     c = checks.check_subln
 
-    def subln(norm, factor):
-        return lambda heads, lambda_init, weight=None, eps=1e-5: norm(heads, weight, eps) * factor(lambda_init)
+    def subln(norm, factor, *, split="(h e)", tile="repeat", use_weight=True):
+        def f(x, num_heads, lambda_init, weight=None, eps=1e-5):
+            heads = rearrange(x, f"b n {split} -> b h n e", h=num_heads)
+            out = norm(heads, None, eps)
+            out = rearrange(out, f"b h n e -> b n {split}")
+            if weight is not None and use_weight:
+                out = out * (weight.repeat(num_heads) if tile == "repeat" else weight.repeat_interleave(num_heads))
+            return out * factor(lambda_init)
+        return f
 
     right = lambda li: 1 - li  # noqa: E731
     checks.check_subln(subln(_rms(), right))
     fails(c, subln(_rms(), lambda li: 1.0), "missing \\(1 - lambda_init\\)")
-    fails(c, lambda h, li, weight=None, eps=1e-5: rms_norm(h * (1 - li), weight, eps), "missing \\(1 - lambda_init\\)")
     fails(c, subln(_rms(), lambda li: li), "multiplied by lambda_init")
     fails(c, subln(_rms(), lambda li: 1 + li), "1 \\+ lambda_init")
-    fails(c, subln(_rms(dim=-2), right), "wrong axis")
-    fails(c, subln(_rms(dim=1), right), "heads axis")
+    fails(c, subln(_rms(), right, split="(e h)"), "split the heads the wrong way")
+    fails(c, subln(_rms(), right, tile="interleave"), "spread wrongly over the heads")
+    fails(c, subln(_rms(), right, use_weight=False), "forgot the weight")
 
-    def per_half(heads, lambda_init, weight=None, eps=1e-5):
-        a, b = heads.chunk(2, dim=-1)
-        out = torch.cat([rms_norm(a, None, eps), rms_norm(b, None, eps)], -1)
-        return out * (1 if weight is None else weight) * (1 - lambda_init)
-
-    fails(c, per_half, "each half")
-
-    def joint(heads, lambda_init, weight=None, eps=1e-5):
-        B, H, N, E = heads.shape
-        flat = heads.transpose(1, 2).reshape(B, N, H * E)
-        out = rms_norm(flat, None, eps).reshape(B, N, H, E).transpose(1, 2)
-        return out * (1 if weight is None else weight) * (1 - lambda_init)
+    def joint(x, num_heads, lambda_init, weight=None, eps=1e-5):
+        return rms_norm(x, None, eps) * (1 if weight is None else weight.repeat(num_heads)) * (1 - lambda_init)
 
     fails(c, joint, "all heads of a token together")
-    fails(c, subln(_rms(use_weight=False), right), "forgot the weight")
+
+    def per_half(x, num_heads, lambda_init, weight=None, eps=1e-5):
+        out = _grouped_rms(x, None, eps, group=x.shape[-1] // num_heads // 2)
+        return out * (1 if weight is None else weight.repeat(num_heads)) * (1 - lambda_init)
+
+    fails(c, per_half, "each half")
 
 
 # --------------------------------------------------------------------------------------------

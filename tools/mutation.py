@@ -478,6 +478,13 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("(q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)",
            "(q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)"),), "Task 1's interleaved split on blocked heads"),
     ],
+    ("05_subnorm", 1): [
+        ((("x.unflatten(-1, (-1, group))", "x.unflatten(-1, (group, -1))"),), "groups of D/g instead of g features"),
+    ],
+    ("05_subnorm", 2): [
+        ((("weight.repeat(num_heads)", "weight.repeat_interleave(num_heads)"),), "the weight spread entry by entry"),
+        ((("rms_norm(x, w, eps, group=width)", "rms_norm(x, w, eps)"),), "all heads normalised together"),
+    ],
     ("10_diff_v2", 1): [
         ((("k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)",
            "k.repeat(1, per_group, 1, 1), v.repeat(1, per_group, 1, 1)"),), "the KV heads tiled"),
