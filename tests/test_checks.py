@@ -41,8 +41,9 @@ def _grouped_rms(x, weight=None, eps=1e-5, group=None):
 
 
 LIBRARY = {
-    "check_amplifier_output": amplifier_output,
-    "check_gains": amplifier_gains,
+    "check_amplifier_output": lambda v_cm, v_d, gain_plus=1.0, gain_minus=1.0: amplifier_output(
+        v_cm + v_d / 2, v_cm - v_d / 2, gain_plus, gain_minus),
+    "check_gains": lambda amp: (amp(0.5, -0.5) - amp(0.0, 0.0), amp(1.0, 1.0) - amp(0.0, 0.0)),
     "check_cmrr_db": cmrr_db,
     "check_attention": lambda q, k, v, keep: torch.softmax(  # by hand: the check refuses the library's attention
         (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep[:, None, None, :], float("-inf")), -1) @ v,
@@ -150,33 +151,54 @@ def test_checks_leave_the_rng_alone(name):
 # --------------------------------------------------------------------------------------------
 
 
+def _modes(fn):
+    """A mistake written on the wires, run on the modes the check passes."""
+    return lambda v_cm, v_d, gain_plus=1.0, gain_minus=1.0: fn(v_cm + v_d / 2, v_cm - v_d / 2, gain_plus, gain_minus)
+
+
 def test_amplifier_output_mistakes():
     c = checks.check_amplifier_output
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_minus * vm - gain_plus * vp, "wrong order")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_plus * vp + gain_minus * vm, "added the inputs")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_minus * vp - gain_plus * vm, "gains are swapped")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: vp - vm, "gains are ignored")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_plus * (vp - vm), "one gain for both")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: (gain_plus * vp - gain_minus * vm).sum(), "shape")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: 2 * gain_plus * vp - gain_minus * vm, "differs")
+    fails(c, _modes(lambda vp, vm, gp, gm: gm * vm - gp * vp), "wrong order")
+    fails(c, _modes(lambda vp, vm, gp, gm: gp * vp + gm * vm), "added the inputs")
+    fails(c, _modes(lambda vp, vm, gp, gm: gm * vp - gp * vm), "gains are swapped")
+    fails(c, _modes(lambda vp, vm, gp, gm: vp - vm), "gains are ignored")
+    fails(c, _modes(lambda vp, vm, gp, gm: gp * (vp - vm)), "one gain for both")
+    fails(c, _modes(lambda vp, vm, gp, gm: (gp * vp - gm * vm).sum()), "shape")
+    fails(c, _modes(lambda vp, vm, gp, gm: 2 * gp * vp - gm * vm), "differs")
+    fails(c, amplifier_output, "not the wires' voltages")  # the chapter's formula, on the modes
+    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: amplifier_output(cm + d, cm - d, gain_plus, gain_minus),
+          "whole difference")
+    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: amplifier_output(cm - d / 2, cm + d / 2, gain_plus,
+                                                                           gain_minus), "wrong sign")
+
+
+def _measure(*, offset=True, per_volt=True, order=True, cm_scale=1.0, absolute=False):
+    def gains(amp):
+        y0 = amp(0.0, 0.0) if offset else 0.0
+        ad = (amp(0.5, -0.5) if per_volt else amp(1.0, -1.0)) - y0
+        acm = amp(cm_scale, cm_scale) - y0
+        ad, acm = (abs(ad), abs(acm)) if absolute else (ad, acm)
+        return (ad, acm) if order else (acm, ad)
+    return gains
 
 
 def test_gains_mistakes():
     c = checks.check_gains
-    fails(c, lambda gp, gm: (gp - gm, (gp + gm) / 2), "wrong order")
-    fails(c, lambda gp, gm: (gp + gm, gp - gm), "divided by that difference")
-    fails(c, lambda gp, gm: ((gp + gm) / 2, gm - gp), "wrong sign")
-    fails(c, lambda gp, gm: ((gp + gm) / 2, (gp - gm) / 2), "halved")
-    fails(c, lambda gp, gm: (gp - gm, gp - gm), "average")
-    fails(c, lambda gp, gm: (gp + gm) / 2, "pair")
-    fails(c, lambda gp, gm: ("big", gp - gm), "number")
-    fails(c, lambda gp, gm: ((gp - gm) / 2, gp + gm), "fix task 1 first")  # measured on an amplifier that adds
+    checks.check_gains(_measure())
+    fails(c, _measure(offset=False), "offset is counted as gain")
+    fails(c, lambda amp: (amp(0.5, -0.5), amp(1.0, 1.0) - amp(0.0, 0.0)), "one reading only")
+    fails(c, _measure(order=False), "wrong order")
+    fails(c, _measure(per_volt=False), "divided by that difference")
+    fails(c, _measure(cm_scale=0.5), "halved")
+    fails(c, lambda amp: (amp(0.5, -0.5) - amp(0.0, 0.0)), "pair")
+    fails(c, lambda amp: ("big", 1.0), "number")
+    fails(checks.check_gains, lambda gp, gm: ((gp + gm) / 2, gp - gm), "could not use|raised TypeError")
 
 
 def test_gains_keep_their_sign():
     c = checks.check_gains
-    fails(c, lambda gp, gm: (abs(gp + gm) / 2, gp - gm), "differential gain lost its sign")
-    fails(c, lambda gp, gm: ((gp + gm) / 2, abs(gp - gm)), "common-mode gain lost its sign")
+    fails(c, lambda amp: (abs(amp(0.5, -0.5) - amp(0, 0)), amp(1.0, 1.0) - amp(0, 0)), "differential gain lost its sign")
+    fails(c, lambda amp: (amp(0.5, -0.5) - amp(0, 0), abs(amp(1.0, 1.0) - amp(0, 0))), "common-mode gain lost its sign")
 
 
 def test_cmrr_db_mistakes():

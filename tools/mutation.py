@@ -478,6 +478,15 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("(q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)",
            "(q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)"),), "Task 1's interleaved split on blocked heads"),
     ],
+    ("01_differential_amplifier", 1): [
+        ((("v_cm + v_d / 2, v_cm - v_d / 2", "v_cm + v_d, v_cm - v_d"),), "the whole difference on each wire"),
+        ((("v_plus, v_minus = v_cm + v_d / 2, v_cm - v_d / 2", "v_plus, v_minus = v_cm, v_d"),),
+         "the modes taken for the wires (the chapter's formula)"),
+    ],
+    ("01_differential_amplifier", 2): [
+        ((("amplifier(0.5, -0.5) - offset", "amplifier(0.5, -0.5)"), ("amplifier(1.0, 1.0) - offset", "amplifier(1.0, 1.0)")),
+         "the offset not taken out"),
+    ],
     ("05_subnorm", 1): [
         ((("x.unflatten(-1, (-1, group))", "x.unflatten(-1, (group, -1))"),), "groups of D/g instead of g features"),
     ],
