@@ -724,6 +724,24 @@ def counts(reports: list[NotebookReport]) -> dict:
     return {"total": {k: summary(reports)[k] for k in keys}, "notebooks": per}
 
 
+def sources_hash(root: Path = ROOT) -> str:
+    """sha256 of what the counts depend on: every check's source (``diffattn_tutorial/checks/*.py``), this tool
+    (its operators and ``NAMED_MISTAKES``) and the code cells of every solution (not their outputs). The record
+    keeps it, and ``tests/test_mutation_record.py`` fails when a check changed after the record was made."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    files = sorted((root / "diffattn_tutorial" / "checks").glob("*.py")) + [root / "tools" / "mutation.py"]
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    for p in sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(p.read_text())["cells"]
+        code = "\n\0".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        h.update(p.name.encode() + b"\0" + code.encode() + b"\0")
+    return h.hexdigest()
+
+
 def record(reports: list[NotebookReport], path: Path = RECORD) -> dict:
     """Write :func:`counts` with how they were made to ``path`` (``diffattn_tutorial/recorded/mutation.json``)."""
     import datetime
@@ -740,7 +758,7 @@ def record(reports: list[NotebookReport], path: Path = RECORD) -> dict:
     data = {"schema": "diffattn-tutorial/mutation/1", "command": "python tools/mutation.py --record",
             "device": f"CPU ({platform.machine()}), checks on 1 torch thread", "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(),
-            "date": datetime.date.today().isoformat(), **counts(reports)}
+            "date": datetime.date.today().isoformat(), "sources_sha256": sources_hash(), **counts(reports)}
     path.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
