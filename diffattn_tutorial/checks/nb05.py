@@ -83,6 +83,8 @@ def check_rms_norm(fn: Callable) -> None:
                 "own mean square)": rms_norm(x, w, eps),
                 "the groups are strided (every D/g-th feature): a group is g consecutive features, x[..., :g], "
                 "x[..., g:2g], ...": _grouped(x, w, eps, group, strided=True),
+                "g is the size of each group, not the number of groups: runs of g consecutive features, D/g runs":
+                    _grouped(x, w, eps, shape[-1] // group),
                 **{f"{h} (in each group)": c.flatten(-2) * (1.0 if w is None else w)
                    for h, c in _rms_wrong(x.unflatten(-1, (-1, group)), None, eps).items() if "axis" not in h},
             }
