@@ -35,9 +35,15 @@ def fails(check, fn, match: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _grouped_rms(x, weight=None, eps=1e-5, group=None):
+    out = rms_norm(x if group is None else x.unflatten(-1, (-1, group)), None, eps).reshape(x.shape)
+    return out if weight is None else out * weight
+
+
 LIBRARY = {
-    "check_amplifier_output": amplifier_output,
-    "check_gains": amplifier_gains,
+    "check_amplifier_output": lambda v_cm, v_d, gain_plus=1.0, gain_minus=1.0: amplifier_output(
+        v_cm + v_d / 2, v_cm - v_d / 2, gain_plus, gain_minus),
+    "check_gains": lambda amp: (amp(0.5, -0.5) - amp(0.0, 0.0), amp(1.0, 1.0) - amp(0.0, 0.0)),
     "check_cmrr_db": cmrr_db,
     "check_attention": lambda q, k, v, keep: torch.softmax(  # by hand: the check refuses the library's attention
         (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep[:, None, None, :], float("-inf")), -1) @ v,
@@ -48,8 +54,9 @@ LIBRARY = {
         *(rearrange(t, "b (two h) n d -> b (h two) n d", two=2) for t in (q, k)), v, lam),
     "check_lambda_init": lambda_init_fn,
     "check_reparam_lambda": reparam_lambda,
-    "check_rms_norm": rms_norm,
-    "check_subln": lambda heads, lambda_init, weight=None, eps=1e-5: rms_norm(heads, weight, eps) * (1 - lambda_init),
+    "check_rms_norm": lambda x, weight=None, eps=1e-5, group=None: _grouped_rms(x, weight, eps, group),
+    "check_subln": lambda x, num_heads, lambda_init, weight=None, eps=1e-5: rms_norm(
+        x.unflatten(-1, (num_heads, -1)), weight, eps).flatten(-2) * (1 - lambda_init),
     "check_causal_mask": causal_mask,
     "check_expand_kv": expand_kv_groups,
     "check_forward": lambda x, layer: layer(x, causal=True),
@@ -144,33 +151,54 @@ def test_checks_leave_the_rng_alone(name):
 # --------------------------------------------------------------------------------------------
 
 
+def _modes(fn):
+    """A mistake written on the wires, run on the modes the check passes."""
+    return lambda v_cm, v_d, gain_plus=1.0, gain_minus=1.0: fn(v_cm + v_d / 2, v_cm - v_d / 2, gain_plus, gain_minus)
+
+
 def test_amplifier_output_mistakes():
     c = checks.check_amplifier_output
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_minus * vm - gain_plus * vp, "wrong order")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_plus * vp + gain_minus * vm, "added the inputs")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_minus * vp - gain_plus * vm, "gains are swapped")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: vp - vm, "gains are ignored")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_plus * (vp - vm), "one gain for both")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: (gain_plus * vp - gain_minus * vm).sum(), "shape")
-    fails(c, lambda vp, vm, gain_plus=1.0, gain_minus=1.0: 2 * gain_plus * vp - gain_minus * vm, "differs")
+    fails(c, _modes(lambda vp, vm, gp, gm: gm * vm - gp * vp), "wrong order")
+    fails(c, _modes(lambda vp, vm, gp, gm: gp * vp + gm * vm), "added the inputs")
+    fails(c, _modes(lambda vp, vm, gp, gm: gm * vp - gp * vm), "gains are swapped")
+    fails(c, _modes(lambda vp, vm, gp, gm: vp - vm), "gains are ignored")
+    fails(c, _modes(lambda vp, vm, gp, gm: gp * (vp - vm)), "one gain for both")
+    fails(c, _modes(lambda vp, vm, gp, gm: (gp * vp - gm * vm).sum()), "shape")
+    fails(c, _modes(lambda vp, vm, gp, gm: 2 * gp * vp - gm * vm), "differs")
+    fails(c, amplifier_output, "not the wires' voltages")  # the chapter's formula, on the modes
+    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: amplifier_output(cm + d, cm - d, gain_plus, gain_minus),
+          "whole difference")
+    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: amplifier_output(cm - d / 2, cm + d / 2, gain_plus,
+                                                                           gain_minus), "wrong sign")
+
+
+def _measure(*, offset=True, per_volt=True, order=True, cm_scale=1.0, absolute=False):
+    def gains(amp):
+        y0 = amp(0.0, 0.0) if offset else 0.0
+        ad = (amp(0.5, -0.5) if per_volt else amp(1.0, -1.0)) - y0
+        acm = amp(cm_scale, cm_scale) - y0
+        ad, acm = (abs(ad), abs(acm)) if absolute else (ad, acm)
+        return (ad, acm) if order else (acm, ad)
+    return gains
 
 
 def test_gains_mistakes():
     c = checks.check_gains
-    fails(c, lambda gp, gm: (gp - gm, (gp + gm) / 2), "wrong order")
-    fails(c, lambda gp, gm: (gp + gm, gp - gm), "divided by that difference")
-    fails(c, lambda gp, gm: ((gp + gm) / 2, gm - gp), "wrong sign")
-    fails(c, lambda gp, gm: ((gp + gm) / 2, (gp - gm) / 2), "halved")
-    fails(c, lambda gp, gm: (gp - gm, gp - gm), "average")
-    fails(c, lambda gp, gm: (gp + gm) / 2, "pair")
-    fails(c, lambda gp, gm: ("big", gp - gm), "number")
-    fails(c, lambda gp, gm: ((gp - gm) / 2, gp + gm), "fix task 1 first")  # measured on an amplifier that adds
+    checks.check_gains(_measure())
+    fails(c, _measure(offset=False), "offset is counted as gain")
+    fails(c, lambda amp: (amp(0.5, -0.5), amp(1.0, 1.0) - amp(0.0, 0.0)), "one reading only")
+    fails(c, _measure(order=False), "wrong order")
+    fails(c, _measure(per_volt=False), "divided by that difference")
+    fails(c, _measure(cm_scale=0.5), "halved")
+    fails(c, lambda amp: (amp(0.5, -0.5) - amp(0.0, 0.0)), "pair")
+    fails(c, lambda amp: ("big", 1.0), "number")
+    fails(checks.check_gains, lambda gp, gm: ((gp + gm) / 2, gp - gm), "could not use|raised TypeError")
 
 
 def test_gains_keep_their_sign():
     c = checks.check_gains
-    fails(c, lambda gp, gm: (abs(gp + gm) / 2, gp - gm), "differential gain lost its sign")
-    fails(c, lambda gp, gm: ((gp + gm) / 2, abs(gp - gm)), "common-mode gain lost its sign")
+    fails(c, lambda amp: (abs(amp(0.5, -0.5) - amp(0, 0)), amp(1.0, 1.0) - amp(0, 0)), "differential gain lost its sign")
+    fails(c, lambda amp: (amp(0.5, -0.5) - amp(0, 0), abs(amp(1.0, 1.0) - amp(0, 0))), "common-mode gain lost its sign")
 
 
 def test_cmrr_db_mistakes():
@@ -397,12 +425,21 @@ def test_reparam_lambda_any_dot_product_over_d_passes(capsys):
 # --------------------------------------------------------------------------------------------
 
 
-def _rms(dim=-1, center=False, eps_inside=True, sqrt=True, mean=True, use_weight=True):
-    def f(x, weight=None, eps=1e-5):
-        y = x - x.mean(dim, keepdim=True) if center else x
+def _rms(dim=-1, center=False, eps_inside=True, sqrt=True, mean=True, use_weight=True, groups="consecutive"):
+    def f(x, weight=None, eps=1e-5, group=None):
+        D = x.shape[-1]
+        if group is not None and groups == "consecutive":
+            parts = x.unflatten(-1, (-1, group))
+        elif group is not None and groups == "strided":
+            parts = x.unflatten(-1, (group, -1)).transpose(-1, -2)
+        else:
+            parts = x
+        y = parts - parts.mean(dim, keepdim=True) if center else parts
         ms = y.pow(2).mean(dim, keepdim=True) if mean else y.pow(2).sum(dim, keepdim=True)
         den = (ms + eps).sqrt() if eps_inside and sqrt else (ms.sqrt() + eps if sqrt else ms + eps)
         out = y / den
+        out = out.transpose(-1, -2).reshape(x.shape) if (group is not None and groups == "strided") else \
+            out.reshape(*x.shape[:-1], D)
         return out * weight if (weight is not None and use_weight) else out
     return f
 
@@ -416,42 +453,47 @@ def test_rms_norm_mistakes():
     fails(c, _rms(sqrt=False), "square root")
     fails(c, _rms(mean=False), "L2 norm")
     fails(c, _rms(use_weight=False), "forgot the weight")
-    fails(c, lambda x, weight=None, eps=1e-5: torch.nn.functional.layer_norm(x, x.shape[-1:], weight, eps=eps),
-          "LayerNorm")
-    fails(c, lambda x, weight=None, eps=1e-5: rms_norm(x, None if weight is None else weight.abs(), eps), "lost its sign")
-    fails(c, lambda x, weight=None, eps=1e-6: rms_norm(x, weight, eps), "default eps")
+    fails(c, _rms(groups="ignored"), "group is ignored")
+    fails(c, _rms(groups="strided"), "strided")
+    fails(c, lambda x, weight=None, eps=1e-5, group=None: torch.nn.functional.layer_norm(
+        x, x.shape[-1:], weight, eps=eps), "LayerNorm")
+    fails(c, lambda x, weight=None, eps=1e-5, group=None: _grouped_rms(
+        x, None if weight is None else weight.abs(), eps, group), "lost its sign")
+    fails(c, lambda x, weight=None, eps=1e-6, group=None: _grouped_rms(x, weight, eps, group), "default eps")
 
 
 def test_subln_mistakes():
     c = checks.check_subln
 
-    def subln(norm, factor):
-        return lambda heads, lambda_init, weight=None, eps=1e-5: norm(heads, weight, eps) * factor(lambda_init)
+    def subln(norm, factor, *, split="(h e)", tile="repeat", use_weight=True):
+        def f(x, num_heads, lambda_init, weight=None, eps=1e-5):
+            heads = rearrange(x, f"b n {split} -> b h n e", h=num_heads)
+            out = norm(heads, None, eps)
+            out = rearrange(out, f"b h n e -> b n {split}")
+            if weight is not None and use_weight:
+                out = out * (weight.repeat(num_heads) if tile == "repeat" else weight.repeat_interleave(num_heads))
+            return out * factor(lambda_init)
+        return f
 
     right = lambda li: 1 - li  # noqa: E731
     checks.check_subln(subln(_rms(), right))
     fails(c, subln(_rms(), lambda li: 1.0), "missing \\(1 - lambda_init\\)")
-    fails(c, lambda h, li, weight=None, eps=1e-5: rms_norm(h * (1 - li), weight, eps), "missing \\(1 - lambda_init\\)")
     fails(c, subln(_rms(), lambda li: li), "multiplied by lambda_init")
     fails(c, subln(_rms(), lambda li: 1 + li), "1 \\+ lambda_init")
-    fails(c, subln(_rms(dim=-2), right), "wrong axis")
-    fails(c, subln(_rms(dim=1), right), "heads axis")
+    fails(c, subln(_rms(), right, split="(e h)"), "split the heads the wrong way")
+    fails(c, subln(_rms(), right, tile="interleave"), "spread wrongly over the heads")
+    fails(c, subln(_rms(), right, use_weight=False), "forgot the weight")
 
-    def per_half(heads, lambda_init, weight=None, eps=1e-5):
-        a, b = heads.chunk(2, dim=-1)
-        out = torch.cat([rms_norm(a, None, eps), rms_norm(b, None, eps)], -1)
-        return out * (1 if weight is None else weight) * (1 - lambda_init)
-
-    fails(c, per_half, "each half")
-
-    def joint(heads, lambda_init, weight=None, eps=1e-5):
-        B, H, N, E = heads.shape
-        flat = heads.transpose(1, 2).reshape(B, N, H * E)
-        out = rms_norm(flat, None, eps).reshape(B, N, H, E).transpose(1, 2)
-        return out * (1 if weight is None else weight) * (1 - lambda_init)
+    def joint(x, num_heads, lambda_init, weight=None, eps=1e-5):
+        return rms_norm(x, None, eps) * (1 if weight is None else weight.repeat(num_heads)) * (1 - lambda_init)
 
     fails(c, joint, "all heads of a token together")
-    fails(c, subln(_rms(use_weight=False), right), "forgot the weight")
+
+    def per_half(x, num_heads, lambda_init, weight=None, eps=1e-5):
+        out = _grouped_rms(x, None, eps, group=x.shape[-1] // num_heads // 2)
+        return out * (1 if weight is None else weight.repeat(num_heads)) * (1 - lambda_init)
+
+    fails(c, per_half, "each half")
 
 
 # --------------------------------------------------------------------------------------------

@@ -163,14 +163,14 @@ def _nb10_pair_groups():
 def _nb10_forward():
     run = chapter_lines("10", "by hand with the layer's own weights", ["qh", "kh", "vh", "lam_x", "by_hand"])
 
-    def forward(x, layer, *rest):
+    def forward(x, memory, layer):  # the chapter's self-attention, on the queries' sequence
         ns = run(x=x, layer=layer, rope=(None, None), apply_rope=lambda t, *_: t)
         return ns["by_hand"]
     return forward
 
 
 def _nb10_layer_call():
-    return lambda x, layer, *rest: layer(x, causal=True)
+    return lambda x, memory, layer: layer(x)
 
 
 def _nb11_block_mask():
@@ -202,7 +202,7 @@ CASES = {
     "10 T1 the library's diff_attention_v2": (checks.check_diff_v2, _nb10_library_v2),
     "10 T2 torch.arange(2 * H) // (2 * H // Hkv)": (checks.check_pair_groups, _nb10_pair_groups),
     "10 T3 by hand with the layer's own weights": (checks.check_forward_v2, _nb10_forward),
-    "10 T3 layer(x, causal=True)": (checks.check_forward_v2, _nb10_layer_call),
+    "10 T3 layer(x)": (checks.check_forward_v2, _nb10_layer_call),
     "11 T2 causal_mask(n, n).repeat(1, i + 1)": (checks.check_block_causal_mask, _nb11_block_mask),
     "14 T1 to_diff_v2(layer)": (checks.check_mirror_to_v2, _nb14_to_v2),
     "14 T2 wide = torch.cat(...)": (checks.check_shared_map_values, _nb14_shared),
@@ -223,7 +223,7 @@ def test_the_chapters_code_does_not_pass(case, capsys):
 
 
 @pytest.mark.parametrize("case", ["02 T1 torch's scaled_dot_product_attention", "02 T2 the library's answer_noise_shares",
-                                  "10 T1 the library's diff_attention_v2", "10 T3 layer(x, causal=True)",
+                                  "10 T1 the library's diff_attention_v2", "10 T3 layer(x)",
                                   "14 T1 to_diff_v2(layer)"])
 def test_calling_the_implementation_names_the_rule(case):
     check, build = CASES[case]
@@ -245,3 +245,19 @@ def test_the_rule_leaves_no_profiler_and_keeps_one_set_before():
         assert sys.getprofile() is mine
     finally:
         sys.setprofile(before)
+
+
+def test_the_rule_matches_the_function_not_its_decorator():
+    """``to_diff_v2`` is wrapped by ``torch.no_grad()``, whose wrapper code every such function shares: an answer that
+    is itself under ``torch.no_grad()`` but calls no converter must not be refused."""
+    from diffattn_tutorial.checks._core import refusing
+    from diffattn_tutorial.layers.convert import to_diff_v2
+
+    @torch.no_grad()
+    def mine(x):
+        return x + 1
+
+    assert refusing(mine, {to_diff_v2: "the library's to_diff_v2"}, name="mine")(torch.ones(1)).item() == 2
+    with pytest.raises(CheckFailed, match="calls the library's to_diff_v2"):
+        refusing(lambda layer: to_diff_v2(layer), {to_diff_v2: "the library's to_diff_v2"}, name="f")(
+            __import__("diffattn_tutorial.layers.attention", fromlist=["MultiheadAttention"]).MultiheadAttention(8, 2))

@@ -478,6 +478,40 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
         ((("(q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)",
            "(q1, q2), (k1, k2) = split_pairs(q), split_pairs(k)"),), "Task 1's interleaved split on blocked heads"),
     ],
+    ("01_differential_amplifier", 1): [
+        ((("v_cm + v_d / 2, v_cm - v_d / 2", "v_cm + v_d, v_cm - v_d"),), "the whole difference on each wire"),
+        ((("v_plus, v_minus = v_cm + v_d / 2, v_cm - v_d / 2", "v_plus, v_minus = v_cm, v_d"),),
+         "the modes taken for the wires (the chapter's formula)"),
+    ],
+    ("01_differential_amplifier", 2): [
+        ((("amplifier(0.5, -0.5) - offset", "amplifier(0.5, -0.5)"), ("amplifier(1.0, 1.0) - offset", "amplifier(1.0, 1.0)")),
+         "the offset not taken out"),
+    ],
+    ("05_subnorm", 1): [
+        ((("x.unflatten(-1, (-1, group))", "x.unflatten(-1, (group, -1))"),), "groups of D/g instead of g features"),
+    ],
+    ("05_subnorm", 2): [
+        ((("weight.repeat(num_heads)", "weight.repeat_interleave(num_heads)"),), "the weight spread entry by entry"),
+        ((("rms_norm(x, w, eps, group=width)", "rms_norm(x, w, eps)"),), "all heads normalised together"),
+    ],
+    ("10_diff_v2", 1): [
+        ((("k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)",
+           "k.repeat(1, per_group, 1, 1), v.repeat(1, per_group, 1, 1)"),), "the KV heads tiled"),
+        ((("triu(nk - nq + 1)", "triu(1)"),), "the causal mask aligned top-left"),
+        ((("triu(nk - nq + 1)", "triu(nk - nq)"),), "the causal mask hides the diagonal"),
+    ],
+    ("10_diff_v2", 3): [
+        ((("diff_v2(q, k, v, layer.lambda_proj(x))", "diff_v2(q, k, v, torch.sigmoid(layer.lambda_proj(x)))"),),
+         "the sigmoid applied twice"),
+        ((('"b h n d -> b n (h d)"', '"b h n d -> b n (d h)"'),), "heads merged feature by feature"),
+        ((("layer.k_proj(memory)", "layer.k_proj(x)"), ("layer.v_proj(memory)", "layer.v_proj(x)")),
+         "keys and values from x"),
+    ],
+    ("14_converting_trained_models", 2): [
+        ((("wide = torch.cat([v[:, :half], v[:, half:]], dim=-1)", "wide = torch.cat([v[:, 0::2], v[:, 1::2]], dim=-1)"),
+          ("softmax_attention(q[:, :half], k[:, :half], wide", "softmax_attention(q[:, 0::2], k[:, 0::2], wide")),
+         "adjacent pairs (the chapter's) instead of halves"),
+    ],
     ("11_diff_attention_in_the_wild", 2): [
         ((("torch.ones(paths, paths, dtype=torch.bool).tril()", "torch.ones(paths, paths, dtype=torch.bool)"),),
          "every path reads every path"),
@@ -690,6 +724,24 @@ def counts(reports: list[NotebookReport]) -> dict:
     return {"total": {k: summary(reports)[k] for k in keys}, "notebooks": per}
 
 
+def sources_hash(root: Path = ROOT) -> str:
+    """sha256 of what the counts depend on: every check's source (``diffattn_tutorial/checks/*.py``), this tool
+    (its operators and ``NAMED_MISTAKES``) and the code cells of every solution (not their outputs). The record
+    keeps it, and ``tests/test_mutation_record.py`` fails when a check changed after the record was made."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    files = sorted((root / "diffattn_tutorial" / "checks").glob("*.py")) + [root / "tools" / "mutation.py"]
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    for p in sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(p.read_text())["cells"]
+        code = "\n\0".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        h.update(p.name.encode() + b"\0" + code.encode() + b"\0")
+    return h.hexdigest()
+
+
 def record(reports: list[NotebookReport], path: Path = RECORD) -> dict:
     """Write :func:`counts` with how they were made to ``path`` (``diffattn_tutorial/recorded/mutation.json``)."""
     import datetime
@@ -706,7 +758,7 @@ def record(reports: list[NotebookReport], path: Path = RECORD) -> dict:
     data = {"schema": "diffattn-tutorial/mutation/1", "command": "python tools/mutation.py --record",
             "device": f"CPU ({platform.machine()}), checks on 1 torch thread", "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(),
-            "date": datetime.date.today().isoformat(), **counts(reports)}
+            "date": datetime.date.today().isoformat(), "sources_sha256": sources_hash(), **counts(reports)}
     path.write_text(json.dumps(data, indent=1) + "\n")
     return data
 

@@ -15,6 +15,7 @@ are tiny, and small ops on several threads crawl when another process holds a co
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 import os
 import sys
@@ -94,8 +95,9 @@ def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Cal
 
     The watch is ``sys.setprofile`` for the duration of the learner's call only: the check's own references
     run unwatched. A profiler set before (a debugger's) is restored after."""
-    codes = {getattr(f, "__code__", None): what for f, what in refused.items() if hasattr(f, "__code__")}
-    builtins = {id(f): what for f, what in refused.items() if not hasattr(f, "__code__")}
+    unwrapped = {inspect.unwrap(f): what for f, what in refused.items()}  # a decorator's wrapper code is shared
+    codes = {f.__code__: what for f, what in unwrapped.items() if hasattr(f, "__code__")}
+    builtins = {id(f): what for f, what in unwrapped.items() if not hasattr(f, "__code__")}
 
     @functools.wraps(fn)
     def watched(*args, **kwargs):

@@ -1,5 +1,6 @@
-"""Checks for ``exercises/01_differential_amplifier.ipynb``: the amplifier's output, its two gains, and the
-common-mode rejection ratio. The reference is ``diffattn_tutorial.course.toys``."""
+"""Checks for ``exercises/01_differential_amplifier.ipynb``: the amplifier's output for inputs given as common mode
+and difference, its two gains measured on an amplifier with an output offset, and the common-mode rejection ratio.
+The reference is ``diffattn_tutorial.course.toys``."""
 
 from __future__ import annotations
 
@@ -19,14 +20,28 @@ __all__ = ["check_amplifier_output", "check_gains", "check_cmrr_db"]
 _GAINS = [(1.0, 1.0), (2.0, 1.5), (1.0, 0.9), (0.5, 0.8), (3.0, 2.99), (-2.0, -1.5)]
 
 
-@exercise_check(task=1, name="amplifier_output")
+def _wires(v_cm, v_d):
+    return v_cm + v_d / 2, v_cm - v_d / 2
+
+
+@exercise_check(task=1, name="output_from_modes")
 def check_amplifier_output(fn: Callable) -> None:
-    """``fn(v_plus, v_minus, gain_plus=1.0, gain_minus=1.0)`` must return ``gain_plus * v_plus - gain_minus * v_minus``."""
-    what = "amplifier_output"
-    for i, (shape, (gp, gm)) in enumerate(zip([(7,), (3, 11), (2, 5, 4), (9,), (1, 6), (4,)], _GAINS)):
-        v_plus, v_minus = randn(*shape, seed=10 + i), randn(*shape, seed=20 + i)
+    """``fn(v_cm, v_d, gain_plus=1.0, gain_minus=1.0)``: the amplifier's output for wires that carry the common mode
+    ``v_cm`` and the difference ``v_d`` (floats or tensors of one shape) -> a float or tensor of that shape."""
+    what = "output_from_modes"
+    # mismatched gains first: with matched ones, a swapped subtraction and a swapped split give the same output
+    cases = zip([(7,), (3, 11), (2, 5, 4), (9,), (1, 6), (4,)], _GAINS[1:] + _GAINS[:1])
+    for i, (shape, (gp, gm)) in enumerate(cases):
+        v_cm, v_d = randn(*shape, seed=10 + i), randn(*shape, seed=20 + i)
+        v_plus, v_minus = _wires(v_cm, v_d)
         expected = amplifier_output(v_plus, v_minus, gain_plus=gp, gain_minus=gm)
         wrong = {
+            "v_cm and v_d are not the wires' voltages: build v+ and v- from the modes first (each wire carries the "
+            "common mode and half of the difference, with opposite signs)": amplifier_output(v_cm, v_d, gp, gm),
+            "each wire carries the whole difference: v+ - v- must be v_d, so each wire carries half of it":
+                amplifier_output(v_cm + v_d, v_cm - v_d, gp, gm),
+            "the difference is split with the wrong sign: v_d = v+ - v-, so v+ carries +v_d/2 and v- carries -v_d/2":
+                amplifier_output(*_wires(v_cm, -v_d), gp, gm),
             "subtracted in the wrong order: the inverting input v_minus is the one subtracted":
                 amplifier_output(v_minus, v_plus, gm, gp),
             "added the inputs: a differential amplifier amplifies their difference": gp * v_plus + gm * v_minus,
@@ -34,28 +49,27 @@ def check_amplifier_output(fn: Callable) -> None:
                 amplifier_output(v_plus, v_minus, gm, gp),
             "the gains are ignored: multiply each input by its own gain": amplifier_output(v_plus, v_minus, 1.0, 1.0),
             "one gain for both inputs: with mismatched gains each input is amplified by its own gain before the "
-            "difference, so what both share no longer cancels exactly": gp * (v_plus - v_minus),
+            "difference, so the common mode no longer cancels exactly": gp * (v_plus - v_minus),
         }
-        got = call(fn, v_plus, v_minus, gain_plus=gp, gain_minus=gm, what=what)
+        got = call(fn, v_cm, v_d, gain_plus=gp, gain_minus=gm, what=what)
         expect(got, expected, what=what, wrong=wrong)
-        got_default = call(fn, v_plus, v_minus, what=f"{what} with the default gains")
+        got_default = call(fn, v_cm, v_d, what=f"{what} with the default gains")
         expect(got_default, amplifier_output(v_plus, v_minus), what=f"{what} with the default gains (1.0, 1.0)")
-    passed("amplifier_output subtracts the inverting input, each with its own gain.")
+    passed("output_from_modes puts the common mode and half the difference on each wire, then amplifies.")
+
+
+# (gain_plus, gain_minus, output offset): the amplifiers the learner measures, as black boxes
+_AMPLIFIERS = [(g[0], g[1], off) for g, off in zip(_GAINS + [(1.2, 0.4)], [0.0, 0.3, -0.05, 0.0, 0.01, 0.2, -1.0])]
 
 
 @exercise_check(task=2, name="gains")
 def check_gains(fn: Callable) -> None:
-    """``fn(gain_plus, gain_minus)`` must return ``(differential_gain, common_mode_gain)``.
-
-    Measured on the amplifier: differential gain = output per volt of ``v_plus - v_minus`` for an input with
-    no common mode (``v_plus = v_d / 2``, ``v_minus = -v_d / 2``); common-mode gain = output per volt of
-    ``v_plus = v_minus = v_cm``.
-    """
+    """``fn(amplifier)``: ``amplifier(v_plus, v_minus)`` a linear amplifier (a function of two floats, possibly with
+    an output offset) -> ``(differential_gain, common_mode_gain)``, measured on it."""
     what = "gains"
-    cases = _GAINS + [(1.2, 0.4)]
     got_d, got_c, exp_d, exp_c = [], [], [], []
-    for gp, gm in cases:
-        res = call(fn, gp, gm, what=what)
+    for gp, gm, off in _AMPLIFIERS:
+        res = call(fn, lambda v_plus, v_minus, gp=gp, gm=gm, off=off: gp * v_plus - gm * v_minus + off, what=what)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
             fail(f"{what} should return a pair (differential_gain, common_mode_gain), got {type(res).__name__}")
         got_d.append(res[0])
@@ -65,35 +79,35 @@ def check_gains(fn: Callable) -> None:
         exp_c.append(acm)
     gd, gc = as_numbers(got_d, what=what), as_numbers(got_c, what=what)
     ed, ec = torch.tensor(exp_d, dtype=torch.float64), torch.tensor(exp_c, dtype=torch.float64)
-    gp_t = torch.tensor([g[0] for g in cases], dtype=torch.float64)
-    gm_t = torch.tensor([g[1] for g in cases], dtype=torch.float64)
+    off = torch.tensor([a[2] for a in _AMPLIFIERS], dtype=torch.float64)
     got = torch.stack([gd, gc], dim=1)
     expected = torch.stack([ed, ec], dim=1)
     expect(got, expected, what=what, wrong={
+        "the output offset is counted as gain: these amplifiers output something even for zero input; measure "
+        "that first and take it out of both readings": torch.stack([ed + off, ec + off], 1),
+        "the offset is taken out of one reading only: it is in every output, so subtract it from both":
+            torch.stack([ed + off, ec], 1),
+        "the offset is taken out of one reading only (the differential one): it is in every output, so subtract it "
+        "from both": torch.stack([ed, ec + off], 1),
         "the pair is in the wrong order: return (differential_gain, common_mode_gain)": torch.stack([ec, ed], 1),
         "the differential gain is not per volt of difference: v_plus = +1, v_minus = -1 is a difference of 2 V, "
         "so the output must be divided by that difference": torch.stack([2 * ed, ec], 1),
-        "the common-mode gain has the wrong sign: with the same voltage on both inputs, g+ amplifies it and g- "
-        "subtracts it": torch.stack([ed, -ec], 1),
+        "the common-mode gain has the wrong sign: feed the same voltage to both inputs and read what comes out":
+            torch.stack([ed, -ec], 1),
         "the common-mode gain is halved: a common mode of 1 V puts the full 1 V on each input, not half of it":
             torch.stack([ed, ec / 2], 1),
-        "the differential gain is the gains' difference? That is the common-mode gain; a pure difference "
-        "v_d puts +v_d/2 on one input and -v_d/2 on the other, which gives the gains' average":
-            torch.stack([gp_t - gm_t, ec], 1),
         "the differential gain lost its sign: an amplifier with negative gains inverts, so its differential "
         "gain is negative (do not take an absolute value or clamp)": torch.stack([ed.abs(), ec], 1),
         "the common-mode gain lost its sign: when g- is larger than g+ the common mode comes out inverted, a "
         "negative gain (do not take an absolute value or clamp)": torch.stack([ed, ec.abs()], 1),
-        "these are the gains of an amplifier that adds its inputs (g+ v+ + g- v-): gains measures your "
-        "amplifier_output, so fix task 1 first (its output is g+ v+ - g- v-)":
-            torch.stack([(gp_t - gm_t) / 2, gp_t + gm_t], 1),
     })
-    passed("differential gain (g+ + g-)/2 and common-mode gain g+ - g-, measured like a lab would.")
+    passed("both gains measured on the amplifier itself, its output offset taken out, like a lab would.")
 
 
 @exercise_check(task=3, name="cmrr_db")
 def check_cmrr_db(fn: Callable) -> None:
-    """``fn(differential_gain, common_mode_gain)`` must return the CMRR in decibels, ``20 log10 |Ad / Acm|``."""
+    """``fn(differential_gain, common_mode_gain)`` -> the CMRR in decibels (a float; ``math.inf`` for a common-mode
+    gain of zero)."""
     what = "cmrr_db"
     # gains of either sign, and a common-mode gain larger than the differential one (a CMRR below 0 dB)
     cases = [(1.0, 0.1), (0.95, 0.1), (1.75, 0.5), (0.65, -0.3), (2.995, 0.01), (100.0, 1.0), (0.8, -0.002),

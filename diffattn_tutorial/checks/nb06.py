@@ -22,8 +22,8 @@ _MASK_CASES = [(5, 5), (1, 1), (3, 7), (1, 6), (4, 4), (2, 9)]
 
 @exercise_check(task=1, name="causal_mask")
 def check_causal_mask(fn: Callable) -> None:
-    """``fn(nq, nk)`` -> bool ``(nq, nk)``, True where query ``i`` may attend key ``j``: ``j <= i + nk - nq``
-    (aligned bottom-right: with a KV cache the newest query is the last key)."""
+    """``fn(nq, nk)`` -> bool ``(nq, nk)``, True where query ``i`` may attend key ``j``, aligned bottom-right
+    (with a KV cache the queries are the newest tokens)."""
     what = "causal_mask"
     for nq, nk in _MASK_CASES:
         got = call(fn, nq, nk, what=f"{what}({nq}, {nk})")
@@ -80,7 +80,7 @@ _KV_HINTS = {
 @exercise_check(task=2, name="expand_kv")
 def check_expand_kv(fn: Callable) -> None:
     """``fn(k, v, num_heads)``: k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> ``(k, v)`` of shapes
-    ``(B, 2H, N, d)`` and ``(B, H, N, 2d)`` where differential head ``i`` uses KV group ``i // (H // Hkv)``."""
+    ``(B, 2H, N, d)`` and ``(B, H, N, 2d)``, every differential head given its KV group's keys and values."""
     what = "expand_kv"
     for i, (B, H, Hkv, N, d) in enumerate([(2, 4, 2, 5, 4), (1, 6, 2, 7, 2), (2, 3, 1, 3, 4), (1, 2, 2, 4, 4),
                                            (1, 6, 3, 5, 2)]):

@@ -261,7 +261,8 @@ def _unnormalised(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, seed: int) -
 
 @exercise_check(task=2, name="diff_combine")
 def check_diff_combine(diff_combine) -> None:
-    """``diff_combine(acc1, l1, acc2, l2, lam)``: ``acc1 / l1 - lam * acc2 / l2``, zero where ``l == 0``."""
+    """``diff_combine(acc1, l1, acc2, l2, lam)``: the epilogue that turns the two streams' accumulators into the
+    differential output (see the exercise)."""
     _check_jit(diff_combine, "diff_combine")
     kernels = _harness()
     for i, (nq, nk, d, causal) in enumerate(_COMBINE_CASES):

@@ -2,7 +2,7 @@
 
 1. which rows of a step's global batch each rank reads at each accumulation micro-step (checked by what makes one
    process and many train alike: every row read once, by one rank, ``per_rank`` rows at a time);
-2. the rows of a parameter FSDP2 keeps on one rank (``torch.chunk`` along dim 0).
+2. the rows of a parameter FSDP2 keeps on one rank.
 
 References: ``distributed.micro_batch_rows`` (one valid split; any split with the same properties passes) and
 ``distributed.fsdp_local_shard``.
@@ -100,7 +100,7 @@ def _floor_rows(p: Tensor, rank: int, world: int) -> Tensor:
 @exercise_check(task=2, name="local_shard")
 def check_local_shard(fn: Callable) -> None:
     """``fn(param, rank, world_size)`` -> the rows of ``param`` (shape ``(n, ...)``) that FSDP2 keeps on ``rank``:
-    blocks of ``ceil(n / world_size)`` rows, in order; the last ranks get fewer rows or an empty ``(0, ...)``."""
+    its shard along dim 0 as FSDP2 cuts it (possibly an empty ``(0, ...)`` tensor)."""
     what = "local_shard"
     for i, (n, cols, world) in enumerate(_SHARD_CASES):
         param = randn(n, seed=1200 + i) if cols is None else randn(n, cols, seed=1200 + i)

@@ -1,13 +1,13 @@
 """Checks for ``exercises/14_converting_trained_models.ipynb``: turning a trained baseline into differential attention.
 
-1. the exact DIFF V2 conversion: a ``DiffAttnV2`` whose query heads ``2i`` and ``2i + 1`` are both the baseline's
-   head ``i`` (mirrored), keys and values (and GQA groups) kept, ``lambda_proj`` at zero and ``o_proj`` doubled;
-2. what keeps the paper's V1 from being exact: the positive term of a split conversion applies the map of
-   baseline head ``2i`` to the value of width ``2d`` made of heads ``2i`` and ``2i + 1``;
-3. the fine-tuning loop with the negative branch's warm-up (``lambda_mix = min(1, t / warmup_steps)`` at step t).
+1. the exact DIFF V2 conversion: a ``DiffAttnV2`` that computes what the baseline computes, built by hand (the
+   library's converters are refused);
+2. what keeps the paper's V1 from being exact: the positive term of a conversion that pairs baseline heads by
+   halves (axolotl's ``--split-heads``), one map applied to a value of width ``2d``;
+3. the fine-tuning loop with the negative branch's warm-up.
 
-References: ``layers.convert.to_diff_v2`` (task 1), ``functional.softmax_attention`` (task 2) and a plain SGD loop
-over ``training.study.retrieval_loss`` with ``layers.convert.set_warmup`` (task 3).
+References: the baseline layer's own output (task 1), ``functional.softmax_attention`` (task 2) and a plain SGD
+loop over ``training.study.retrieval_loss`` with ``layers.convert.set_warmup`` (task 3).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from diffattn_tutorial.checks._core import call, close, exercise_check, expect, fail, passed, randn
+from diffattn_tutorial.checks._core import CheckFailed, call, close, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.checks._helpers import seeded
 from diffattn_tutorial.functional import softmax_attention
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention
@@ -95,42 +95,47 @@ _SPLIT_CASES = [(1, 4, 6, 4), (2, 2, 5, 8), (1, 6, 4, 4)]  # (B, H, N, d)
 
 
 def _shared(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True) -> Tensor:
-    wide = torch.cat([v[:, 0::2], v[:, 1::2]], dim=-1)  # (B, H/2, N, 2d): value of pair i = [v_2i, v_2i+1]
-    return softmax_attention(q[:, 0::2], k[:, 0::2], wide, causal=causal, backend="naive")
+    """The reference: pair i = baseline heads i and i + H/2; its map 1 is head i's, its value [v_i, v_{i+H/2}]."""
+    half = q.shape[1] // 2
+    wide = torch.cat([v[:, :half], v[:, half:]], dim=-1)  # (B, H/2, N, 2d)
+    return softmax_attention(q[:, :half], k[:, :half], wide, causal=causal, backend="naive")
 
 
 @exercise_check(task=2, name="shared_map_values")
 def check_shared_map_values(fn: Callable) -> None:
     """``fn(q, k, v)``: the baseline's per-head ``q, k, v`` ``(B, H, N, d)`` (after RoPE) -> ``(B, H/2, N, 2d)``,
-    V1's positive term ``A1 v`` after a split conversion: causal ``softmax(q_2i k_2i^T / sqrt d)`` times
-    ``[v_2i, v_2i+1]`` (the two values side by side, width ``2d``)."""
+    V1's positive term after a conversion that pairs the baseline's heads by halves."""
     what = "shared_map_values"
     for i, (B, H, N, d) in enumerate(_SPLIT_CASES):
         q, k, v = (randn(B, H, N, d, seed=1420 + 10 * i + j) for j in range(3))
         label = f"{what} (B={B}, H={H}, N={N}, d={d})"
         got = call(fn, q, k, v, what=label)
-        wide = torch.cat([v[:, 0::2], v[:, 1::2]], dim=-1)
         half = H // 2
+        wide = torch.cat([v[:, :half], v[:, half:]], dim=-1)
 
         def attend(qq, kk, vv, causal=True):
             return softmax_attention(qq, kk, vv, causal=causal, backend="naive")
 
-        blocked_v = torch.cat([v[:, :half], v[:, half:]], dim=-1)
+        adjacent_v = torch.cat([v[:, 0::2], v[:, 1::2]], dim=-1)
         expect(got, _shared(q, k, v), what=label, wrong={
-            "the map of head 2i+1 is used: a split conversion makes baseline head 2i map 1 (the positive term) and "
-            "head 2i+1 map 2": attend(q[:, 1::2], k[:, 1::2], wide),
-            "the pairs are blocked (head i with head i + H/2): the split pairs adjacent heads, 2i and 2i+1, the "
-            "layout V1's projections already have": attend(q[:, :half], k[:, :half], blocked_v),
-            "the values are reshaped instead of concatenated: v.reshape(B, H/2, N, 2d) mixes the rows of two "
-            "tokens; put the two heads' values side by side along the last dim (torch.cat(..., dim=-1))":
-                attend(q[:, 0::2], k[:, 0::2], v.reshape(B, half, N, 2 * d)),
-            "the causal mask is missing": attend(q[:, 0::2], k[:, 0::2], wide, causal=False),
-            "the scores are not scaled by 1/sqrt(d)": attend(q[:, 0::2] * math.sqrt(d), k[:, 0::2], wide),
+            "the pairs are adjacent heads (2i with 2i + 1, the course's heads='split'): this conversion pairs "
+            "baseline head i with head i + H/2, the first half of the heads with the second":
+                attend(q[:, 0::2], k[:, 0::2], adjacent_v),
+            "the map of head i + H/2 is used: the positive term is the map of the first head of the pair, head i":
+                attend(q[:, half:], k[:, half:], wide),
+            "the value halves are in the wrong order: the positive map's own head i comes first, [v_i, v_{i+H/2}]":
+                attend(q[:, :half], k[:, :half], torch.cat([v[:, half:], v[:, :half]], dim=-1)),
+            "the values are reshaped instead of concatenated: a reshape to (B, H/2, N, 2d) mixes the rows of two "
+            "tokens; put the two heads' values side by side along the last dim":
+                attend(q[:, :half], k[:, :half], v.reshape(B, half, N, 2 * d)),
+            "the causal mask is missing": attend(q[:, :half], k[:, :half], wide, causal=False),
+            "the scores are not scaled by 1/sqrt(d)": attend(q[:, :half] * math.sqrt(d), k[:, :half], wide),
             "this is V1's whole output with lambda = 1 (A1 v - A2 v): return the positive term A1 v only":
-                attend(q[:, 0::2], k[:, 0::2], wide) - attend(q[:, 1::2], k[:, 1::2], wide),
-        }, default_hint="Pair i: the causal softmax map of q_2i and k_2i, applied to torch.cat([v_2i, v_2i+1], -1).")
-    passed("one map per pair applied to a value of width 2d: its first half is baseline head 2i's output, its "
-           "second half is not head 2i+1's.")
+                attend(q[:, :half], k[:, :half], wide) - attend(q[:, half:], k[:, half:], wide),
+        }, default_hint="Pair i is baseline heads i and i + H/2: compare which head's map you take and which "
+                        "values you put side by side.")
+    passed("one map per pair applied to a value of width 2d: its first half is baseline head i's output, its "
+           "second half is not head i + H/2's.")
 
 
 # --- TASK 3: the fine-tuning loop with the negative branch's warm-up ----------------------------------------------
@@ -196,12 +201,18 @@ def _finetune_case() -> tuple:
 
 @exercise_check(task=3, name="finetune")
 def check_finetune(fn: Callable) -> None:
-    """``fn(model, batches, *, lr, warmup_steps)``: plain SGD on ``retrieval_loss``, one step per batch, with
-    ``set_warmup(model, min(1, t / warmup_steps))`` before step ``t``'s forward; returns the loss of every step."""
+    """``fn(model, batches, *, lr, warmup_steps)``: fine-tunes ``model`` in place with the warm-up, one step per
+    batch; returns the loss of every step."""
     what = f"finetune (SGD, {_FT_STEPS} steps, warmup_steps={_FT_WARMUP})"
     model, batches, want, want_params, wrong = _finetune_case()
     learner = copy.deepcopy(model)
-    got = call(fn, learner, copy.deepcopy(batches), lr=_FT_LR, warmup_steps=_FT_WARMUP, what=what)
+    try:
+        got = call(fn, learner, copy.deepcopy(batches), lr=_FT_LR, warmup_steps=_FT_WARMUP, what=what)
+    except CheckFailed as e:
+        if "modified by an inplace operation" in str(e):
+            fail(f"{what}: set_warmup ran between a step's forward and its backward. It changes lambda_mix in place, "
+                 f"and the backward needs the value the forward used: set the mix before the step's forward")
+        raise
     if not isinstance(got, (list, tuple)) or len(got) != _FT_STEPS:
         fail(f"{what} should return a list of {_FT_STEPS} losses, one per batch, got {type(got).__name__}"
              + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""))
