@@ -11,7 +11,7 @@ from einops import rearrange
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
-from diffattn_tutorial.course.toys import amplifier_gains, amplifier_output, cmrr_db
+from diffattn_tutorial.course.toys import amplifier_output, cmrr_db
 from diffattn_tutorial.functional import (
     causal_mask,
     diff_attention,

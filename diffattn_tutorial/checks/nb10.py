@@ -6,17 +6,15 @@ a DIFF V2 layer's weights used for cross-attention. References: ``functional.dif
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import io
 from typing import Callable
 
 import torch
-from einops import rearrange
-
-import contextlib
-import inspect
-import io
-
 import torch.nn.functional as F
+from einops import rearrange
 
 from diffattn_tutorial.checks._core import (
     CheckFailed,
