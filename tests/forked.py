@@ -247,3 +247,17 @@ def run_python(code: str, args: Sequence[str] = (), *, env: Optional[dict] = Non
     """``subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=cwd, input=input, timeout=timeout,
     capture_output=True, text=True)``, forked from the torch-importing server where the environment allows."""
     return Child(code, args, env=env, cwd=cwd, input=input).wait(timeout)
+
+
+CHILDREN_ROOT = Path(__file__).resolve().parent
+"""The folder that holds ``children/``: put on the child's ``PYTHONPATH`` by :func:`run_module`."""
+
+
+def run_module(module: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
+               input: Optional[str] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """``python -m module *args`` (a module of ``tests/children/``: child code as a module, not a string), forked
+    from the server where the environment allows, as :func:`run_python` is."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHILDREN_ROOT), env.get("PYTHONPATH", "")) if p)
+    code = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    return run_python(code, args, env=env, cwd=cwd, input=input, timeout=timeout)
