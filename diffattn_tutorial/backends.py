@@ -135,9 +135,12 @@ def get_backend(name: str) -> Backend:
 def check_name(backend: object, allowed: Optional[Sequence[str]] = None) -> str:
     """``backend`` where it is one of ``allowed`` (default: ``"auto"`` and every name ``diff_attention`` takes);
     else the one error every entry point gives (``diff_attention``, the layers, ``--attn-backend``)."""
-    allowed = ("auto",) + names() if allowed is None else tuple(allowed)
+    every = ("auto",) + names()
+    allowed = every if allowed is None else tuple(allowed)
     if not isinstance(backend, str) or backend not in allowed:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {allowed}")
+        known = isinstance(backend, str) and backend in every
+        what = f"backend {backend!r} is not one this takes" if known else f"unknown backend {backend!r}"
+        raise ValueError(f"{what}; choose one of {allowed}")
     return backend
 
 

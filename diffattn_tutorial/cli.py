@@ -21,11 +21,11 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator, NoReturn, Optional
+from typing import Iterator, Optional
 
 import torch
 
-from diffattn_tutorial.argtypes import int_at_least
+from diffattn_tutorial.argtypes import Parser, UsageError, int_at_least, print_usage_error
 
 
 def _version(module: str) -> str:
@@ -33,15 +33,6 @@ def _version(module: str) -> str:
         return getattr(importlib.import_module(module), "__version__", "installed")
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return "not installed"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line on stderr (the message, then where the help is),
-    exit code 2. Its subcommands' parsers are of the same class."""
-
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 class CommandError(Exception):
@@ -232,7 +223,7 @@ def _noting_ctrl_c() -> Iterator[list[bool]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="diffattn-tutorial", description="The differential attention course's helper command.")
+    ap = Parser(prog="diffattn-tutorial", description="The differential attention course's helper command.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="versions, devices and usable attention backends")
     p.set_defaults(func=doctor)
@@ -266,7 +257,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from diffattn_tutorial.training.loop import main as train_main
 
         return train_main(argv[1:], prog="diffattn-tutorial train")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return print_usage_error(e, "diffattn-tutorial")
     try:
         return args.func(args)
     except CommandError as e:

@@ -285,7 +285,7 @@ _DIFFLLAMA_NAMES = {"out_proj": "o_proj"}
 """This library's parameter prefixes -> DiffLlama's (the others match)."""
 
 
-def _diffllama_order(maps: int) -> Tensor:
+def diffllama_order(maps: int) -> Tensor:
     """Map order that turns DiffLlama's halves pairing into this library's adjacent one.
 
     DiffLlama pairs map ``i`` with map ``i + maps/2`` (``torch.chunk(..., 2, dim=heads)``); this library wants
@@ -295,7 +295,7 @@ def _diffllama_order(maps: int) -> Tensor:
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
-def _permute_maps(t: Tensor, order: Tensor, width: int) -> Tensor:
+def permute_maps(t: Tensor, order: Tensor, width: int) -> Tensor:
     """Reorder the ``width``-row blocks (one per map) of a projection weight ``(maps*width, in)`` or bias."""
     return t.unflatten(0, (-1, width))[order].flatten(0, 1)
 
@@ -424,13 +424,13 @@ def from_diffllama(state_dict: StateDict, *, layer_idx: int, config: Any = None,
                               out_bias=cfg["attention_bias"], rope_interleaved=False,
                               dropout=cfg["attention_dropout"], **module_kwargs)
     sd = _detached(state_dict)
-    q_order, kv_order = _diffllama_order(H), _diffllama_order(Hkv)
+    q_order, kv_order = diffllama_order(H), diffllama_order(Hkv)
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
         proj, _, suffix = name.partition(".")
         if proj in ("q_proj", "k_proj", "v_proj") and suffix in ("weight", "bias") \
                 and t.shape[0] == (H if proj == "q_proj" else Hkv) * head_dim:
-            t = _permute_maps(t, q_order if proj == "q_proj" else kv_order, head_dim)
+            t = permute_maps(t, q_order if proj == "q_proj" else kv_order, head_dim)
         out["out_proj." + suffix if proj == "o_proj" else name] = t
     _load(layer, out, "DiffLlama", _DIFFLLAMA_NAMES)
     return layer
@@ -458,8 +458,8 @@ def to_diffllama(module: MultiheadDiffAttn) -> dict[str, Tensor]:
     if problems:
         raise ValueError(f"DiffLlamaAttention has no {', '.join(problems)}: this layer cannot be exported")
     d = module.head_dim
-    q_back = torch.argsort(_diffllama_order(2 * module.num_heads))
-    kv_back = torch.argsort(_diffllama_order(2 * module.num_kv_heads))
+    q_back = torch.argsort(diffllama_order(2 * module.num_heads))
+    kv_back = torch.argsort(diffllama_order(2 * module.num_kv_heads))
     sd = _detached(module.state_dict())
     out = {name: sd.pop(name) for name in _LAMBDA_VECS}  # DiffLlama's order: lambdas, then q, k, v, o
     for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
@@ -471,7 +471,7 @@ def to_diffllama(module: MultiheadDiffAttn) -> dict[str, Tensor]:
             if proj in ("q_proj", "k_proj") and module.rope_interleaved:
                 t = interleaved_to_half_split(t, d)
             if proj != "out_proj":
-                t = _permute_maps(t, q_back if proj == "q_proj" else kv_back, d)
+                t = permute_maps(t, q_back if proj == "q_proj" else kv_back, d)
             out[f"{_DIFFLLAMA_NAMES.get(proj, proj)}.{suffix}"] = t
     if sd:
         raise ValueError(f"cannot map {sorted(sd)} to DiffLlama names")

@@ -13,7 +13,9 @@ joined, ``atexit`` handlers run, ``__main__``'s globals released, Python's and C
 ``os._exit`` skips the rest of the teardown (what costs half a second after ``import torch``). Torch was imported
 with the server's environment and interpreter flags, so a child whose environment differs in a variable other than
 ``FORK_SAFE``, or a pytest started with flags (``python -O``, ``-W error``), runs a real ``python -c`` instead, as
-everything does where there is no forkserver (Windows).
+everything does where there is no forkserver (Windows). That slow path is loud: each such child warns
+(:class:`SlowChild`, naming the variables that forced it) and is counted in :data:`SLOW_CHILDREN`, which
+``tests/conftest.py`` sums over the session and reports at its end.
 
 A ``Child`` that is never waited for is killed when pytest exits.
 """
@@ -28,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 import weakref
 from pathlib import Path
 from typing import Optional, Sequence
@@ -39,6 +42,14 @@ FORK_SAFE = ("DIFFATTN_", "TRITON_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "CXX",
 server, so ``TRITON_INTERPRET`` takes effect in the child; nor is inductor, which sets ``TORCHINDUCTOR_CACHE_DIR``
 and ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`` in the process that first compiles. pytest changes ``PYTEST_CURRENT_TEST`` for every test.
 Thread counts (``OMP_NUM_THREADS``) are not here: torch and numpy's BLAS read them when they are loaded."""
+
+SLOW_CHILDREN: list[str] = []
+"""Why each child of this process ran a real ``python -c``, one entry per child (the reason :class:`SlowChild` gave)."""
+
+
+class SlowChild(UserWarning):
+    """A child ran a real ``python -c`` (about 2 s of CPU) instead of being forked from the server."""
+
 
 _server: dict = {}
 _BASE_ENV = dict(os.environ)  # at import (test collection), before a test changes the environment: the server's
@@ -75,9 +86,24 @@ def _context():
     return _server["ctx"]
 
 
-def _forkable(env: dict) -> bool:
+def _unforkable(env: dict) -> list[str]:
+    """The variables, outside ``FORK_SAFE``, in which ``env`` differs from the server's: any one forces the slow path."""
     base = _server["env"]
-    return all(k.startswith(FORK_SAFE) for k in env.keys() | base.keys() if env.get(k) != base.get(k))
+    return sorted(k for k in env.keys() | base.keys() if env.get(k) != base.get(k) and not k.startswith(FORK_SAFE))
+
+
+def _slow_reason(ctx, env: dict) -> Optional[str]:
+    """Why a child with ``env`` cannot be forked (None: it can)."""
+    if ctx is None:
+        return "no forkserver here, or python runs with flags (-O, -W)"
+    changed = _unforkable(env)
+    return f"the environment differs from the server's in {', '.join(changed)}" if changed else None
+
+
+def _count_slow(reason: str) -> None:
+    SLOW_CHILDREN.append(reason)
+    warnings.warn(SlowChild(f"a child runs a real python -c (slow): {reason}; add the variable to forked.FORK_SAFE "
+                            "if torch does not read it at import, or leave the environment as it is"), stacklevel=3)
 
 
 def _child(code: str, args: Sequence[str], env: dict, cwd: str, files: tuple[str, str, str], path: list) -> None:
@@ -164,7 +190,8 @@ class Child:
         self._files = tuple(str(folder / name) for name in ("stdin", "stdout", "stderr"))
         Path(self._files[0]).write_text(input or "")
         self._proc = self._popen = None
-        if ctx is not None and _forkable(env):
+        reason = _slow_reason(ctx, env)
+        if reason is None:
             for name in self._files[1:]:
                 Path(name).touch()
             self._proc = ctx.Process(target=_child, args=(code, list(args), env, cwd, self._files, _server["path"]))
@@ -172,6 +199,7 @@ class Child:
             multiprocessing.process._children.discard(self._proc)  # not joined by multiprocessing at exit ...
             weakref.finalize(self, _kill, self._proc)                # ... but killed then, if still running
         else:
+            _count_slow(reason)
             with open(self._files[0]) as stdin, open(self._files[1], "w") as out, open(self._files[2], "w") as err:
                 self._popen = subprocess.Popen(self.args, env=env, cwd=cwd, stdin=stdin, stdout=out, stderr=err)
 
@@ -219,3 +247,17 @@ def run_python(code: str, args: Sequence[str] = (), *, env: Optional[dict] = Non
     """``subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=cwd, input=input, timeout=timeout,
     capture_output=True, text=True)``, forked from the torch-importing server where the environment allows."""
     return Child(code, args, env=env, cwd=cwd, input=input).wait(timeout)
+
+
+CHILDREN_ROOT = Path(__file__).resolve().parent
+"""The folder that holds ``children/``: put on the child's ``PYTHONPATH`` by :func:`run_module`."""
+
+
+def run_module(module: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
+               input: Optional[str] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """``python -m module *args`` (a module of ``tests/children/``: child code as a module, not a string), forked
+    from the server where the environment allows, as :func:`run_python` is."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHILDREN_ROOT), env.get("PYTHONPATH", "")) if p)
+    code = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    return run_python(code, args, env=env, cwd=cwd, input=input, timeout=timeout)

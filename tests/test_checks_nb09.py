@@ -6,20 +6,25 @@ a stub counts as not attempted and a crash becomes a hint."""
 import pytest  # noqa: E402
 import torch
 
-if torch.cuda.is_available():  # interpreter mode is process-wide; on a GPU the session tests compiled kernels
-    pytest.skip("the notebook-09 checks run kernels in Triton's interpreter; the CPU run covers them",
-                allow_module_level=True)
-
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from diffattn_tutorial import checks  # noqa: E402
 from diffattn_tutorial.checks import CheckFailed  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered:RuntimeWarning")
+pytestmark = [
+    # interpreter mode is process-wide; on a GPU the session tests compiled kernels
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the notebook-09 checks run kernels in Triton's "
+                       "interpreter; the CPU run covers them"),
+    pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered:RuntimeWarning"),
+]
 
-if type(tl.sum).__name__ != "InterpretedFunction":
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set in this test session", pytrace=False)
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreted():
+    """The checks need Triton's interpreter, which ``tests/conftest.py`` switches on before triton is imported."""
+    if type(tl.sum).__name__ != "InterpretedFunction":
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set in this test session", pytrace=False)
 
 
 def fails(check, fn, match: str) -> None:

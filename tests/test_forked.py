@@ -2,16 +2,23 @@
 ...])`` does: exit status (a crash's signal too), output, arguments, stdin, folder, environment, path, exit steps,
 timeout. Each check runs forked and through the fallback (a real ``python -c``), and both must give the same answer."""
 
+import contextlib
 import os
 import subprocess
 import time
+import warnings
 
 import forked
 import pytest
 from forked import Child, _context, run_python
 
-pytestmark = pytest.mark.skipif(_context() is None, reason="no forkserver here (or python runs with flags): "
-                                                          "every child is a real python -c")
+
+@pytest.fixture(autouse=True, scope="module")
+def _forkserver():
+    """The server starts with the first test here, not at collection; skipped where there is none."""
+    if _context() is None:
+        pytest.skip("no forkserver here (or python runs with flags): every child is a real python -c")
+
 
 FALLBACK = {"FORKED_TEST_FALLBACK": "1"}  # not in forked.FORK_SAFE: a changed one means a real interpreter
 
@@ -21,9 +28,24 @@ def env(request) -> dict:
     return {**os.environ, **(FALLBACK if request.param == "fallback" else {})}
 
 
+@contextlib.contextmanager
+def warnings_as_errors():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def slow(env: dict, variable: str = "FORKED_TEST_FALLBACK"):
+    """Expect the slow path to warn, naming ``variable``, when ``env`` asks for the fallback."""
+    if "FORKED_TEST_FALLBACK" not in env:
+        return contextlib.nullcontext()
+    return pytest.warns(forked.SlowChild, match=f"differs from the server's in .*{variable}")
+
+
 def run(code, env, args=(), **kw) -> subprocess.CompletedProcess:
     """``run_python``, checking that the path taken is the one ``env`` asks for."""
-    child = Child(code, args, env=env, **kw)
+    with slow(env):
+        child = Child(code, args, env=env, **kw)
     base = forked._server["env"]
     assert child.forked == ("FORKED_TEST_FALLBACK" not in env), \
         sorted(k for k in env.keys() | base.keys() if env.get(k) != base.get(k))  # what made it fall back
@@ -35,7 +57,21 @@ def test_the_fork_path_starts_with_torch_imported_and_the_fallback_without(monke
     for name in ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"):  # inductor sets them
         monkeypatch.setenv(name, "set by a compile in this process")                   # in the test process
     assert run_python(code).stdout == "True\n"
-    assert run_python(code, env={**os.environ, **FALLBACK}).stdout == "False\n"
+    with slow(FALLBACK):
+        assert run_python(code, env={**os.environ, **FALLBACK}).stdout == "False\n"
+
+
+def test_the_slow_path_warns_and_is_counted():
+    """A silent fall-back once hid a slowdown until a timing run: each slow child warns and is counted."""
+    before = len(forked.SLOW_CHILDREN)
+    with pytest.warns(forked.SlowChild, match="differs from the server's in FORKED_TEST_FALLBACK, OMP_NUM_THREADS;"):
+        done = run_python("pass", env={**os.environ, **FALLBACK, "OMP_NUM_THREADS": "7"})
+    assert done.returncode == 0
+    assert forked.SLOW_CHILDREN[before:] == [
+        "the environment differs from the server's in FORKED_TEST_FALLBACK, OMP_NUM_THREADS"]
+    with warnings_as_errors():
+        assert run_python("pass").returncode == 0  # the fork path says nothing
+    assert len(forked.SLOW_CHILDREN) == before + 1
 
 
 def test_statuses_output_and_tracebacks(env):
@@ -73,7 +109,8 @@ def test_arguments_stdin_folder_environment_and_path(env, tmp_path):
 def test_a_changed_thread_count_gets_a_fresh_interpreter():
     """Thread counts are read when torch and numpy's BLAS load: a child asking for another runs python -c."""
     threads = "2" if os.environ.get("OMP_NUM_THREADS") == "1" else "1"
-    child = Child("import torch; print(torch.get_num_threads())", env={**os.environ, "OMP_NUM_THREADS": threads})
+    with pytest.warns(forked.SlowChild, match="OMP_NUM_THREADS"):
+        child = Child("import torch; print(torch.get_num_threads())", env={**os.environ, "OMP_NUM_THREADS": threads})
     assert not child.forked and child.wait(timeout=120).stdout == f"{threads}\n"
 
 
@@ -96,7 +133,7 @@ def test_exit_joins_threads_runs_atexit_releases_globals_and_flushes(env, tmp_pa
 
 def test_a_timeout_kills_the_child_and_raises(env):
     t0 = time.perf_counter()
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired), slow(env):
         run_python("import time; print('started', flush=True); time.sleep(30)", env=env, timeout=0.5)
     assert time.perf_counter() - t0 < 10
 
@@ -112,7 +149,8 @@ def test_two_children_run_at_once(env, tmp_path):
             "deadline = time.time() + 20\nwhile not os.path.exists(other) and time.time() < deadline: time.sleep(0.01)\n"
             "print(os.path.exists(other))")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    children = [Child(code, [a, b], env=env), Child(code, [b, a], env=env)]
+    with slow(env):
+        children = [Child(code, [a, b], env=env), Child(code, [b, a], env=env)]
     try:
         assert [c.wait(timeout=60).stdout for c in children] == ["True\n", "True\n"]
     finally:

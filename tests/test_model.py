@@ -85,7 +85,7 @@ def test_probe_maps_reproduce_the_layer(kind):
         assert (p.maps[..., future] == 0).all() and torch.isinf(p.logits[..., future]).all()
         if kind == "diff":
             H = attn.num_heads
-            _, _, v = attn._qkv(h, None, rope, None, 2 * H, 2 * attn.num_kv_heads, attn.num_kv_heads)
+            _, _, v = attn.project_qkv(h, None, rope, None, 2 * H, 2 * attn.num_kv_heads, attn.num_kv_heads)
             v = v.repeat_interleave(H // attn.num_kv_heads, dim=1)
             torch.testing.assert_close(p.maps @ v, attn.attention_heads(h, rope=rope, causal=True))
             lam = attn.lambda_full().double()
@@ -94,7 +94,7 @@ def test_probe_maps_reproduce_the_layer(kind):
             torch.testing.assert_close(p.maps, sm[:, 0::2] - lam * sm[:, 1::2])
         else:
             Hq = attn.num_heads * (2 if kind == "diff_v2" else 1)
-            _, _, v = attn._qkv(h, None, rope, None, Hq, attn.num_kv_heads, attn.num_kv_heads)
+            _, _, v = attn.project_qkv(h, None, rope, None, Hq, attn.num_kv_heads, attn.num_kv_heads)
             v = v.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
             out = (p.maps @ v)
             proj = attn.o_proj if kind == "diff_v2" else attn.out_proj

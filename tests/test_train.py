@@ -209,7 +209,9 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     (["--steps", "0"], "--steps: 0 must be at least 1"),
     (["--strategy", "zero3"], "--strategy: invalid choice"),
     (["--steps", "4", "--stop-at", "9"], "stop_at must lie in 1..steps=4"),
-    (["--attention", "baseline", "--attn-backend", "sdpa_split"], "takes 'auto', 'naive' or 'sdpa'"),
+    (["--attention", "baseline", "--attn-backend", "sdpa_split"], "attn_backend (attention='baseline'): backend 'sdpa_split' is not one this takes; "
+                                                          "choose one of ('auto', 'naive', 'sdpa')"),
+    (["--attn-backend", "flash"], "argument --attn-backend: unknown backend 'flash'; choose one of ('auto', 'naive'"),
     (["--lr", "-1"], "lr must lie in (0, 1.0], got -1.0"),
     (["--lr", "1e30"], "lr must lie in (0, 1.0], got 1e+30"),
     (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),

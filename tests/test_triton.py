@@ -16,14 +16,10 @@ configurations the autotuner picks at N = 8192. Set ``DIFFATTN_TRITON_AUTOTUNE=1
 
 import os
 
+import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-os.environ.setdefault("DIFFATTN_TRITON_POISON", "1")
-os.environ.setdefault("DIFFATTN_TRITON_AUTOTUNE", "0")
-
-import pytest  # noqa: E402
-
 pytest.importorskip("triton")
 
 from diffattn_tutorial.functional import causal_mask, check_diff_inputs, diff_attention  # noqa: E402
@@ -41,13 +37,21 @@ from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402
 pytestmark = pytest.mark.slow  # runs the kernels in Triton's interpreter (about 90 s)
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _kernels_run_here():
     """Loud, not skipped: a silently skipped kernel test would hide a broken CI set-up."""
     ok, why = triton_available()
     if not ok:
         pytest.fail(f"the Triton kernels cannot run in this test session: {why}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_and_pinned(monkeypatch):
+    """NaN-filled buffers and the pinned configuration for every test here, unless the environment already says
+    otherwise (``DIFFATTN_TRITON_AUTOTUNE=1`` autotunes everywhere); undone after each test."""
+    for name, value in (("DIFFATTN_TRITON_POISON", "1"), ("DIFFATTN_TRITON_AUTOTUNE", "0")):
+        if name not in os.environ:
+            monkeypatch.setenv(name, value)
 
 
 DEVICE = "cuda" if CUDA else "cpu"

@@ -150,7 +150,7 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
     B, N, _ = x.shape
     H, Hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     scale = (2 * d) ** -0.5 if scale == "2d" else scale
-    q, k, v = layer._qkv(x, None, None, None, 2 * H, 2 * Hkv, Hkv)
+    q, k, v = layer.project_qkv(x, None, None, None, 2 * H, 2 * Hkv, Hkv)
     lambda_init = _lambda_init_at(layer.depth + depth_shift)
     lam = layer.lambda_full() - layer.lambda_init + lambda_init  # the layer's lambda, re-based on lambda_init
     if swap:

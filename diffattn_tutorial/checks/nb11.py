@@ -18,7 +18,7 @@ from einops import rearrange
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, tiled_kv
 from diffattn_tutorial.functional import causal_mask, diff_attention
-from diffattn_tutorial.interop import _diffllama_order, _permute_maps
+from diffattn_tutorial.interop import diffllama_order, permute_maps
 from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
 __all__ = ["check_axonml_fixed", "check_block_causal_mask", "check_four_calls_gqa", "check_diffllama_rows"]
@@ -243,14 +243,14 @@ def check_diffllama_rows(fn: Callable) -> None:
     what = "diffllama_rows"
     for i, (maps, hd, cols) in enumerate([(8, 4, 6), (6, 2, 3), (12, 4, None), (2, 8, 5)]):
         w = randn(maps * hd, *(() if cols is None else (cols,)), seed=1400 + i)
-        order = _diffllama_order(maps)
-        expected = _permute_maps(w, order, hd)
+        order = diffllama_order(maps)
+        expected = permute_maps(w, order, hd)
         got = call(fn, w.clone(), maps, hd, what=what)
         wrong = {
             "the channels inside each map were permuted (that is interleaved_to_half_split, the RoPE layout "
             "change): pairing reorders whole maps, blocks of head_dim rows": interleaved_to_half_split(w, hd),
             "this is the inverse order (adjacent pairs back to halves, what to_diffllama does): map 2i of the "
-            "result is DiffLlama's map i and map 2i + 1 is map i + maps/2": _permute_maps(w, torch.argsort(order), hd),
+            "result is DiffLlama's map i and map 2i + 1 is map i + maps/2": permute_maps(w, torch.argsort(order), hd),
             "the rows are unchanged: DiffLlama's map i pairs with map i + maps/2, which must become adjacent":
                 w,
             "single rows (channels) were interleaved, row r with row r + rows/2, so the channels of map i and map "

@@ -175,9 +175,10 @@ class _Attention(nn.Module):
                 raise ValueError("rope and cache are for self-attention; pass context without rope/cache "
                                  "(cross-attention keys have no positions relative to the queries)")
 
-    def _qkv(self, x: Tensor, context: Optional[Tensor], rope: Rope, cache: Optional[KVCache],
-             q_heads: int, k_heads: int, v_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Project to ``q (B, q_heads, N, hd)``, ``k (B, k_heads, M, hd)``, ``v (B, v_heads, M, dv)``."""
+    def project_qkv(self, x: Tensor, context: Optional[Tensor], rope: Rope, cache: Optional[KVCache],
+                    q_heads: int, k_heads: int, v_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Project to ``q (B, q_heads, N, hd)``, ``k (B, k_heads, M, hd)``, ``v (B, v_heads, M, dv)``: the heads
+        after query/key norm, RoPE and the cache, as the layer's forward sees them (probes and checks read them)."""
         src = x if context is None else context
         q = rearrange(self.q_proj(x), "b n (h d) -> b h n d", h=q_heads)
         k = rearrange(self.k_proj(src), "b n (h d) -> b h n d", h=k_heads)
@@ -190,6 +191,8 @@ class _Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)
         return q, k, v
+
+    _qkv = project_qkv  # the name notebook 14 still calls
 
     def _qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return q, k
@@ -230,7 +233,7 @@ class MultiheadAttention(_Attention):
                 context: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         """``x (B, N, C) -> (B, N, C)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
         self._check_x(x, context, rope, cache, causal)
-        q, k, v = self._qkv(x, context, rope, cache, self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        q, k, v = self.project_qkv(x, context, rope, cache, self.num_heads, self.num_kv_heads, self.num_kv_heads)
         out = functional.softmax_attention(q, k, v, causal=causal, attn_mask=attn_mask,
                                            dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         return self.out_proj(rearrange(out, "b h n d -> b n (h d)"))
@@ -326,7 +329,7 @@ class MultiheadDiffAttn(_Attention):
         """The per-head outputs before sub-norm, ``(B, H, N, 2 * head_dim)``."""
         self._check_x(x, context, rope, cache, causal)
         H, Hkv = self.num_heads, self.num_kv_heads
-        q, k, v = self._qkv(x, context, rope, cache, 2 * H, 2 * Hkv, Hkv)
+        q, k, v = self.project_qkv(x, context, rope, cache, 2 * H, 2 * Hkv, Hkv)
         return functional.diff_attention(q, k, v, self.lambda_full(), causal=causal, attn_mask=attn_mask,
                                          dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
 
@@ -403,7 +406,7 @@ class DiffAttnV2(_Attention):
                 cache: Optional[KVCache] = None) -> Tensor:
         """``x (B, N, d_model) -> (B, N, d_model)``; ``attn_mask`` broadcastable to ``(B, H, N, M)``."""
         self._check_x(x, None, rope, cache, causal)
-        q, k, v = self._qkv(x, None, rope, cache, 2 * self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        q, k, v = self.project_qkv(x, None, rope, cache, 2 * self.num_heads, self.num_kv_heads, self.num_kv_heads)
         out = functional.diff_attention_v2(q, k, v, self.lambda_full(x), causal=causal, attn_mask=attn_mask,
                                            backend=self.backend)
         return self.o_proj(rearrange(out, "b h n d -> b n (h d)"))

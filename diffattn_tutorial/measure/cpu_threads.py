@@ -3,8 +3,8 @@ the ones other programs keep busy.
 
 torch starts one intra-op thread per core. When another program holds a core, every parallel operation waits
 at its end for the thread that shares a core with that program, so a model made of many small operations (the
-toy models of notebook 07) can run several times slower on two threads than on one. Measured on a 2-core
-machine with one other CPU-bound process: ``benchmarks/bench_busy_cpu.py``.
+toy models of notebook 07) can run several times slower on two threads than on one:
+``benchmarks/bench_busy_cpu.py`` measures it, and its results file names the machine it ran on.
 
 >>> 1 <= recommended_threads() <= usable_cores()
 True

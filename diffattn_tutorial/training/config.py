@@ -11,8 +11,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from diffattn_tutorial.backend_table import PLAIN_BACKENDS, triton_available
-from diffattn_tutorial.backends import BACKENDS, FORWARD_ONLY
+from diffattn_tutorial import backends
+from diffattn_tutorial.backend_table import ALIASES, PLAIN_BACKENDS, Needs
 from diffattn_tutorial.layers.attention import (
     DiffAttnV2,
     MultiheadAttention,
@@ -82,7 +82,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         choices = {"task": TASKS, "attention": ATTENTIONS, "strategy": distributed.STRATEGIES, "precision": PRECISIONS,
-                   "attn_backend": ("auto",) + BACKENDS, "device": ("auto", "cpu", "cuda")}
+                   "device": ("auto", "cpu", "cuda")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -104,12 +104,10 @@ class RunConfig:
         if self.global_batch % (self.batch_size * self.grad_accum):
             raise ValueError(f"global_batch={self.global_batch} is not batch_size={self.batch_size} x world x "
                              f"grad_accum={self.grad_accum}")
-        if self.attn_backend != "auto" and self.attention != "diff" and self.attn_backend not in PLAIN_BACKENDS:
-            raise ValueError(f"attn_backend {self.attn_backend!r} is a differential-attention backend; "
-                             f"attention={self.attention!r} takes 'auto', 'naive' or 'sdpa'")
-        if self.attn_backend in FORWARD_ONLY:
-            raise ValueError(f"attn_backend {self.attn_backend!r} is forward-only (inference, no gradients); to "
-                             f"train use 'auto', 'naive', 'chunked' or an sdpa formulation")
+        try:  # the layers' own check: the baselines take only the plain backends
+            backends.check_name(self.attn_backend, None if self.attention == "diff" else PLAIN_BACKENDS)
+        except ValueError as e:
+            raise ValueError(f"attn_backend (attention={self.attention!r}): {e}") from None
         if self.compile or self.compile_backend != "inductor":
             check_compile_backend(self.compile_backend, what="compile_backend")
 
@@ -143,13 +141,15 @@ MAX_LR = 1.0
 
 
 def check_backend_here(backend: str, device: torch.device) -> None:
-    """Refuse an attention backend that cannot run on ``device`` before any model is built (``triton`` needs a
-    CUDA GPU, or ``TRITON_INTERPRET=1`` on a CPU), naming the fix."""
-    if backend != "triton":
+    """Refuse, before any model is built, an attention backend that cannot train on ``device`` here (forward-only,
+    another device, not working here: ``triton`` without a GPU or ``TRITON_INTERPRET=1``), with the refusal
+    ``backends.resolve`` gives a training call, which names the fix. ``"auto"`` and ``"sdpa"`` choose one that can."""
+    if backend in ALIASES:
         return
-    ok, why = triton_available()
-    if not ok:
-        raise ValueError(f"--attn-backend triton cannot run here ({why}); use --attn-backend auto")
+    try:
+        backends.resolve(backend, device, Needs(grad=True))
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"--attn-backend {backend}: {e}") from None
 
 
 # --- model -----------------------------------------------------------------------------------------------------
@@ -169,12 +169,10 @@ def set_attention_backend(model: TinyLM, backend: str) -> None:
     """Make every attention layer of ``model`` call ``backend`` (see ``functional.diff_attention``)."""
     for block in model.blocks:
         attn = block.attn
-        plain = isinstance(attn, (MultiheadAttention, DiffAttnV2))
-        if plain and backend not in PLAIN_BACKENDS:
-            raise ValueError(f"{type(attn).__name__} takes backend 'auto', 'naive' or 'sdpa', got {backend!r}")
         if not isinstance(attn, (MultiheadAttention, DiffAttnV2, MultiheadDiffAttn)):
             raise TypeError(f"unknown attention layer {type(attn).__name__}")
-        attn.backend = backend
+        plain = isinstance(attn, (MultiheadAttention, DiffAttnV2))
+        attn.backend = backends.check_name(backend, PLAIN_BACKENDS if plain else None)  # as the layer's constructor
 
 
 def graph_breaks(attention: str, backend: str, *, d_model: int = 32, n_heads: int = 4, seq_len: int = 16) -> int:

@@ -41,8 +41,9 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from diffattn_tutorial.argtypes import int_at_least
-from diffattn_tutorial.functional import BACKENDS
+from diffattn_tutorial import backends
+from diffattn_tutorial.argtypes import Parser, UsageError, int_at_least, print_usage_error
+from diffattn_tutorial.backends import BACKENDS
 from diffattn_tutorial.measure.cpu_threads import threads
 from diffattn_tutorial.training import distributed
 from diffattn_tutorial.training.checkpoints import (
@@ -331,19 +332,8 @@ def _clip(model: nn.Module, max_norm: float) -> float:
 
 # --- command line ----------------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors raise :class:`UsageError` (``main`` prints them, exit code 2)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-
-class UsageError(ValueError):
-    """A bad command line: the message names the option and the fix."""
-
-
 def build_parser(prog: str = "python -m diffattn_tutorial.training.loop") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__.splitlines()[0],
+    p = Parser(prog=prog, description=__doc__.splitlines()[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = RunConfig()
     p.add_argument("--task", choices=TASKS, default=d.task, help="needle retrieval or the generated text corpus")
@@ -351,7 +341,8 @@ def build_parser(prog: str = "python -m diffattn_tutorial.training.loop") -> arg
     p.add_argument("--d-model", type=_positive, default=d.d_model)
     p.add_argument("--n-layers", type=_positive, default=d.n_layers)
     p.add_argument("--n-heads", type=_positive, default=d.n_heads, help="the baseline's heads (LMConfig)")
-    p.add_argument("--attn-backend", choices=("auto",) + BACKENDS, default=d.attn_backend)
+    p.add_argument("--attn-backend", type=_backend, default=d.attn_backend,
+                   help=f"one of {', '.join(('auto',) + BACKENDS)}")
     p.add_argument("--seq-len", type=_positive, default=d.seq_len, help="text windows (task text)")
     p.add_argument("--steps", type=_positive, default=d.steps, help="optimizer steps of the whole run")
     p.add_argument("--lr", type=_finite, default=d.lr, help=f"AdamW peak learning rate, in (0, {MAX_LR}]")
@@ -389,6 +380,14 @@ def build_parser(prog: str = "python -m diffattn_tutorial.training.loop") -> arg
 
 
 _positive, _non_negative = int_at_least(1), int_at_least(0)
+
+
+def _backend(text: str) -> str:
+    """An argparse ``type``: a backend name, checked by the one check the layers and ``diff_attention`` use."""
+    try:
+        return backends.check_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _finite(text: str) -> float:
@@ -439,7 +438,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m diffattn_tutor
         cfg = config_from_args(argv, int(os.environ.get("WORLD_SIZE", "1")), prog)
         ctx = distributed.init(cfg.device)
     except UsageError as e:
-        return _error(parser, f"{e} (see {prog} --help)", 2)
+        return print_usage_error(e, prog)
     except ValueError as e:
         return _error(parser, e, 2)
     except KeyboardInterrupt:

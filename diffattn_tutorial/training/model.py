@@ -472,12 +472,12 @@ def _probe_layer(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor]) -> Att
     """Maps and logits of one attention layer on its (normalised) input ``h (B, N, C)``."""
     B, N, _ = h.shape
     if isinstance(attn, MultiheadDiffAttn):
-        q, k, v = attn._qkv(h, None, rope, None, 2 * attn.num_heads, 2 * attn.num_kv_heads, attn.num_kv_heads)
+        q, k, v = attn.project_qkv(h, None, rope, None, 2 * attn.num_heads, 2 * attn.num_kv_heads, attn.num_kv_heads)
         _, _, maps = diff_attention_maps(q, k, attn.lambda_full(), causal=True)
         k_rep, _ = expand_kv_groups(k, v, attn.num_heads)  # key head of query head 2i + j: map j of group i // rep
     else:
         q_heads = attn.num_heads * (2 if isinstance(attn, DiffAttnV2) else 1)
-        q, k, v = attn._qkv(h, None, rope, None, q_heads, attn.num_kv_heads, attn.num_kv_heads)
+        q, k, v = attn.project_qkv(h, None, rope, None, q_heads, attn.num_kv_heads, attn.num_kv_heads)
         eye = torch.eye(N, dtype=h.dtype, device=h.device).expand(B, attn.num_kv_heads, N, N)
         if isinstance(attn, DiffAttnV2):
             maps = diff_attention_v2(q, k, eye, attn.lambda_full(h), causal=True, backend="naive")
