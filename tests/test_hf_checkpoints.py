@@ -1,4 +1,4 @@
-"""hf_checkpoints.from_hf: Llama 3, Qwen2 and Mistral checkpoints into TinyLM exactly (golden logits and greedy
+"""hf.checkpoints.from_hf: Llama 3, Qwen2 and Mistral checkpoints into TinyLM exactly (golden logits and greedy
 tokens recorded by transformers; live where transformers is importable), converted to DIFF V2 exactly, and every
 checkpoint it cannot load refused by name."""
 
@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from diffattn_tutorial import golden
-from diffattn_tutorial.hf_checkpoints import (CheckpointError, from_hf, hf_lm_config, read_folder, read_safetensors,
-                                              write_safetensors)
+from diffattn_tutorial.hf.checkpoints import (
+    CheckpointError,
+    from_hf,
+    hf_lm_config,
+    read_folder,
+    read_safetensors,
+    write_safetensors,
+)
 from diffattn_tutorial.layers.attention import MultiheadAttention
 from diffattn_tutorial.layers.convert import convert_model, to_diff_v1, to_diff_v2, why_not_exact
 from diffattn_tutorial.layers.rope import llama3_inv_freq, rope_cos_sin

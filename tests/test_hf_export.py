@@ -1,4 +1,4 @@
-"""hf_export.save_hf: a TinyLM back in transformers' format (Llama/Qwen2, DiffLlama, a DIFF V2 remote-code folder),
+"""hf.export.save_hf: a TinyLM back in transformers' format (Llama/Qwen2, DiffLlama, a DIFF V2 remote-code folder),
 read back by this library here and by transformers alone where it is installed; refusals write nothing."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from diffattn_tutorial import golden
-from diffattn_tutorial.hf_checkpoints import CheckpointError, from_hf, read_folder
-from diffattn_tutorial.hf_export import V2_MODELING_FILE, save_hf, v2_modeling_source
+from diffattn_tutorial.hf.checkpoints import CheckpointError, from_hf, read_folder
+from diffattn_tutorial.hf.export import V2_MODELING_FILE, save_hf, v2_modeling_source
 from diffattn_tutorial.layers.convert import convert_model, finish_warmup, set_warmup
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -119,7 +119,7 @@ def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
 
 
 def test_a_failure_while_writing_leaves_no_half_written_folder(tmp_path, monkeypatch):
-    from diffattn_tutorial import hf_export
+    from diffattn_tutorial.hf import export as hf_export
 
     def broken(tensors, path):
         open(path, "wb").write(b"half")

@@ -1,4 +1,4 @@
-"""Record transformers' own Llama 3, Qwen2 and Mistral models as golden data for ``hf_checkpoints.from_hf``.
+"""Record transformers' own Llama 3, Qwen2 and Mistral models as golden data for ``hf.checkpoints.from_hf``.
 
     pip install transformers            # only to regenerate; the library and its tests never need it
     python tools/make_hf_golden.py

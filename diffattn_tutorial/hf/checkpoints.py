@@ -16,7 +16,7 @@ The mapping is term by term: Llama's half-split RoPE rows become TinyLM's interl
 biases reordered per head, the same scores); a tied head is copied. Other families (Gemma, Phi, ...) and config
 options that change the function and are not implemented (another RoPE type, activation, head width,
 ``partial_rotary_factor``) are refused by name; the golden data in ``diffattn_tutorial/golden/hf/`` were recorded by
-transformers' own models (``tools/make_hf_golden.py``). Saving back: :mod:`diffattn_tutorial.hf_export`.
+transformers' own models (``tools/make_hf_golden.py``). Saving back: :mod:`diffattn_tutorial.hf.export`.
 """
 
 from __future__ import annotations
