@@ -222,3 +222,14 @@ def test_live_against_transformers_model_and_its_saved_folder(tmp_path, name):
     hf.save_pretrained(tmp_path / "saved")  # safetensors, read back without transformers
     for source in (hf, tmp_path / "saved"):
         torch.testing.assert_close(from_hf(source)(ids), want, **TOL)
+
+
+def test_a_transformers_4_config_json_loads_the_same(tmp_path):
+    """Checkpoints saved before transformers 5 say ``rope_theta`` and ``rope_scaling`` (Llama 3.2's config.json)."""
+    case = golden.load("hf/llama3_gqa_untied")
+    config = {k: v for k, v in case["config"].items() if k != "rope_parameters"}
+    params = case["config"]["rope_parameters"]
+    config.update(rope_theta=params["rope_theta"], rope_scaling={k: v for k, v in params.items() if k != "rope_theta"},
+                  torch_dtype="bfloat16")
+    model = from_hf(case["state_dict"], config=config)
+    torch.testing.assert_close(model(case["input_ids"]), case["logits"], **TOL)
