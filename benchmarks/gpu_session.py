@@ -1,8 +1,7 @@
 """Everything the GPU half needs from a GPU, in steps that each fit a 10-minute command.
 
-    python benchmarks/gpu_session.py                      # every step in order, then collect (minutes; each step's
-                                                          # recorded time is in gpu_session_<device>.json)
-    python benchmarks/gpu_session.py --list               # the steps, what each runs, its time limit
+    python benchmarks/gpu_session.py                      # the default steps in order of value, then collect
+    python benchmarks/gpu_session.py --list               # the steps in order, their minutes, what each runs
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
     python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into the package
 
@@ -10,35 +9,33 @@ It runs on any CUDA GPU the library targets (T4, RTX 30xx/40xx, L4, A100, H100) 
 step's file carries the device name, compute capability, memory, driver, versions and date, and the results
 files are named after the device. The 16-bit dtype is the GPU's own (``measure.gpu.preferred_half_dtype``: bf16
 from compute capability 8.0, fp16 below), and the benchmarks run at N = 8192 on GPUs with at least 40 GiB (A100,
-H100) and N = 4096 on smaller ones (:func:`bench_length`), so each step fits its limit there too. Issue 13's
-goals are judged on an H100 only (``measure.gpu.GOALS_DEVICE``); elsewhere they are recorded as not judged.
+H100) and N = 4096 on smaller ones (:func:`bench_length`), so each step fits its limit there too. The kernel's
+speed goals are judged on an H100 only (``measure.gpu.GOALS_DEVICE``); elsewhere they are recorded as not judged.
 
-The steps, in order (each a subprocess with its own time limit, ``--step-timeout``, default 540 s):
+The steps, in order of value (each a subprocess with its own time limit, ``--step-timeout``, default 540 s; the
+default ones and the machine's start fit 15 minutes of device time, :data:`DEVICE_MINUTES`):
 
-0. ``compile`` (only when named with ``--step compile``; it needs no GPU): ``python -m
-   diffattn_tutorial.kernels.triton.aot --all`` with the Triton installed there (the GPU machine's may be older than
-   the one that wrote ``diffattn_tutorial/recorded/compile_facts.json``, and registers can differ between
-   versions);
-1. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
+1. ``bench64`` and 2. ``bench128``: ``benchmarks/bench_triton.py``, one head dim each, causal and not, fwd and
+   fwd+bwd, with the new sm_90a tables: the kernel through ``diff_attention`` against every SDPA formulation under
+   the flash, cuDNN and efficient backends, each selected explicitly (a backend the GPU lacks is recorded as
+   refused); time and peak memory;
+3. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
+   forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs);
+4. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
    (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: the CPU suite's cases compiled (every
    plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements; and
    ``tests/test_triton_layouts.py``, forward and backward on every input layout;
-2. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
+5. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
    norm-relative error, for masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
-3. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
-4. ``bench64`` and 5. ``bench128``: ``benchmarks/bench_triton.py``, one head dim each, causal and not, fwd and
-   fwd+bwd: the kernel against every SDPA formulation under the flash, cuDNN and efficient backends, each
-   selected explicitly (a backend the GPU lacks, such as flash on a T4, is recorded as refused); time and peak
-   memory;
-6. ``sdpa``: ``benchmarks/bench_sdpa.py`` (notebook 08's table: every formulation, DIFF V2 and the baseline
-   under PyTorch's own dispatch);
-7. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
-   forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs).
+6. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
+7. ``sdpa`` (only when named): ``benchmarks/bench_sdpa.py`` (notebook 08's table);
+8. ``compile`` (only when named; it needs no GPU): ``python -m diffattn_tutorial.kernels.triton.aot --all`` with
+   the Triton installed there (registers can differ between versions).
 
 Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
 and ``session_<step>.log`` into ``--out-dir``; the benchmark steps also write their results part. ``--collect``
 merges them into ``diffattn_tutorial/recorded/``: ``bench_triton_<device>.json``, ``bench_sdpa_<device>.json``
-and ``gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, issue 13's goals
+and ``gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's picks, the kernel's speed goals
 checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.measure.gpu.find_recorded``). Where
 each command has a time limit, run one step per command, all with the same ``--out-dir`` (or one folder each),
 on the same machine so the Triton cache carries over, then ``--collect`` the folders and commit the three files.
@@ -68,13 +65,21 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the pac
 from diffattn_tutorial.measure import gpu as gpu_bench  # noqa: E402  (imports torch, not triton)
 from diffattn_tutorial.measure.gpu import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
-STEPS = {  # name: (what it runs, minutes on an H200, steps in order on a fresh machine, rounded up (compile and
-#   probe: estimates; probe ran on an H100 in 47 s without ncu); the command's arguments after the python)
-    "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 6,
-                ["-m", "diffattn_tutorial.kernels.triton.aot", "--all", "--jobs", "16", "--json",
-                 "{out}/compile_facts_gpu_machine.json"]),
-    "tests": ("GPU tests: the CPU suite's cases compiled, every input layout, grid and int32 limits; pinned, "
-              "poisoned", 3,
+STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments after the python), in order of value:
+#   the new tables' numbers first (issue 51's goals are read from them), then the probe, then the GPU tests; the
+#   minutes are the recorded sessions' (2026-11-26: bench steps under a minute each, the probe 47 s without ncu,
+#   tests and tests16 about 2.5 and 1.5 min), rounded up
+    "bench64": ("bench_triton at d = 64 with the new sm_90a table (N = 8192; 4096 below 40 GiB): the kernel through "
+                "diff_attention against every SDPA formulation and backend", 1,
+                ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "--out",
+                 "{out}/results_triton_part_d64.json"]),
+    "bench128": ("bench_triton at d = 128 with the new sm_90a table (N = 8192; 4096 below 40 GiB)", 1,
+                 ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
+                  "{out}/results_triton_part_d128.json"]),
+    "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 2,
+              ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
+    "tests": ("GPU tests: the CPU suite's cases compiled (the scan and the careful launch too), every input "
+              "layout, grid and int32 limits; pinned, poisoned", 3,
               ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "tests/test_triton_layouts.py",
                "-k", "not autotuned_configs_at_8192 and not low_precision"]),
     "tests16": ("GPU tests: 16-bit / fp32 forward and gradients vs float64, d = 64 and 128", 2,
@@ -82,21 +87,21 @@ STEPS = {  # name: (what it runs, minutes on an H200, steps in order on a fresh 
     "autotune": ("the autotuner's picks at N = 8192, checked", 1,
                  ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                   "autotuned_configs_at_8192"]),
-    "bench64": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 64", 1,
-                ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "--out",
-                 "{out}/results_triton_part_d64.json"]),
-    "bench128": ("bench_triton, N = 8192 (4096 below 40 GiB), d = 128", 1,
-                 ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
-                  "{out}/results_triton_part_d128.json"]),
-    "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB)", 1,
+    "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB): recorded on the H100 and the H200 already", 1,
              ["benchmarks/bench_sdpa.py", "--lengths", "{n}", "--out", "{out}/results_sdpa_part.json"]),
-    "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 4,
-              ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
+    "compile": ("the ahead-of-time compile check with the GPU machine's own Triton (no GPU used)", 6,
+                ["-m", "diffattn_tutorial.kernels.triton.aot", "--all", "--jobs", "16", "--json",
+                 "{out}/compile_facts_gpu_machine.json"]),
 }
 
-
-DEFAULT_STEPS = [name for name in STEPS if name != "compile"]
-"""What a plain run does: every step that needs the GPU (``compile`` runs only when named: it needs none)."""
+START_MINUTES = 4
+"""A fresh GPU machine's start, counted against the session's device time (it takes minutes)."""
+DEVICE_MINUTES = 15
+"""The device time a GPU session has, start included: the default steps and the start fit it."""
+OPTIONAL_STEPS = ("sdpa", "compile")
+"""Run only when named: ``sdpa`` is recorded for the H100 and the H200 already, ``compile`` needs no GPU."""
+DEFAULT_STEPS = [name for name in STEPS if name not in OPTIONAL_STEPS]
+"""What a plain run does, in order of value (the steps that fit :data:`DEVICE_MINUTES` after the start)."""
 
 
 def bench_length(gpu_memory_gib: Optional[float]) -> int:
@@ -230,8 +235,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="merge the files of earlier steps in DIR... into diffattn_tutorial/recorded/")
     args = ap.parse_args(argv)
     if args.list:
+        used = START_MINUTES
+        print(f"machine start ~{START_MINUTES} min; device time {DEVICE_MINUTES} min; steps in order of value:")
         for name, (what, minutes, cmd) in STEPS.items():
-            print(f"{name:<9} ~{minutes} min  {what}\n          python {' '.join(cmd)}")
+            optional = name in OPTIONAL_STEPS
+            used += 0 if optional else minutes
+            when = "only when named" if optional else f"done by ~{used} min"
+            print(f"{name:<9} ~{minutes} min ({when})  {what}\n          python {' '.join(cmd)}")
         return 0
     if args.collect:
         collect(args.collect)

@@ -118,7 +118,8 @@ class Backend:
     run: Callable[[Call], Tensor]
     """Computes ``(B, H, Nq, 2d)`` in q's dtype from a :class:`Call` (fully masked rows: anything finite)."""
     status: Callable[[torch.device], tuple[bool, str]] = _pure_pytorch
-    """``(works here, why / note)`` on a device it runs on; never raises. It is asked while ``torch.compile`` traces
+    """``(works here, why / note)`` on a device it runs on; never raises (a registered one that raises, or answers
+    something else, counts as not working here, its reason shown by ``backend_status``). It is asked while ``torch.compile`` traces
     ``"auto"``: one that does more than return constants is marked :func:`constant_under_compile`."""
     devices: Optional[tuple[str, ...]] = None
     """Device types it runs on; None: every device PyTorch runs on."""

@@ -3,7 +3,8 @@ which calls a backend refuses, what works here, and the prose about it.
 
 * ``"auto"`` walks the device's list in :data:`~diffattn_tutorial.backend_table.AUTO` and runs the first backend
   that takes the call (its dtype, a gradient to q, k, v, lam or a learned mask, dropout, being compiled, the
-  number of query rows) and works here (its ``status``); ``"sdpa"`` walks
+  number of query rows) and works here (its ``status``; one that raises counts as not working), the reference last
+  (an order of forward-only backends still trains); ``"sdpa"`` walks
   :data:`~diffattn_tutorial.backend_table.SDPA_ORDER` the same way.
 * A backend asked for by name refuses, naming the fix, a call it cannot take (:func:`resolve`, every refusal in
   one place).

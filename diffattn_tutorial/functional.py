@@ -248,10 +248,15 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, lam: LambdaLike, causal: bool, att
     b = backends.get_backend(REFERENCE if Nk == 0 or q.numel() == 0 else name)  # nothing to compute: zeros
     is_causal = causal and b.applies_causal(Nq, Nk, mask is not None)
     scale = d ** -0.5 if scale is None else float(scale)
-    if needs.grad and not b.second_derivative and not (needs.compiling or needs.transforms):
+    if needs.grad and not b.second_derivative and b.name not in _REFUSES_ITSELF and not (needs.compiling or
+                                                                                      needs.transforms):
         q, k, v = _FirstDerivativeOnly.apply(_no_second_derivative(b.name, backend), q, k, v)
     call = Call(q, k, v, lam_t, mask, causal, None, is_causal, scale, dropout_p)
     return b, call if b.raw_mask else call._replace(mask=_mask_with_causal(call))
+
+
+_REFUSES_ITSELF = frozenset({"cpu_fused"})
+"""Backends without a second derivative whose backward refuses one by name itself (no guard, no cost per call)."""
 
 
 def _no_second_derivative(name: str, asked: str) -> str:

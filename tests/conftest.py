@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 
 
 # Environment entries that change by design between set-up and tear-down.
-_FIRST_USE = {"PYTEST_CURRENT_TEST"}  # pytest sets it per phase
+_FIRST_USE = {"PYTEST_CURRENT_TEST",  # pytest sets it per phase
+              "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}  # inductor sets it on first use, for the process
 
 
 @pytest.fixture(autouse=True)

@@ -25,9 +25,13 @@ def test_steps_fit_the_limits(capsys):
     assert session.main(["--list"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in session.STEPS)
-    gpu_steps = [m for name, (_, m, _) in session.STEPS.items() if name != "compile"]
-    assert sum(gpu_steps) <= 20  # the GPU part of the session, H100 estimate (compile needs no GPU)
+    default = [session.STEPS[name][1] for name in session.DEFAULT_STEPS]
+    assert session.START_MINUTES + sum(default) <= session.DEVICE_MINUTES == 15  # start included (issue 51)
     assert all(minutes < 9 for _, minutes, _ in session.STEPS.values())
+    # in order of value: the new tables' bench at d = 64 and 128 first, then the probe; the optional ones last
+    assert session.DEFAULT_STEPS[:3] == ["bench64", "bench128", "probe"]
+    assert list(session.STEPS)[-len(session.OPTIONAL_STEPS):] == list(session.OPTIONAL_STEPS)
+    assert listed.index("bench64") < listed.index("bench128") < listed.index("probe") < listed.index("tests")
 
 
 def _part(d):

@@ -88,7 +88,7 @@ def _plant(folder: Path, *, rerun: bool = True, probe: bool = True) -> None:
         session["reruns"] = [{"step": "tests", "date": "2026-01-02 04:00 UTC", "status": "passed", "why": "fixed",
                               "command": 'python -m pytest tests/test_triton.py -k "a or b"', "log_tail": "2 passed in 3.1s"}]
     if probe:
-        session["probe"] = {"recorded": _rec("GPU X"), "forward": [
+        session["probe"] = {"recorded": dict(_rec("GPU X"), command="python p.py --no-ncu --out somewhere.json"), "forward": [
             {"d": 64, "plan": "split_kv", "block_m": 128, "block_n": 32, "warps": 8, "stages": 3, "n": 8192,
              "status": "ok", "ms": 4.0, "tflops": 400.0},
             {"d": 64, "plan": "split_kv", "block_m": 64, "block_n": 64, "warps": 4, "stages": 3, "n": 8192,
@@ -139,6 +139,7 @@ def test_the_probe_is_labelled_with_its_call_path(tmp_path):
     _plant(tmp_path)
     text = gpu_prose.probe_sentence("gpu-x", tmp_path)
     assert "`triton_diff_attention`" in text and "not a verdict on the goals" in text
+    assert "(`python p.py --no-ncu`)" in text  # the command without the machine's output path
     assert "64 x 64 (4 warps, 3 stages) 3.00 ms, 500 TFLOP/s" in text
     assert "the autotuner's pick in `bench_triton` (128 x 32, 8 warps, 3 stages) took 5.00 ms on the judged path and " \
            "4.00 ms in the probe" in text

@@ -310,7 +310,7 @@ def test_autotune_tables_are_small_and_the_switches_work(monkeypatch):
     from diffattn_tutorial.kernels.triton import configs as tc_configs
     from diffattn_tutorial.kernels.triton import flash_diff as td
 
-    for table in (tc_configs._CONFIGS_16BIT, tc_configs._CONFIGS_AMPERE, tc_configs._CONFIGS_TURING, tc_configs._CONFIGS_FP32):
+    for table in tc_configs.config_tables().values():
         for (name, form), by_d in table.items():
             for d, cfgs in by_d.items():
                 assert 1 <= len(cfgs) <= 4, (name, form, d)
@@ -340,8 +340,8 @@ def test_every_launch_has_autotune_configs_for_its_variant(capability):
     from diffattn_tutorial.kernels.triton import configs as tc_configs
 
     half = torch.float16 if capability < 80 else torch.bfloat16
-    table16 = tc_configs._CONFIGS_16BIT if capability >= 90 else (tc_configs._CONFIGS_AMPERE if capability >= 80 else
-                                                          tc_configs._CONFIGS_TURING)
+    tables = tc_configs.config_tables()
+    table16 = tables["hopper"] if capability >= 90 else (tables["ampere"] if capability >= 80 else tables["turing"])
     for d in (16, 32, 64, 128):
         for dtype in (half, torch.float32):
             q, k, v = _zeros_qkv(d, dtype)
@@ -351,12 +351,13 @@ def test_every_launch_has_autotune_configs_for_its_variant(capability):
                 if grad:
                     out.sum().backward()
             names = [(x.name, tc_configs._form(x.name, x.consts)) for x in launches]
+            # each forward launch is followed by its careful launch (a no-op on finite inputs)
             if capability >= 90:  # fwd, pre, dkdv, dq; dkdv -> dv, dk; 2 fwd, 2 dk, 2 dq
-                expected = {16: 4, 32: 4, 64: 5, 128: 8}[d]
+                expected = {16: 5, 32: 5, 64: 6, 128: 10}[d]
             else:  # split: 2 fwd, pre, dv, 2 dk, 2 dq; inference: 2 fwd
-                expected = 8 if grad else 2
+                expected = 10 if grad else 4
             assert len(launches) == expected, names
-            table = tc_configs._CONFIGS_FP32 if dtype == torch.float32 else table16
+            table = tables["float32"] if dtype == torch.float32 else table16
             for x, key in zip(launches, names):
                 if x.name != "_diff_attn_bwd_preprocess":
                     assert d in table[key], (capability, key, d)
@@ -372,7 +373,8 @@ def test_a_gpu_without_bf16_is_told_to_use_fp16():
         triton_diff_attention(*_zeros_qkv(128, torch.float16), lam.half())
     with capture_launches(75) as launches, torch.no_grad():
         triton_diff_attention(*_zeros_qkv(128, torch.float16), lam.half())
-    assert [x.consts["MAPS"] for x in launches] == [MAPS_2, MAPS_1]  # map 2 stores o2, map 1 combines
+    assert [(x.consts["MAPS"], x.consts["CAREFUL"]) for x in launches] == [  # map 2 stores o2, map 1 combines;
+        (MAPS_2, False), (MAPS_1, False), (MAPS_2, True), (MAPS_1, True)]  # then the careful launches, in that order
 
 
 # ------------------------------------------------------------------------------------------------

@@ -192,7 +192,8 @@ def probe_sentence(slug: str, folder: Path = FOLDER) -> str:
         elif bench:
             text += f"; the judged path's forward (`bench_triton`, the autotuner's pick) took {bench[0]['ms']:.2f} ms"
         parts.append(text)
-    return (f"On the {device} the probe (`{probe['recorded'].get('command', 'command not recorded')}`) timed the "
+    command = re.sub(r"\s--out\s+\S+", "", probe["recorded"].get("command", "command not recorded"))  # no machine's path
+    return (f"On the {device} the probe (`{command}`) timed the "
             f"forward alone through `triton_diff_attention` (B = 2, N = 8192, bf16, non-causal), a faster call path "
             f"than the `diff_attention(backend=\"triton\")` the goals are judged on; its TFLOP/s are that path's, not "
             f"a verdict on the goals: " + "; ".join(parts) + ".")

@@ -6,13 +6,10 @@ separately; naive forms ``A1 - lam * A2`` first and applies V once, but writes b
 of query rows of one head, computes both score blocks, their softmax numerators, the differential map in place,
 and multiplies it by V. Notebook 08 walks through it; ``benchmarks/bench_cpu_auto.py`` measures it.
 
-The backward (``diff_attention_cpu_backward``) runs in one pass over blocks of query rows: dq and dlambda
-written, dk and dv added to partial sums per head and group of row blocks, which a second step adds up in a fixed
-order (the gradients do not depend on the thread count). Where it gets its maps depends on the call's size: in
-eager training (:class:`CpuFusedTraining`) the forward keeps its normalised maps, ``B * H * 2 * Nq * Nk`` floats,
-while they take at most :data:`MAPS_KEPT_BYTES` (16 MiB), and the backward reads them; above that size, and
-through the operators ``torch.compile`` traces, the backward recomputes the maps block by block, as flash
-attention does, and no N x N tensor is kept.
+The backward (``diff_attention_cpu_backward``), one pass over blocks of query rows, sums dk and dv per row block in
+a fixed order (gradients independent of the thread count). Eager training keeps the forward's maps for it up to
+:data:`MAPS_KEPT_BYTES` (16 MiB); above that, and under ``torch.compile``, it recomputes them block by block as
+flash attention does, keeping no N x N tensor.
 The threads are those of torch's OpenMP pool where the process has that one OpenMP runtime (:func:`kernel_threads`):
 its threads keep spinning for a while after each of torch's parallel calls, so threads of the kernel's own would
 share the cores with them.

@@ -35,42 +35,18 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from diffattn_tutorial.kernels.triton.aot_keys import (  # noqa: F401 (the record's hashes, named here too)
+from diffattn_tutorial.kernels.triton.aot_keys import (  # noqa: F401 (the targets and hashes, named here too)
+    ARCHS,
+    DECODE_GROUPS,
+    DECODE_HEAD_DIMS,
+    Arch,
     decode_source_hash,
     fact_key,
+    kernel_and_form,
     kernel_source_hash,
     source_hash,
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    """A compile target and what one block (program) may use on its GPUs."""
-
-    capability: int
-    shared: int  # bytes of shared memory per block (the opt-in maximum)
-    gpus: str
-    dtypes: tuple[str, ...] = ("bfloat16", "float16")  # the 16-bit dtypes the library runs there
-    regs_per_thread: int = 255
-    regs_per_block: int = 65536
-
-    @property
-    def train_head_dim(self) -> int:
-        """The largest padded head dim the library trains on this target (its backward's launches)."""
-        from diffattn_tutorial.kernels.triton.configs import train_head_dim_limit
-
-        return train_head_dim_limit(self.capability)
-
-
-ARCHS = {
-    "sm_90a": Arch(90, 232448, "H100, H200"),  # 227 KiB
-    "sm_89": Arch(89, 101376, "L4, RTX 40xx"),  # 99 KiB
-    "sm_86": Arch(86, 101376, "RTX 30xx, A10"),  # 99 KiB
-    "sm_80": Arch(80, 166912, "A100"),  # 163 KiB
-    "sm_75": Arch(75, 65536, "T4, RTX 20xx", dtypes=("float16",)),  # 64 KiB; no bfloat16 arithmetic
-}
-"""The GPUs learners have, by compile target: shared memory a block may use (the CUDA programming guide's table of
-compute capabilities), 255 registers per thread and 64 K per block on each. Colab's free GPU is a T4."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Every padded head dim the kernels support (d = 1..128 is padded to the next of these)."""
 DTYPES = ("bfloat16", "float16")
@@ -81,7 +57,6 @@ FACTS_FILE = Path(__file__).resolve().parents[2] / "recorded" / f"{FACTS_NAME}.j
 DECODE_FACTS_NAME = "compile_facts_decode"
 """The decode kernels' file (``--decode --write``), under its own :func:`decode_source_hash`."""
 DECODE_FACTS_FILE = FACTS_FILE.with_name(f"{DECODE_FACTS_NAME}.json")
-DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 4)  # the decode cases (decode_cases): MHA and GQA 4:1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,16 +279,6 @@ def _ptxas_report(ptx: str, capability: int) -> str:
         proc = subprocess.run([str(exe), "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True, check=False)
     return proc.stdout + proc.stderr
-
-
-def kernel_and_form(name: str, consts: dict) -> tuple:
-    """A recorded launch's kernel (in ``flash_diff.KERNELS`` or ``decode.KERNELS``) and the variant its constexprs
-    select (the training kernels' forms; ``partial`` or ``combine``)."""
-    from diffattn_tutorial.kernels.triton import configs, decode, flash_diff
-
-    if name in decode.KERNELS:
-        return decode.KERNELS[name], name.removeprefix("_decode_")
-    return flash_diff.KERNELS[name], configs.form(name, consts) + ("/careful" if consts.get("CAREFUL") else "")
 
 
 def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
