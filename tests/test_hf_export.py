@@ -82,6 +82,14 @@ def test_a_v1_sub_norm_with_a_trained_weight_is_refused(tmp_path):
     assert _nothing_written(tmp_path)
 
 
+def test_a_v1_model_without_sub_norm_is_refused(tmp_path):
+    model, _ = _model("hf/llama3_mha_tied")
+    v1 = convert_model(model, "diff", heads="split", subln=False)
+    with pytest.raises(CheckpointError, match=r"layer 0 has no sub-norm \(subln=False\)"):
+        save_hf(v1, tmp_path / "v1")
+    assert _nothing_written(tmp_path)
+
+
 @pytest.mark.parametrize("name, named", [("hf/qwen2_mha_untied", "sub-norm uses rms_norm_eps"),
                                          ("hf/llama3_gqa_untied", None)])
 def test_what_diffllama_cannot_express_is_refused(tmp_path, name, named):
@@ -157,3 +165,11 @@ def test_live_transformers_loads_the_saved_folder_alone(tmp_path, monkeypatch, n
                                pad_token_id=0, eos_token_id=None)
     assert torch.equal(tokens, ours.generate(prompt, 8))
     assert json.loads((tmp_path / kind / "config.json").read_text())["architectures"][0] == type(back).__name__
+
+
+def test_q_k_v_biases_without_an_output_bias_are_refused_for_diffllama(tmp_path):
+    case = golden.load("hf/qwen2_mha_untied")
+    model = from_hf(case["state_dict"], config=dict(case["config"], rms_norm_eps=1e-5))  # DiffLlama's sub-norm eps
+    with pytest.raises(CheckpointError, match="layer 0: .*biases on some projections only"):
+        save_hf(convert_model(model, "diff"), tmp_path / "v1")
+    assert _nothing_written(tmp_path)

@@ -100,8 +100,10 @@ def _baseline_folder(model) -> tuple[dict, dict[str, Tensor], dict[str, str]]:
 def _diffllama_attn(i: int, attn: MultiheadDiffAttn) -> dict[str, Tensor]:
     from diffattn_tutorial.interop import to_diffllama
 
-    if attn.subln is None or attn.subln.weight is None or not torch.equal(attn.subln.weight,
-                                                                           torch.ones_like(attn.subln.weight)):
+    if attn.subln is None:
+        raise CheckpointError(f"layer {i} has no sub-norm (subln=False), which DiffLlama always applies; save as "
+                              f"DIFF V2 or convert with the sub-norm")
+    if attn.subln.weight is None or not torch.equal(attn.subln.weight, torch.ones_like(attn.subln.weight)):
         raise CheckpointError(f"layer {i}: the sub-norm has a weight other than all ones, which DiffLlama's "
                               f"(weightless) groupnorm cannot hold; save as DIFF V2, or fine-tune with "
                               f"subln.weight frozen")
@@ -118,9 +120,10 @@ def _diffllama_attn(i: int, attn: MultiheadDiffAttn) -> dict[str, Tensor]:
 def _diff_folder(model) -> tuple[dict, dict[str, Tensor], dict[str, str]]:
     cfg = model.cfg
     layer = model.blocks[0].attn
-    if any(b.attn.subln is not None and b.attn.subln.eps != cfg.norm_eps for b in model.blocks):
+    eps = sorted({b.attn.subln.eps for b in model.blocks if b.attn.subln is not None} - {cfg.norm_eps})
+    if eps:
         raise CheckpointError(f"DiffLlama's sub-norm uses rms_norm_eps ({cfg.norm_eps}), this model's sub-norm "
-                              f"eps {layer.subln.eps}: it cannot be saved as DiffLlama (save as DIFF V2)")
+                              f"eps {eps[0]}: it cannot be saved as DiffLlama (save as DIFF V2)")
     has_bias = layer.q_proj.bias is not None
     config = {**_common_config(cfg), "model_type": "diffllama", "architectures": ["DiffLlamaForCausalLM"],
               "num_attention_heads": 2 * layer.num_heads, "num_key_value_heads": 2 * layer.num_kv_heads,
