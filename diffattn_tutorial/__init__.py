@@ -19,6 +19,8 @@ The modules are layers, each importing only from the lines above its own (import
                     FSDP2, checkpoints), the run log
     interop         from_unilm / to_unilm, from_timm / to_timm, from_unilm_v2 / to_unilm_v2, from_diffllama /
                     to_diffllama, from_llama (a Hugging Face Llama into training's TinyLM)
+    hf/             Hugging Face checkpoints in and out: from_hf (Llama 3, Qwen2, Mistral into TinyLM, from a model
+                    or a safetensors folder), save_hf (a TinyLM, baseline or DIFF, back in transformers' format)
     checks/         the exercise checks
     cli             the diffattn-tutorial command (doctor, bench, check, train)
 """

@@ -8,7 +8,8 @@ A module case holds ``source``, ``variant``, ``config`` (the reference construct
 ``x_grad``, ``lr`` and ``state_dict_after_sgd`` (parameters after one plain SGD step on ``(out * g).sum()``).
 The functional case holds ``q``, ``k``, ``v``, ``lam``, ``causal``, ``out`` and ``out_fp64``. The ``llama/`` cases
 (``tools/make_llama_golden.py``, Hugging Face ``LlamaForCausalLM``, a whole model) hold ``config``, ``state_dict``,
-``input_ids`` and ``logits``. Tolerance: float32,
+``input_ids`` and ``logits``; the ``hf/`` cases (``tools/make_hf_golden.py``: transformers' Llama 3, Qwen2 and
+Mistral models) also ``prompt`` and ``greedy`` (its ``generate``'s tokens). Tolerance: float32,
 ``rtol=1e-4, atol=1e-5``.
 
 They are read through :mod:`importlib.resources`, so a notebook finds them wherever the package is installed

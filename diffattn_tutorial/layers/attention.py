@@ -205,13 +205,16 @@ class MultiheadAttention(_Attention):
         embed_dim: model width C; ``head_dim = C // num_heads``.
         num_heads: attention heads H. num_kv_heads: KV heads (GQA), dividing H; default H.
         kdim: width of a cross-attention ``context`` (default C).
-        bias: biases on the projections. dropout: attention dropout (training only).
+        bias: biases on the projections; ``qkv_bias`` / ``out_bias`` (None: as ``bias``) set the q/k/v and the
+            output projection's apart (Qwen2 has q/k/v biases and none on the output).
+        dropout: attention dropout (training only).
         backend: ``"auto"``, ``"naive"`` or ``"sdpa"``. rope_interleaved: GPT-J (True) or NeoX layout.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  kdim: Optional[int] = None, bias: bool = False, dropout: float = 0.0, backend: str = "auto",
-                 rope_interleaved: bool = True, device=None, dtype=None) -> None:
+                 rope_interleaved: bool = True, qkv_bias: Optional[bool] = None, out_bias: Optional[bool] = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or embed_dim % num_heads:
@@ -224,10 +227,11 @@ class MultiheadAttention(_Attention):
         self.kdim = embed_dim if kdim is None else kdim
         self.dropout, self.rope_interleaved = dropout, rope_interleaved
         self.backend = backends.check_name(backend, PLAIN_BACKENDS)
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
-        self.k_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
-        self.v_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=bias, **dd)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
+        qkv_bias, out_bias = bias if qkv_bias is None else qkv_bias, bias if out_bias is None else out_bias
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=qkv_bias, **dd)
+        self.k_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=qkv_bias, **dd)
+        self.v_proj = nn.Linear(self.kdim, num_kv_heads * self.head_dim, bias=qkv_bias, **dd)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_bias, **dd)
 
     def forward(self, x: Tensor, *, rope: Rope = None, causal: bool = False, attn_mask: Optional[Tensor] = None,
                 context: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
@@ -370,11 +374,12 @@ class DiffAttnV2(_Attention):
     Args:
         d_model: model width. num_heads: output heads H (2H query heads). num_kv_heads: KV heads, dividing H.
         head_dim: per-head width (default ``d_model // num_heads``). backend: ``"auto"``, ``"naive"``, ``"sdpa"``.
+        qkv_bias: biases on q/k/v (a converted Qwen2's); ``o_proj`` and ``lambda_proj`` have none.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, backend: str = "auto", rope_interleaved: bool = True,
-                 device=None, dtype=None) -> None:
+                 qkv_bias: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
@@ -389,9 +394,9 @@ class DiffAttnV2(_Attention):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_interleaved = rope_interleaved
         self.backend = backends.check_name(backend, PLAIN_BACKENDS)
-        self.q_proj = nn.Linear(d_model, 2 * num_heads * head_dim, bias=False, **dd)
-        self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
-        self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False, **dd)
+        self.q_proj = nn.Linear(d_model, 2 * num_heads * head_dim, bias=qkv_bias, **dd)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=qkv_bias, **dd)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=qkv_bias, **dd)
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False, **dd)
         self.lambda_proj = nn.Linear(d_model, num_heads, bias=False, **dd)
         self.register_buffer("lambda_mix", None)  # a warm-up's factor on lambda (layers.convert), else None

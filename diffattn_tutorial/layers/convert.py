@@ -26,6 +26,9 @@ is within rounding (another order of the same operations, or a scale by ``1 / (1
   raised to 1 by :func:`set_warmup` during fine-tuning, removed by :func:`finish_warmup`): at 0 the negative branch
   is off and the layer is the baseline.
 
+Q/K/V biases (Qwen2's) go with their rows (a mirrored negative's bias is the positive's, a zero negative's is
+zero) and RoPE is applied by the model, whatever its frequencies (Llama 3's scaling included): neither changes
+what is exact. An output-projection bias is refused (DIFF V2's ``o_proj`` has none).
 :func:`why_not_exact` says, in one sentence, why an option set cannot reproduce the baseline (None if it does);
 the tests and notebook 14 assert outputs equal to float tolerance where it returns None (notebook 14 also names
 the exact ones) and measure the gap where it does not.
@@ -91,7 +94,8 @@ def conversion_options(attention: str, **options) -> dict:
 def why_not_exact(attention: str, **options) -> Optional[str]:
     """None when the conversion (``attention`` and the options :func:`to_diff_v2` / :func:`to_diff_v1` take)
     computes the baseline's function at conversion, else the reason in one sentence; options the converters refuse
-    are refused here too (:func:`conversion_options`)."""
+    are refused here too (:func:`conversion_options`). The answer holds for a baseline with q/k/v biases and for
+    any RoPE frequencies (Llama 3's scaling included): biases move with their rows, RoPE is the model's."""
     opt = conversion_options(attention, **options)
     negative, warmup = opt["negative"], opt["warmup"]
     if attention == "diff_v2":
@@ -115,10 +119,24 @@ def _check_baseline(layer: nn.Module) -> MultiheadAttention:
         raise ValueError(f"a cross-attention baseline (kdim={layer.kdim}, embed_dim={layer.embed_dim}) does not "
                          f"convert: the converted layers take their keys and values from x (self-attention); "
                          f"convert a self-attention layer (kdim=None)")
-    if any(p.bias is not None for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)):
-        raise ValueError("the baseline has projection biases, which DIFF's layers in this library do not have on "
-                         "q/k/v; convert a baseline built with bias=False")
+    if layer.out_proj.bias is not None:
+        raise ValueError("the baseline's out_proj has a bias, which the converted layers' output does not have: "
+                         "convert a baseline built with bias=False or out_bias=False (projection biases on q/k/v "
+                         "alone, Qwen2's, convert)")
+    if len({p.bias is None for p in (layer.q_proj, layer.k_proj, layer.v_proj)}) != 1:
+        raise ValueError("the baseline has biases on some of q/k/v only; the converted layers take all three or "
+                         "none (qkv_bias)")
     return layer
+
+
+def _qkv_bias(layer: MultiheadAttention) -> bool:
+    return layer.q_proj.bias is not None
+
+
+def _copy_bias(new: nn.Linear, bias: Optional[Tensor]) -> None:
+    """Copy ``bias`` (rows laid out as the weight's) into ``new.bias`` when the baseline has one."""
+    if bias is not None:
+        new.bias.copy_(bias)
 
 
 def _check_negative(negative: Optional[str]) -> str:
@@ -158,11 +176,15 @@ def to_diff_v2(layer: MultiheadAttention, *, negative: str = "mirror", warmup: b
                          f"dropped: set layer.dropout = 0.0 to convert without it, or convert to V1 (to_diff_v1)")
     d, w = base.head_dim, base.q_proj.weight
     new = DiffAttnV2(base.embed_dim, base.num_heads, num_kv_heads=base.num_kv_heads, head_dim=d, backend=base.backend,
-                     rope_interleaved=base.rope_interleaved, device=w.device, dtype=w.dtype)
+                     rope_interleaved=base.rope_interleaved, qkv_bias=_qkv_bias(base), device=w.device, dtype=w.dtype)
     lam = 0.0 if opt["warmup"] else V2_LAMBDA_AT_CONVERSION
     new.q_proj.weight.copy_(_pair(w, opt["negative"], d))
     new.k_proj.weight.copy_(base.k_proj.weight)
     new.v_proj.weight.copy_(base.v_proj.weight)
+    if _qkv_bias(base):  # each bias row goes with its weight row: the negative's is mirrored (or zero) too
+        new.q_proj.bias.copy_(_pair(base.q_proj.bias, opt["negative"], d))
+        _copy_bias(new.k_proj, base.k_proj.bias)
+        _copy_bias(new.v_proj, base.v_proj.bias)
     new.o_proj.weight.copy_(base.out_proj.weight / (1 - lam) if opt["negative"] == "mirror" else base.out_proj.weight)
     new.lambda_proj.weight.zero_()
     if opt["warmup"]:
@@ -194,7 +216,7 @@ def to_diff_v1(layer: MultiheadAttention, *, depth: int, heads: str = "split", n
     n_diff, n_kv = (H // 2, Hkv // 2) if heads == "split" else (H, Hkv)
     new = MultiheadDiffAttn(base.embed_dim, n_diff, depth=depth, num_kv_heads=n_kv, head_dim=d, subln=opt["subln"],
                             dropout=base.dropout, backend=base.backend, rope_interleaved=base.rope_interleaved,
-                            device=w.device, dtype=w.dtype)
+                            qkv_bias=_qkv_bias(base), device=w.device, dtype=w.dtype)
     new.lambda_q2.copy_(new.lambda_q1)
     new.lambda_k2.copy_(new.lambda_k1)
     if opt["warmup"]:
@@ -202,6 +224,7 @@ def to_diff_v1(layer: MultiheadAttention, *, depth: int, heads: str = "split", n
     if heads == "split":  # the baseline's layout is already V1's: q/k heads 2i, 2i+1 are the maps of head i
         for name in ("q_proj", "k_proj", "v_proj"):
             getattr(new, name).weight.copy_(getattr(base, name).weight)
+            _copy_bias(getattr(new, name), getattr(base, name).bias)
         new.out_proj.weight.copy_(base.out_proj.weight)
         return new
     lam = 0.0 if opt["warmup"] else new.lambda_init
@@ -209,6 +232,11 @@ def to_diff_v1(layer: MultiheadAttention, *, depth: int, heads: str = "split", n
     new.k_proj.weight.copy_(_pair(base.k_proj.weight, negative, d))
     v = _heads(base.v_proj.weight, d)
     new.v_proj.weight.copy_(torch.cat([v, v], dim=1).flatten(0, 1))  # (Hkv, 2d, C): value [v, v] per group
+    if _qkv_bias(base):  # bias rows follow their weight rows
+        new.q_proj.bias.copy_(_pair(base.q_proj.bias, negative, d))
+        new.k_proj.bias.copy_(_pair(base.k_proj.bias, negative, d))
+        vb = _heads(base.v_proj.bias, d)
+        new.v_proj.bias.copy_(torch.cat([vb, vb], dim=1).flatten())
     o = base.out_proj.weight.unflatten(1, (H, d))  # (C, H, d)
     scale = 1 / (1 - lam) if negative == "mirror" else 1.0
     new.out_proj.weight.copy_(torch.cat([o * scale, torch.zeros_like(o)], dim=2).flatten(1))  # (C, H, 2d)

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -24,20 +25,61 @@ def rope_cos_sin(
     offset: int = 0,
     device: Optional[Union[str, torch.device]] = None,
     dtype: torch.dtype = torch.float32,
+    scaling: Optional[Mapping[str, Any]] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(cos, sin)``, each ``(seq_len, rot_dim // 2)``, for positions ``offset .. offset + seq_len - 1``.
 
     Angle of position ``p`` and frequency ``i``: ``p * base ** (-2i / rot_dim)``. Use ``offset`` for cached
-    decoding: the token at position ``t`` gets ``rope_cos_sin(1, r, offset=t)``.
+    decoding: the token at position ``t`` gets ``rope_cos_sin(1, r, offset=t)``. ``scaling``: Llama 3.1's
+    frequency scaling (:func:`llama3_inv_freq`, its keys as :data:`LLAMA3_KEYS`); None (the default): none.
     """
     if rot_dim <= 0 or rot_dim % 2:
         raise ValueError(f"rot_dim must be a positive even number, got {rot_dim}")
     if seq_len < 0 or offset < 0:
         raise ValueError(f"seq_len and offset must be >= 0, got seq_len={seq_len}, offset={offset}")
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float64) / rot_dim)
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, **check_llama3_scaling(scaling))
     pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+LLAMA3_KEYS: tuple[str, ...] = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The keys of Llama 3.1's RoPE scaling (``rope_parameters`` with ``rope_type="llama3"`` in a ``LlamaConfig``)."""
+
+
+def check_llama3_scaling(scaling: Mapping[str, Any]) -> dict[str, float]:
+    """``scaling``'s four :data:`LLAMA3_KEYS` as numbers (other keys, such as ``rope_type`` or ``rope_theta``, are
+    the caller's); a missing key, a number <= 0, or ``high_freq_factor <= low_freq_factor`` refused by name."""
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"scaling must be a dict with the keys {LLAMA3_KEYS}, got {type(scaling).__name__}")
+    missing = [k for k in LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"llama3 RoPE scaling needs the key(s) {missing} (as in a LlamaConfig's rope_parameters)")
+    out = {k: scaling[k] for k in LLAMA3_KEYS}
+    for k, v in out.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"llama3 RoPE scaling: {k} must be a number > 0, got {v!r}")
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"llama3 RoPE scaling: high_freq_factor ({out['high_freq_factor']}) must exceed "
+                         f"low_freq_factor ({out['low_freq_factor']})")
+    return out
+
+
+def llama3_inv_freq(inv_freq: Tensor, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: float) -> Tensor:
+    """Llama 3.1's RoPE frequencies (transformers' ``rope_type="llama3"``): a frequency whose wavelength
+    ``2 pi / f`` is shorter than ``original_max_position_embeddings / high_freq_factor`` is kept, one longer than
+    ``original / low_freq_factor`` divided by ``factor``, and those between interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def check_rope(rope: object, seq_len: int, head_dim: int) -> tuple[Tensor, Tensor]:

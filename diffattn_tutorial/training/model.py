@@ -53,7 +53,7 @@ from diffattn_tutorial.layers.attention import (
     RMSNorm,
     StaticKVCache,
 )
-from diffattn_tutorial.layers.rope import rope_cos_sin
+from diffattn_tutorial.layers.rope import check_llama3_scaling, rope_cos_sin
 from diffattn_tutorial.measure import flops
 
 Tensor = torch.Tensor
@@ -86,6 +86,10 @@ class LMConfig:
         max_len: longest sequence (RoPE tables are built for it).
         rope_base: RoPE base.
         norm_eps: the epsilon of every RMSNorm (Llama checkpoints say ``rms_norm_eps``, often ``1e-6``).
+        qkv_bias: biases on the q/k/v projections (Qwen2's), none on the output.
+        rope_scaling: Llama 3.1's RoPE frequency scaling, its four keys
+            (:data:`~diffattn_tutorial.layers.rope.LLAMA3_KEYS`) as a dict or ``(key, value)`` pairs (kept as sorted
+            pairs, so the config stays hashable); None: plain RoPE.
     """
 
     vocab_size: int
@@ -98,8 +102,15 @@ class LMConfig:
     max_len: int = 512
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    rope_scaling: Optional[tuple[tuple[str, float], ...]] = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"LMConfig.qkv_bias must be True or False, got {self.qkv_bias!r}")
+        if self.rope_scaling is not None:
+            scaling = check_llama3_scaling(dict(self.rope_scaling))
+            object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_len"):
             value = getattr(self, name)
             if value is None and name in ("n_kv_heads", "ffn_hidden"):
@@ -136,10 +147,12 @@ class LMConfig:
 def make_attention(cfg: LMConfig, depth: int) -> nn.Module:
     """The attention layer of block ``depth`` (0-based), parameter-matched as described in the module doc."""
     if cfg.attention == "baseline":
-        return MultiheadAttention(cfg.d_model, cfg.n_heads, num_kv_heads=cfg.kv_heads)
+        return MultiheadAttention(cfg.d_model, cfg.n_heads, num_kv_heads=cfg.kv_heads, qkv_bias=cfg.qkv_bias)
     if cfg.attention == "diff":
-        return MultiheadDiffAttn(cfg.d_model, cfg.n_heads // 2, depth=depth, num_kv_heads=cfg.kv_heads // 2)
-    return DiffAttnV2(cfg.d_model, cfg.n_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
+        return MultiheadDiffAttn(cfg.d_model, cfg.n_heads // 2, depth=depth, num_kv_heads=cfg.kv_heads // 2,
+                                 qkv_bias=cfg.qkv_bias)
+    return DiffAttnV2(cfg.d_model, cfg.n_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                      qkv_bias=cfg.qkv_bias)
 
 
 class SwiGLU(nn.Module):
@@ -198,7 +211,8 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, depth) for depth in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rope_cos_sin(cfg.max_len, cfg.head_dim, base=cfg.rope_base)
+        scaling = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+        cos, sin = rope_cos_sin(cfg.max_len, cfg.head_dim, base=cfg.rope_base, scaling=scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

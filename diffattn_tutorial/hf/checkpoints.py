@@ -1,0 +1,315 @@
+"""Load Hugging Face checkpoints of the Llama family into :class:`~diffattn_tutorial.training.model.TinyLM`, exactly.
+
+:func:`from_hf` takes a transformers model object (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``MistralForCausalLM``), a folder holding ``config.json`` and ``*.safetensors`` (read offline, without transformers),
+or a ``state_dict`` with its config. What each family needs of TinyLM:
+
+* **Llama** (``model_type="llama"``): RoPE type ``"default"`` or ``"llama3"`` (Llama 3.1/3.2's frequency scaling,
+  :func:`~diffattn_tutorial.layers.rope.llama3_inv_freq`; SmolLM2's configuration is a plain Llama), tied or
+  untied head, GQA. ``attention_bias`` (biases on all four projections) and ``mlp_bias`` are refused by name.
+* **Qwen2** (``"qwen2"``, Qwen2 and 2.5): biases on q/k/v, none on the output (``LMConfig(qkv_bias=True)``).
+* **Mistral** (``"mistral"``): a Llama with a sliding window. The window is exact when it never binds, i.e. when
+  ``sliding_window >= max_len`` (the longest sequence the model will see); otherwise it is refused by name, and
+  ``max_len=sliding_window`` loads the model for sequences that short. Qwen2's ``use_sliding_window`` likewise.
+
+The mapping is term by term: Llama's half-split RoPE rows become TinyLM's interleaved ones (q and k weights and
+biases reordered per head, the same scores); a tied head is copied. Other families (Gemma, Phi, ...) and config
+options that change the function and are not implemented (another RoPE type, activation, head width,
+``partial_rotary_factor``) are refused by name; the golden data in ``diffattn_tutorial/golden/hf/`` were recorded by
+transformers' own models (``tools/make_hf_golden.py``). Saving back: :mod:`diffattn_tutorial.hf.export`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from diffattn_tutorial.layers.rope import LLAMA3_KEYS, interleaved_to_half_split
+
+Tensor = torch.Tensor
+
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+"""The ``model_type`` values :func:`from_hf` loads."""
+
+ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+"""The RoPE types (``rope_parameters["rope_type"]``) TinyLM computes exactly."""
+
+_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+    "sliding_window": None, "use_sliding_window": False, "layer_types": None}
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 4096 * 32}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+BLOCK_NAMES: dict[str, str] = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
+    "self_attn.q_proj.weight": "attn.q_proj.weight", "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight", "self_attn.o_proj.weight": "attn.out_proj.weight",
+    "self_attn.q_proj.bias": "attn.q_proj.bias", "self_attn.k_proj.bias": "attn.k_proj.bias",
+    "self_attn.v_proj.bias": "attn.v_proj.bias",
+    "mlp.gate_proj.weight": "mlp.gate.weight", "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight"}
+"""A decoder layer's parameter names (under ``model.layers.{i}.``) in all three families -> a TinyLM block's."""
+
+TOP_NAMES: dict[str, str] = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+                             "lm_head.weight": "head.weight"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded or saved exactly; the message names what and the fix."""
+
+
+# ---------------------------------------------------------------- safetensors, read and written without a dependency
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def read_safetensors(path: Union[str, os.PathLike]) -> dict[str, Tensor]:
+    """The tensors of one ``.safetensors`` file (the format: an 8-byte little-endian header length, a JSON header
+    of names, dtypes, shapes and byte offsets, then the raw bytes), as ``safetensors.torch.load_file`` gives them."""
+    data = Path(path).read_bytes()
+    if len(data) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file (only {len(data)} bytes)")
+    n = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not a safetensors file (its header is no JSON: {e})") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info.get("dtype") not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which this reader "
+                                  f"does not know ({', '.join(_ST_DTYPES)})")
+        start, end = info["data_offsets"]
+        raw = bytearray(data[8 + n + start:8 + n + end])
+        dtype = _ST_DTYPES[info["dtype"]]
+        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(info["shape"])
+    return out
+
+
+def write_safetensors(tensors: Mapping[str, Tensor], path: Union[str, os.PathLike]) -> None:
+    """Write ``tensors`` as one ``.safetensors`` file (what ``safetensors.torch.save_file`` writes; each tensor
+    its own bytes, CPU, contiguous)."""
+    inverse = {v: k for k, v in _ST_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        if t.dtype not in inverse:
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors does not hold here")
+        b = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": inverse[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for b in blobs:
+            f.write(b)
+
+
+def read_folder(folder: Union[str, os.PathLike]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config, state_dict)`` of a checkpoint folder: ``config.json`` and its ``*.safetensors`` (one file, or the
+    shards a ``model.safetensors.index.json`` lists), read offline; a missing part refused by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is no folder; pass a folder with config.json and *.safetensors (a model's "
+                                f"name is not downloaded here: fetch it with huggingface_hub.snapshot_download)")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json: pass the folder save_pretrained wrote")
+    config = json.loads((folder / "config.json").read_text())
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf"))
+        hint = f" (it has {', '.join(other)}: save it again with save_pretrained, which writes safetensors)" \
+            if other else ""
+        raise CheckpointError(f"{folder} has no weights: no *.safetensors file{hint}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder}: the index lists shard(s) {missing} that are not there")
+    state_dict: dict[str, Tensor] = {}
+    for f in files:
+        state_dict.update(read_safetensors(f))
+    return config, state_dict
+
+
+# ---------------------------------------------------------------- config
+def _config_dict(config: Any) -> dict[str, Any]:
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(f"config must be a transformers config (model.config), its dict, or a folder's config.json, "
+                    f"got {type(config).__name__} {config!r}")
+
+
+def _rope(c: dict[str, Any]) -> tuple[float, Optional[dict[str, float]]]:
+    """``(rope_theta, llama3 scaling or None)`` from transformers 5's ``rope_parameters`` or 4's
+    ``rope_theta``/``rope_scaling``; another RoPE type or a partial rotary factor refused by name."""
+    params = dict(c.get("rope_parameters") or {})
+    scaling = dict(c.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", c.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"RoPE type {rope_type!r} is not implemented (TinyLM has {ROPE_TYPES}): this model "
+                              f"cannot be loaded exactly")
+    partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointError(f"partial_rotary_factor={partial} is not implemented (TinyLM rotates whole heads)")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"rope_theta must be a number > 0, got {theta!r}")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {k: merged[k] for k in LLAMA3_KEYS if k in merged}
+
+
+def _window(c: dict[str, Any], family: str) -> Optional[int]:
+    """The sliding window that applies to some layer (None: none)."""
+    if family == "mistral":
+        return c.get("sliding_window")
+    if family == "qwen2" and c.get("use_sliding_window"):
+        return c.get("sliding_window")
+    if any(t == "sliding_attention" for t in c.get("layer_types") or ()):
+        return c.get("sliding_window")
+    return None
+
+
+def hf_lm_config(config: Any, *, max_len: Optional[int] = None):
+    """The :class:`~diffattn_tutorial.training.model.LMConfig` computing what a Llama, Qwen2 or Mistral config's
+    model computes (``config``: ``model.config``, its dict or a folder's ``config.json``); ``max_len`` (default
+    ``max_position_embeddings``) the longest sequence the model will see. Refused by name: another family, a
+    missing size, and every option that changes the function and is not implemented (see the module doc)."""
+    from diffattn_tutorial.training.model import LMConfig
+
+    c = _config_dict(config)
+    family = c.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"model_type {family!r} is not supported: from_hf loads {FAMILIES} (Gemma scales its "
+                              f"embeddings and norms as 1 + w, Phi has a partial rotary and a dense block: "
+                              f"neither is a TinyLM)")
+    c = {**_DEFAULTS, "max_position_embeddings": _MAX_POSITIONS[family], **c}
+    for k in _REQUIRED:
+        if isinstance(c.get(k), bool) or not isinstance(c.get(k), int) or c[k] < 1:
+            raise CheckpointError(f"the {family} config needs {k!r} as a whole number >= 1, got {c.get(k)!r}")
+    theta, scaling = _rope(c)
+    heads, width = c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
+    max_len = c["max_position_embeddings"] if max_len is None else max_len
+    window = _window(c, family)
+    problems = [what for what, bad in [
+        (f"hidden_act={c['hidden_act']!r} (SwiGLU uses 'silu')", c["hidden_act"] != "silu"),
+        ("attention_bias=True (a bias on o_proj too)", family == "llama" and c["attention_bias"]),
+        ("mlp_bias=True", c["mlp_bias"]), (f"pretraining_tp={c['pretraining_tp']}", c["pretraining_tp"] != 1),
+        (f"head_dim={c['head_dim']} other than hidden_size // num_attention_heads = {width}",
+         c["head_dim"] not in (None, width) or c["hidden_size"] % heads),
+        (f"sliding_window={window} shorter than max_len={max_len}, where it binds (pass max_len={window} to load "
+         f"it for sequences that short)", window is not None and window < max_len)] if bad]
+    if problems:
+        raise CheckpointError(f"this {family} model has {'; '.join(problems)}: TinyLM does not implement it, so it "
+                              f"cannot be loaded exactly")
+    return LMConfig(vocab_size=c["vocab_size"], attention="baseline", d_model=c["hidden_size"],
+                    n_layers=c["num_hidden_layers"], n_heads=heads, n_kv_heads=c["num_key_value_heads"] or heads,
+                    ffn_hidden=c["intermediate_size"], max_len=max_len, rope_base=theta,
+                    norm_eps=float(c["rms_norm_eps"]), qkv_bias=family == "qwen2", rope_scaling=scaling)
+
+
+# ---------------------------------------------------------------- weights
+def half_split_to_interleaved(t: Tensor, head_dim: int) -> Tensor:
+    """Rows of a q/k projection's weight (or bias) in Llama's half-split RoPE layout, reordered per head into
+    TinyLM's interleaved one (the inverse of :func:`~diffattn_tutorial.layers.rope.interleaved_to_half_split`)."""
+    one = interleaved_to_half_split(torch.arange(head_dim)[:, None], head_dim)[:, 0]
+    return t.unflatten(0, (-1, head_dim))[:, torch.argsort(one)].flatten(0, 1)
+
+
+def _tinylm_state(sd: dict[str, Tensor], cfg, tied: bool) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """transformers' names -> TinyLM's, q/k rows reordered; returns the mapped tensors and ours -> theirs."""
+    if tied and "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    out, names = {}, {}
+    for theirs, ours in TOP_NAMES.items():
+        if theirs in sd:
+            out[ours], names[ours] = sd.pop(theirs), theirs
+    for i in range(cfg.n_layers):
+        for theirs, ours in BLOCK_NAMES.items():
+            key = f"model.layers.{i}.{theirs}"
+            if key in sd:
+                t = sd.pop(key)
+                if theirs.startswith(("self_attn.q_proj", "self_attn.k_proj")) and t.shape[0] % cfg.head_dim == 0:
+                    t = half_split_to_interleaved(t, cfg.head_dim)
+                out[f"blocks.{i}.{ours}"], names[f"blocks.{i}.{ours}"] = t, key
+    return out, names
+
+
+def _their_name(ours: str) -> str:
+    """transformers' name of TinyLM parameter ``ours`` (``blocks.1.attn.k_proj.weight`` ->
+    ``model.layers.1.self_attn.k_proj.weight``)."""
+    top = {v: k for k, v in TOP_NAMES.items()}
+    if ours in top:
+        return top[ours]
+    _, i, rest = ours.split(".", 2)
+    return f"model.layers.{i}.{ {v: k for k, v in BLOCK_NAMES.items()}.get(rest, rest)}"
+
+
+def load_weights(model, state_dict: Mapping[str, Tensor], *, tied: bool):
+    """Load transformers-named weights into a baseline ``model`` (TinyLM), as float32; every missing, unexpected or
+    misshapen tensor named (by transformers' name) before anything is loaded."""
+    sd = {k: v.detach().to(torch.float32) for k, v in state_dict.items()
+          if not k.endswith("rotary_emb.inv_freq")}  # a buffer some older checkpoints carry
+    out, names = _tinylm_state(sd, model.cfg, tied)
+    own = model.state_dict()
+    missing = sorted(_their_name(k) for k in own if k not in out)
+    if sd or missing:
+        raise CheckpointError(f"the checkpoint's weights do not match its config: missing {missing}, unexpected "
+                              f"{sorted(sd)} (num_hidden_layers, tie_word_embeddings and the family must be the "
+                              f"checkpoint's own)")
+    wrong = [f"{names[k]}: checkpoint {tuple(out[k].shape)}, config {tuple(v.shape)}"
+             for k, v in own.items() if out[k].shape != v.shape]
+    if wrong:
+        raise CheckpointError(f"the checkpoint's weights have other shapes than its config says: {'; '.join(wrong)}")
+    model.load_state_dict(out)
+    return model.eval()
+
+
+def from_hf(source: Any, *, config: Any = None, max_len: Optional[int] = None):
+    """A baseline :class:`~diffattn_tutorial.training.model.TinyLM` computing what a Llama, Qwen2 or Mistral
+    checkpoint computes (see the module doc), float32 whatever the checkpoint's dtype.
+
+    ``source``: a transformers model (``LlamaForCausalLM``, ... : its ``state_dict()`` and ``config``), a folder
+    (``config.json`` and ``*.safetensors``, read offline), or a ``state_dict`` (then ``config`` is required).
+    ``max_len``: the longest sequence the model will see (default the config's ``max_position_embeddings``).
+    """
+    from diffattn_tutorial.training.model import TinyLM
+
+    if isinstance(source, (str, os.PathLike)):
+        folder_config, state_dict = read_folder(source)
+        config = folder_config if config is None else config
+    elif isinstance(source, Mapping):
+        state_dict = source
+        if config is None:
+            raise TypeError("from_hf(state_dict) needs config= (model.config, its dict, or config.json's)")
+    elif hasattr(source, "state_dict") and hasattr(source, "config"):
+        state_dict, config = source.state_dict(), source.config if config is None else config
+    else:
+        raise TypeError(f"source must be a transformers model, a checkpoint folder or a state_dict, got "
+                        f"{type(source).__name__}")
+    cfg = hf_lm_config(config, max_len=max_len)
+    tied = bool(_config_dict(config).get("tie_word_embeddings", False))
+    return load_weights(TinyLM(cfg), state_dict, tied=tied)
+
+
+__all__ = ["FAMILIES", "ROPE_TYPES", "BLOCK_NAMES", "TOP_NAMES", "CheckpointError", "read_safetensors",
+           "write_safetensors", "read_folder", "hf_lm_config", "half_split_to_interleaved", "load_weights", "from_hf"]
