@@ -46,3 +46,42 @@ def test_cpu_fused_inference_under_a_meta_default_device():
         print(fused.device, flag.device, float((fused - ref).abs().max()))
     """).split()
     assert out[:2] == ["cpu", "cpu"] and float(out[2]) < 1e-5
+
+
+@pytest.mark.parametrize("lam", [np.float32(0.5), np.float64(0.5), np.int64(1)])
+def test_lam_as_a_numpy_number(lam):
+    """A numpy number (an ``np.float32`` read from an array, as ``scale`` and ``dropout_p`` take) was refused with
+    "lam must be a float or a tensor, got float32"; it is a number like 0.5."""
+    q, k, v = inputs()
+    expected = diff_attention(q, k, v, float(lam), backend="naive")
+    assert torch.equal(diff_attention(q, k, v, lam, backend="naive"), expected)
+
+
+@pytest.mark.parametrize("lam", [np.bool_(True), True, "0.5", np.array([0.5])])
+def test_lam_refused_when_not_a_number(lam):
+    q, k, v = inputs()
+    with pytest.raises(TypeError, match="lam must be"):
+        diff_attention(q, k, v, lam, backend="naive")
+
+
+def test_scale_too_large_for_a_float_named():
+    """``scale=10**400`` gave OverflowError "int too large to convert to float" from inside the check."""
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        validation.check_scale(10 ** 400)
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        diff_attention(q, k, v, 0.5, scale=10 ** 400)
+
+
+@pytest.mark.parametrize("p", ["0.1", None, torch.tensor(0.1), np.bool_(True)])
+def test_dropout_p_not_a_number_named(p):
+    """``dropout_p="0.1"`` gave "'<=' not supported between instances of 'float' and 'str'"."""
+    q, k, v = inputs()
+    with pytest.raises(TypeError, match="dropout_p must be a number"):
+        diff_attention(q, k, v, 0.5, dropout_p=p, backend="naive")
+
+
+def test_dropout_p_numpy_number_taken():
+    q, k, v = inputs()
+    assert torch.equal(diff_attention(q, k, v, 0.5, dropout_p=np.float32(0.0), backend="naive"),
+                       diff_attention(q, k, v, 0.5, backend="naive"))
