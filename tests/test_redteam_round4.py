@@ -85,3 +85,50 @@ def test_dropout_p_numpy_number_taken():
     q, k, v = inputs()
     assert torch.equal(diff_attention(q, k, v, 0.5, dropout_p=np.float32(0.0), backend="naive"),
                        diff_attention(q, k, v, 0.5, backend="naive"))
+
+
+# --- the interop loaders ------------------------------------------------------------------------------------------
+
+
+def unilm_state():
+    from diffattn_tutorial import interop
+    from diffattn_tutorial.layers.attention import MultiheadDiffAttn
+
+    torch.manual_seed(0)
+    return interop.to_unilm(MultiheadDiffAttn(16, 2, depth=0))
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("bool", "is torch.bool"), ("int", "is torch.int64"), ("complex", "is torch.complex64"),
+    ("meta", "meta tensor"), ("sparse", "sparse_coo"), ("int_key", "key 0 is not a string")])
+def test_loader_refuses_values_it_cannot_load(kind, match):
+    """A bool or int checkpoint entry was cast to 0/1 or whole numbers, a complex one lost its imaginary part (a
+    warning only); a meta tensor or a sparse one gave torch's copy error, an int key AttributeError 'partition'."""
+    from diffattn_tutorial import interop
+
+    sd = dict(unilm_state())
+    w = sd["q_proj.weight"]
+    change = {"bool": lambda: {"q_proj.weight": w > 0}, "int": lambda: {"q_proj.weight": w.long()},
+              "complex": lambda: {"q_proj.weight": w.to(torch.complex64)}, "meta": lambda: {"q_proj.weight": w.to("meta")},
+              "sparse": lambda: {"q_proj.weight": w.to_sparse()}, "int_key": lambda: {0: w}}[kind]
+    sd.update(change())
+    with pytest.raises(TypeError, match=match):
+        interop.from_unilm(sd, embed_dim=16, num_heads=2, depth=0)
+
+
+def test_loader_under_a_meta_default_device_refused():
+    """Under ``with torch.device("meta")`` the layer was built on meta and loading copied nothing into it: the
+    loader returned a layer with no weights at all, without a word."""
+    from diffattn_tutorial import interop
+
+    sd = unilm_state()
+    with torch.device("meta"), pytest.raises(ValueError, match="meta"):
+        interop.from_unilm(sd, embed_dim=16, num_heads=2, depth=0)
+
+
+def test_loader_takes_half_precision_values():
+    from diffattn_tutorial import interop
+
+    sd = {k: v.half() for k, v in unilm_state().items()}
+    layer = interop.from_unilm(sd, embed_dim=16, num_heads=2, depth=0)
+    assert torch.equal(layer.q_proj.weight, sd["q_proj.weight"].float())
