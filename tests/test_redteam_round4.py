@@ -132,3 +132,41 @@ def test_loader_takes_half_precision_values():
     sd = {k: v.half() for k, v in unilm_state().items()}
     layer = interop.from_unilm(sd, embed_dim=16, num_heads=2, depth=0)
     assert torch.equal(layer.q_proj.weight, sd["q_proj.weight"].float())
+
+
+# --- the training cache and the metrics log -----------------------------------------------------------------------
+
+
+def test_write_cached_interrupted_leaves_no_temporary_file(tmp_path):
+    """Only an OSError removed the temporary file: a payload torch.save cannot pickle (or a KeyboardInterrupt
+    mid-write) left ``*.tmp<pid>_<thread>`` beside the cache entry for good."""
+    from diffattn_tutorial.training.cache import write_cached
+
+    path = tmp_path / "entry.pt"
+    with pytest.raises(Exception):
+        write_cached(path, {"state_dict": {}, "losses": [], "seconds": 0.0, "bad": lambda: None})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("step", [float("nan"), "3", None, True, 2.5])
+def test_truncate_after_refuses_a_step_that_is_not_a_whole_number(tmp_path, step):
+    """``truncate_after(nan)`` dropped every record of the log (``s <= nan`` is False); a string raised ``'<='
+    not supported`` only after reading the log."""
+    from diffattn_tutorial.training.runlog import MetricsLog, read_records
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for s in (1, 2, 3):
+        log.write({"event": "step", "step": s})
+    with pytest.raises(TypeError, match="step must be a whole number"):
+        log.truncate_after(step)
+    assert [r["step"] for r in read_records(log.path)] == [1, 2, 3]
+
+
+def test_truncate_after_numpy_step(tmp_path):
+    from diffattn_tutorial.training.runlog import MetricsLog, read_records
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for s in (1, 2, 3):
+        log.write({"event": "step", "step": s})
+    log.truncate_after(np.int64(2))
+    assert [r["step"] for r in read_records(log.path)] == [1, 2]
