@@ -170,3 +170,28 @@ def test_truncate_after_numpy_step(tmp_path):
         log.write({"event": "step", "step": s})
     log.truncate_after(np.int64(2))
     assert [r["step"] for r in read_records(log.path)] == [1, 2]
+
+
+# --- the backend registry -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(name=123), TypeError, "name must be a string"),
+    (dict(name=None), TypeError, "name must be a string"),
+    (dict(dtypes=torch.float32), TypeError, "dtypes must be a non-empty tuple of torch dtypes"),
+    (dict(dtypes=("float32",)), TypeError, "dtypes must be a non-empty tuple of torch dtypes"),
+    (dict(dtypes=()), TypeError, "dtypes must be a non-empty tuple of torch dtypes"),
+    (dict(compute_dtype="float32"), TypeError, "compute_dtype must be None or a torch dtype"),
+    (dict(backward="no"), TypeError, "backward must be True or False"),
+    (dict(second_derivative=None), TypeError, "second_derivative must be True or False"),
+    (dict(family="bogus"), ValueError, "family must be one of"),
+])
+def test_backend_construction_refuses_fields_that_would_fail_or_mislead_later(kwargs, error, match):
+    """``Backend(123, ...)`` gave AttributeError 'isidentifier'; ``dtypes=("float32",)`` was taken and every call
+    then refused with "takes float32, got float32"; ``dtypes=torch.float32`` failed each call with "argument of type
+    'torch.dtype' is not iterable"; ``backward="no"`` was truthy."""
+    from diffattn_tutorial.backends import Backend, get_backend
+
+    fields = {**dict(name="mine", summary="s", run=get_backend("naive").run), **kwargs}
+    with pytest.raises(error, match=match):
+        Backend(**fields)
