@@ -195,3 +195,17 @@ def test_backend_construction_refuses_fields_that_would_fail_or_mislead_later(kw
     fields = {**dict(name="mine", summary="s", run=get_backend("naive").run), **kwargs}
     with pytest.raises(error, match=match):
         Backend(**fields)
+
+
+# --- decoding -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", [[float("nan"), 0.0], [float("inf"), 0.0], [float("-inf"), float("-inf")]])
+def test_next_token_sampling_from_logits_with_no_distribution_named(row):
+    """Sampling from logits holding NaN or +inf, or only -inf, gave torch.multinomial's "probability tensor
+    contains either `inf`, `nan` or element < 0", naming neither ``logits`` nor the row."""
+    from diffattn_tutorial.training.model import next_token
+
+    logits = torch.tensor([[0.0, 1.0], row])
+    with pytest.raises(ValueError, match=r"logits row 1 .* no distribution to sample"):
+        next_token(logits, temperature=1.0)
