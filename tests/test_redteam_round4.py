@@ -209,3 +209,33 @@ def test_next_token_sampling_from_logits_with_no_distribution_named(row):
     logits = torch.tensor([[0.0, 1.0], row])
     with pytest.raises(ValueError, match=r"logits row 1 .* no distribution to sample"):
         next_token(logits, temperature=1.0)
+
+
+# --- the fine-tune's config -----------------------------------------------------------------------------------------
+
+
+def test_finetune_config_refuses_an_option_given_twice():
+    """``options=(("warmup", True), ("warmup", False))`` was taken: the conversion saw the last (no warm-up) while the
+    cache key held both."""
+    from diffattn_tutorial.training.finetune import FinetuneConfig
+
+    with pytest.raises(ValueError, match="option 'negative' given twice"):
+        FinetuneConfig("diff_v2", options=(("negative", "mirror"), ("negative", "zero")))
+
+
+@pytest.mark.parametrize("options", [{"negative": "zero"}, [["negative", "zero"]], (("negative", "zero"),)])
+def test_finetune_config_options_one_form_one_cache_key(options):
+    """A dict or a list of lists was taken as it was: the frozen config could not be hashed and the same run had
+    another cache key (its repr) than the sorted pairs it documents."""
+    from diffattn_tutorial.training.finetune import FinetuneConfig
+
+    config = FinetuneConfig("diff_v2", options=options)
+    assert config.options == (("negative", "zero"),)
+    hash(config)
+
+
+def test_finetune_config_refuses_options_that_are_not_pairs():
+    from diffattn_tutorial.training.finetune import FinetuneConfig
+
+    with pytest.raises(TypeError, match=r"options must be \(name, value\) pairs"):
+        FinetuneConfig("diff_v2", options=("negative",))
