@@ -37,7 +37,8 @@ def test_cpu_fused_inference_under_a_meta_default_device():
         import torch
         from diffattn_tutorial.functional import diff_attention
         g = torch.Generator().manual_seed(0)
-        q, k, v = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+        q, k = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 4, 5, 8, generator=g)
+        v = torch.randn(1, 2, 5, 16, generator=g)
         ref = diff_attention(q, k, v, 0.5, backend="naive")
         with torch.device("meta"):
             fused = diff_attention(q, k, v, 0.5, backend="cpu_fused")
@@ -109,7 +110,8 @@ def test_loader_refuses_values_it_cannot_load(kind, match):
     sd = dict(unilm_state())
     w = sd["q_proj.weight"]
     change = {"bool": lambda: {"q_proj.weight": w > 0}, "int": lambda: {"q_proj.weight": w.long()},
-              "complex": lambda: {"q_proj.weight": w.to(torch.complex64)}, "meta": lambda: {"q_proj.weight": w.to("meta")},
+              "complex": lambda: {"q_proj.weight": w.to(torch.complex64)},
+              "meta": lambda: {"q_proj.weight": w.to("meta")},
               "sparse": lambda: {"q_proj.weight": w.to_sparse()}, "int_key": lambda: {0: w}}[kind]
     sd.update(change())
     with pytest.raises(TypeError, match=match):

@@ -61,7 +61,9 @@ def _option_pairs(options: object) -> tuple[tuple[str, object], ...]:
     """``options`` (a mapping or ``(name, value)`` pairs) as sorted pairs, the one form whose repr is the cache key;
     a name given twice is refused (the conversion would see the last, the key both)."""
     items = list(options.items()) if isinstance(options, Mapping) else options
-    if not isinstance(items, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in items):
+    pairs = isinstance(items, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2
+                                                     and isinstance(p[0], str) for p in items)
+    if not pairs:
         raise TypeError(f"options must be (name, value) pairs or a dict, got {options!r}")
     names = [name for name, _ in items]
     for name in names:
