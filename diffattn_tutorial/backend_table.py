@@ -47,6 +47,9 @@ CAUSAL_MODES = ("mask", "sdpa", "own")
 top-left aligned, so only where ``Nq == Nk`` and no other mask is given (``"sdpa"``); with its own bottom-right
 causal masking where no other mask is given (``"own"``)."""
 
+FAMILIES = ("maps", "sdpa", "kernel")
+"""The values of :attr:`Backend.family`."""
+
 
 class Call(NamedTuple):
     """A validated ``diff_attention`` call, as a backend's ``run`` gets it.
@@ -158,6 +161,8 @@ class Backend:
     ``diff_attention`` makes no pass of its own over q, k, v or the output."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"a backend's name must be a string (an identifier), got {self.name!r}")
         if not self.name.isidentifier() or self.name in ALIASES:
             raise ValueError(f"a backend's name must be an identifier other than {tuple(ALIASES)}, got {self.name!r}")
         if self.causal not in CAUSAL_MODES:
@@ -170,6 +175,24 @@ class Backend:
                 raise TypeError(f"backend {self.name!r}: {field} must be a function (got {fn!r}); to reuse a "
                                 f"registered backend's, pass get_backend('naive').{field}")
         self._check_devices()
+        self._check_fields()
+
+    def _check_fields(self) -> None:
+        """dtypes, compute_dtype, the flags and family of the right kinds: a string where a dtype goes would refuse
+        every call with "takes float32, got float32", a flag given as a string would be truthy."""
+        dtypes = self.dtypes
+        if not isinstance(dtypes, tuple) or not dtypes or not all(isinstance(t, torch.dtype) for t in dtypes):
+            raise TypeError(f"backend {self.name!r}: dtypes must be a non-empty tuple of torch dtypes such as "
+                            f"(torch.float32,), got {dtypes!r}")
+        if self.compute_dtype is not None and not isinstance(self.compute_dtype, torch.dtype):
+            raise TypeError(f"backend {self.name!r}: compute_dtype must be None or a torch dtype, got "
+                            f"{self.compute_dtype!r}")
+        for flag in ("backward", "dropout", "mask_grad", "compiles", "transforms", "second_derivative", "raw_mask",
+                     "nan_contract"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"backend {self.name!r}: {flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"backend {self.name!r}: family must be one of {FAMILIES}, got {self.family!r}")
 
     def _check_devices(self) -> None:
         """``devices`` is None or a tuple of device types: ``("gpu",)`` would match no tensor and never run."""

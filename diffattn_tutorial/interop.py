@@ -56,6 +56,7 @@ def _load(module: torch.nn.Module, sd: dict[str, Tensor], source: str, names: Ma
     """Load ``sd`` into ``module`` strictly; errors name the checkpoint's own keys (``names`` maps this
     library's prefixes to the checkpoint's; ``shape_names`` names a part of a checkpoint tensor, such as
     ``"qkv.weight rows 0:64 (q)"``, in shape errors) and say which config to check."""
+    _check_not_meta(module, source)
     own = module.state_dict()
     missing = sorted({_source_name(k, names) for k in own if k not in sd})
     unexpected = sorted({_source_name(k, names) for k in sd if k not in own})
@@ -111,7 +112,33 @@ def _state_dict(state_dict: Any, loader: str) -> Mapping[str, Tensor]:
         kind = f"{type(v).__module__}.{type(v).__name__}".removeprefix("builtins.")
         raise TypeError(f"{loader}(): {k!r} is a {kind}, not a tensor; {how} (numpy arrays: "
                         f"{{k: torch.from_numpy(v) for k, v in sd.items()}})")
+    for k, v in state_dict.items():
+        _check_entry(loader, k, v)
     return state_dict
+
+
+def _check_entry(loader: str, k: Any, v: Tensor) -> None:
+    """Refuse an entry that loading would turn into other numbers or no numbers without a word: a key that is not
+    a name, a bool, integer or complex tensor (cast to 0/1, whole numbers, or its real part), a sparse one, or a meta
+    tensor (no data)."""
+    if not isinstance(k, str):
+        raise TypeError(f"{loader}(): key {k!r} is not a string: a state dict maps parameter names to tensors")
+    if v.layout != torch.strided:
+        raise TypeError(f"{loader}(): {k!r} is a {v.layout} tensor; pass dense tensors ({{k: v.to_dense()}})")
+    if v.is_meta:
+        raise TypeError(f"{loader}(): {k!r} is a meta tensor (a shape without data); load the checkpoint's data "
+                        f"(torch.load(path, weights_only=True), not a model built on the meta device)")
+    if not v.is_floating_point():
+        raise TypeError(f"{loader}(): {k!r} is {v.dtype}, but every weight here is floating-point: loading would "
+                        f"cast it (a quantized or wrong checkpoint?); pass float32, float16 or bfloat16 weights")
+
+
+def _check_not_meta(module: torch.nn.Module, loader: str) -> None:
+    """Refuse a module built on the meta device (a ``torch.device("meta")`` context around the loader): loading
+    into it copies nothing, and it would come back with no weights."""
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(f"{loader} built its module on the meta device (a torch.device('meta') context?): loading "
+                         f"into it keeps no weights; call it outside that context")
 
 
 def _check_exportable(module: object, cls: type, exporter: str) -> None:
@@ -603,6 +630,7 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
                       "head.weight": "lm_head.weight"}
     out.update({ours: sd.pop(theirs) for ours, theirs in names.items() if sd.get(theirs) is not None})
     model = TinyLM(lm)
+    _check_not_meta(model, "from_llama")
     own = model.state_dict()
     for i in range(lm.n_layers):
         for theirs, ours in _LLAMA_BLOCK_NAMES.items():

@@ -188,7 +188,7 @@ def check_mask(attn_mask: Optional[Tensor], target: tuple[int, int, int, int], q
 
 def check_lambda(lam: LambdaLike, target: tuple[int, int, int, int], q: Tensor) -> Tensor:
     """Validate ``lam`` (number, 0-dim tensor, or broadcastable to ``(B, H, Nq, 1)``); return a tensor."""
-    if isinstance(lam, (int, float)) and not isinstance(lam, bool):
+    if isinstance(lam, numbers.Real) and not isinstance(lam, bool):  # numpy's numbers too; np.bool_ is none
         return torch.tensor(float(lam), dtype=q.dtype, device=q.device)
     if not isinstance(lam, Tensor):
         raise TypeError(f"lam must be a float or a tensor, got {type(lam).__name__}")
@@ -212,13 +212,23 @@ def check_scale(scale: object, name: str = "scale") -> Optional[float]:
     if isinstance(scale, (bool, torch.SymBool)) or type(scale).__name__ == "bool_" \
             or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name} must be a positive finite number or None (1/sqrt(d)), got {scale!r}")
-    if isinstance(scale, (numbers.Real)) and not (math.isfinite(scale) and scale > 0):
+    if isinstance(scale, numbers.Real) and not (_finite(scale) and scale > 0):
         raise ValueError(f"{name} must be a positive finite number or None (1/sqrt(d)), got {scale!r}")
     return scale
 
 
+def _finite(x: numbers.Real) -> bool:
+    """``math.isfinite`` that says False for an int too large for a float (it raises OverflowError there)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def check_scale_dropout(scale: object, dropout_p: float) -> None:
     check_scale(scale)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 

@@ -266,9 +266,10 @@ def convert_model(model: nn.Module, attention: str, **options) -> nn.Module:
     """A converted copy of a baseline ``TinyLM`` (any model with ``blocks[i].attn`` and a ``cfg`` dataclass):
     every attention layer through :func:`convert_layer` (``depth`` = block index), ``cfg.attention`` renamed.
 
-    The copy's other weights are the original's. ``heads="double"`` gives layers of other shapes than
-    ``TinyLM(cfg)`` builds (any head count converts, as with :func:`to_diff_v1`): to load a saved copy, convert the
-    same baseline again and ``load_state_dict``.
+    The copy's other weights are copies of the original's: build the optimizer on the converted model (one built
+    before keeps stepping the original's parameters, which the copy's gradients never reach). ``heads="double"``
+    gives layers of other shapes than ``TinyLM(cfg)`` builds (any head count converts, as with :func:`to_diff_v1`):
+    to load a saved copy, convert the same baseline again and ``load_state_dict``.
     """
     opt = conversion_options(attention, **options)
     if getattr(model.cfg, "attention", None) != "baseline":

@@ -87,11 +87,12 @@ def write_cached(path: Path, payload: dict) -> None:
         torch.save(payload, tmp)
         os.replace(tmp, path)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         warnings.warn(f"could not save the trained model to the cache {path.parent} ({e.strerror or e}); the "
                       f"results are fine but will be trained again next time: set {CACHE_ENV} to a writable "
                       f"folder (or {CACHE_ENV}=0 to switch the cache off)", stacklevel=3)
+    finally:  # whatever stopped the write (a full disk, Ctrl-C, a payload torch.save cannot pickle)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 __all__ = ["REQUIRED", "cache_file", "cache_lock", "read_cached", "write_cached"]

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,21 @@ Tensor = torch.Tensor
 
 LR_WARMUP = 10
 """Learning-rate warm-up steps of a fine-tune (the study's schedule, shortened: the weights are trained already)."""
+
+
+def _option_pairs(options: object) -> tuple[tuple[str, object], ...]:
+    """``options`` (a mapping or ``(name, value)`` pairs) as sorted pairs, the one form whose repr is the cache key;
+    a name given twice is refused (the conversion would see the last, the key both)."""
+    items = list(options.items()) if isinstance(options, Mapping) else options
+    pairs = isinstance(items, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2
+                                                     and isinstance(p[0], str) for p in items)
+    if not pairs:
+        raise TypeError(f"options must be (name, value) pairs or a dict, got {options!r}")
+    names = [name for name, _ in items]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"option {name!r} given twice in {options!r}: give each once")
+    return tuple(sorted(((name, value) for name, value in items), key=lambda p: p[0]))
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,7 @@ class FinetuneConfig:
                             f"StudyConfig('baseline', steps=500)), got {type(self.base).__name__} {self.base!r}")
         if self.base.attention != "baseline":
             raise ValueError(f"base must be a baseline run, got attention={self.base.attention!r}")
+        object.__setattr__(self, "options", _option_pairs(self.options))
         if self.attention == "baseline" and self.options:
             raise ValueError("attention='baseline' continues training without a conversion: pass no options")
         warm = False  # every option's value checked now, before the base run trains (layers.convert)

@@ -479,7 +479,14 @@ def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: Optional[int]
     if top_k is not None and top_k < scaled.shape[-1]:
         kth = scaled.topk(top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+    try:
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+    except RuntimeError as e:  # torch checks the probabilities as it samples: only a failure pays for naming the row
+        rows = ~((torch.isfinite(scaled) | (scaled == float("-inf"))).all(-1) & (scaled > float("-inf")).any(-1))
+        if not rows.any():
+            raise
+        raise ValueError(f"logits row {int(rows.nonzero()[0, 0])} holds NaN or +inf, or only -inf: no distribution "
+                         f"to sample from (a model whose weights or inputs went non-finite?)") from e
 
 
 def _probe_layer(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor]) -> AttentionProbe:

@@ -16,6 +16,7 @@ unfinished), so the log always reads as one run; Ctrl-C adds ``{"event": "interr
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
@@ -38,6 +39,8 @@ class MetricsLog:
         """Drop every record with ``step > step`` (what a run did after the checkpoint it resumes from), by writing
         the records kept to a temporary file that replaces the log (``os.replace``): the log is the old one or the
         new one, whenever the process stops."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):  # nan would keep no record at all
+            raise TypeError(f"step must be a whole number (the checkpoint's step), got {step!r}")
         if not self.enabled or not self.path.exists():
             return
         keep = [r for r in read_records(self.path) if r.get("step", 0) <= step]

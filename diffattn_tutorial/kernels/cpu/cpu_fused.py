@@ -264,7 +264,7 @@ def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Op
     B, H2, nq, d = q.shape
     if out.dtype != q.dtype or out.stride() != boundary.output_strides(q, H2 // 2, nq, 2 * d):
         out = boundary.new_output(q, B, H2 // 2, nq, 2 * d, q.dtype).copy_(out)  # what the fake promises
-    return out, maps, torch.tensor(nonfinite)
+    return out, maps, torch.tensor(nonfinite, device=q.device)  # on q's device, whatever the default device
 
 
 @cpu_fused_forward.register_fake

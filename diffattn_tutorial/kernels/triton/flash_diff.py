@@ -13,9 +13,10 @@ Contract of :func:`triton_diff_attention`: float32, float16 or bfloat16; head di
 per token; ``causal`` bottom-right aligned; a bool or additive mask (entries ``<= finfo(dtype).min`` count as
 masked); GQA; any lengths and strides (a strided last dim is copied once). Gradients for q, k, v and lam, none for
 the mask; fully masked rows give zeros. A NaN or an infinity in q, k or v makes exactly the output rows that read it
-NaN (a hidden key never counts), and a call that read one gives NaN gradients: the forward kernel scans its scores
-and accumulators and sets a flag, and a careful launch that does nothing unless the flag is set recomputes, all on
-the device (no pass of the host's, no synchronisation). It runs the operators :data:`FORWARD_OP` and :data:`BACKWARD_OP` (one node
+NaN (a hidden key never counts), and a call whose q, k or v holds one gives NaN gradients, every one (even where
+the value sits only in a hidden key or a fully masked row, which the CPU backends give finite gradients): the
+forward kernel scans its scores and accumulators and sets a flag, and a careful launch that does nothing unless
+the flag is set recomputes, all on the device (no pass of the host's, no synchronisation). It runs the operators :data:`FORWARD_OP` and :data:`BACKWARD_OP` (one node
 under ``torch.compile``), which refuse mismatched shapes, dtypes, devices and layouts themselves
 (:func:`check_op_inputs`). On a CUDA GPU the tile sizes are autotuned over the tables of
 :mod:`~diffattn_tutorial.kernels.triton.configs`; on a CPU the kernels run in Triton's interpreter when
