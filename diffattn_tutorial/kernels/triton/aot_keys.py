@@ -54,16 +54,16 @@ def kernel_and_form(name: str, consts: dict) -> tuple:
 def kernel_source_hash(fn) -> str:
     """A hash of one ``@triton.jit`` kernel's own code: its source and that of every jit function it calls,
     transitively (names resolved in the module that defines each)."""
-    h, seen, todo = hashlib.sha256(), set(), [fn]
-    while todo:
-        f = todo.pop()
+    h, seen, stack = hashlib.sha256(), set(), [fn]
+    while stack:
+        f = stack.pop()
         src = inspect.getsource(f.fn)
         h.update(f.fn.__name__.encode() + src.encode())
         for ident in sorted(set(re.findall(r"\b(\w+)\s*\(", src))):
             obj = f.fn.__globals__.get(ident)
             if type(obj).__name__ in ("JITFunction", "InterpretedFunction") and ident not in seen:
                 seen.add(ident)
-                todo.append(obj)
+                stack.append(obj)
     return h.hexdigest()[:16]
 
 
