@@ -471,16 +471,16 @@ def _run_here(planned: Sequence[tuple[Case, bool, str]], jobs: int, progress=Non
         row = (cache or {}).get(fact_key(launch, config, arch))
         if row is not None:
             done[i] = {**row, "case": case.label, "pinned": pinned}
-    pending = [i for i in range(len(work)) if i not in done]
+    left = [i for i in range(len(work)) if i not in done]
     if progress and done:
         print(f"{len(done)} of {len(work)} compiles from the record (same kernel source, configuration, target)")
-    if jobs > 1 and len(pending) > 1:
+    if jobs > 1 and len(left) > 1:
         from concurrent.futures import ProcessPoolExecutor
         from concurrent.futures.process import BrokenProcessPool
 
         try:
             with ProcessPoolExecutor(jobs) as pool:
-                for i, row in zip(pending, pool.map(_compile_job, [work[i] for i in pending])):
+                for i, row in zip(left, pool.map(_compile_job, [work[i] for i in left])):
                     done[i] = row
                     if progress:
                         progress(Facts.from_row(row))
