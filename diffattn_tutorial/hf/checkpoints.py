@@ -64,58 +64,26 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded or saved exactly; the message names what and the fix."""
 
 
-# ---------------------------------------------------------------- safetensors, read and written without a dependency
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
+# ---------------------------------------------------------------- safetensors files (the maintained package)
 def read_safetensors(path: Union[str, os.PathLike]) -> dict[str, Tensor]:
-    """The tensors of one ``.safetensors`` file (the format: an 8-byte little-endian header length, a JSON header
-    of names, dtypes, shapes and byte offsets, then the raw bytes), as ``safetensors.torch.load_file`` gives them."""
-    data = Path(path).read_bytes()
-    if len(data) < 8:
-        raise CheckpointError(f"{path} is not a safetensors file (only {len(data)} bytes)")
-    n = int.from_bytes(data[:8], "little")
+    """The tensors of one ``.safetensors`` file (``safetensors.torch.load_file``), a named error for a file that
+    is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
-        header = json.loads(data[8:8 + n])
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not a safetensors file (its header is no JSON: {e})") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info.get("dtype") not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which this reader "
-                                  f"does not know ({', '.join(_ST_DTYPES)})")
-        start, end = info["data_offsets"]
-        raw = bytearray(data[8 + n + start:8 + n + end])
-        dtype = _ST_DTYPES[info["dtype"]]
-        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        out[name] = t.reshape(info["shape"])
-    return out
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a safetensors file ({e}); save weights with "
+                              f"model.save_pretrained(folder) or safetensors.torch.save_file") from None
 
 
 def write_safetensors(tensors: Mapping[str, Tensor], path: Union[str, os.PathLike]) -> None:
-    """Write ``tensors`` as one ``.safetensors`` file (what ``safetensors.torch.save_file`` writes; each tensor
-    its own bytes, CPU, contiguous)."""
-    inverse = {v: k for k, v in _ST_DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        if t.dtype not in inverse:
-            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors does not hold here")
-        b = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": inverse[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head)
-        for b in blobs:
-            f.write(b)
+    """Write ``tensors`` as one ``.safetensors`` file (``safetensors.torch.save_file``; each tensor its own bytes,
+    on the CPU, contiguous, as transformers' ``save_pretrained`` writes them)."""
+    from safetensors.torch import save_file
+
+    save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
 def read_folder(folder: Union[str, os.PathLike]) -> tuple[dict[str, Any], dict[str, Tensor]]:
