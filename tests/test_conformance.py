@@ -36,7 +36,7 @@ def test_golden_cases_are_read_from_the_package_and_bad_names_name_the_fix():
         golden.load("unilm_v1_mha.pt")
     with pytest.raises(TypeError, match="name must be a str"):
         golden.load(0)
-    with pytest.raises(ValueError, match=r"folder must be one of \['diffllama', 'llama'\]"):
+    with pytest.raises(ValueError, match=r"folder must be one of \['diffllama', 'hf', 'llama'\]"):
         golden.names("difflama")
 
 
