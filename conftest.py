@@ -64,6 +64,8 @@ def pytest_cmdline_main(config) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: trains models, executes notebooks, compiles kernels or mutates "
                                        "solutions (deselect with -m 'not slow' for the fast set)")
+    config.addinivalue_line("markers", "random_order(disabled=True): keep a notebook's cells in order under "
+                                       "pytest-random-order (registered here too, for runs without the plugin)")
     opt = config.option
     if config.pluginmanager.hasplugin("nbval") and not (opt.nbval or opt.nbval_lax):
         opt.nbval = True
@@ -86,7 +88,13 @@ def _has_triton() -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Without Triton (``pip install -e ".[notebooks,test]"``), what executes notebook 09 is skipped, saying why."""
+    """A notebook's cells run in order under a random-order plugin too (``pytest-random-order`` shuffles a module's
+    items: a notebook's cells depend on the ones before). Without Triton (``pip install -e ".[notebooks,test]"``),
+    what executes notebook 09 is skipped, saying why."""
+    in_order = pytest.mark.random_order(disabled=True)
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(in_order)
     if _has_triton():
         return
     skip = pytest.mark.skip(reason='notebook 09 needs Triton: pip install -e ".[dev]" (or pip install triton)')
