@@ -308,7 +308,7 @@ def _check_model(model) -> None:
 
 
 def save_hf(model, folder: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
-    """Write ``model`` (a TinyLM) as a transformers checkpoint folder (``config.json``, ``model.safetensors``, and
+    """Write ``model`` (a TinyLM) as a transformers checkpoint folder (``config.json``, the weights in one safetensors file, and
     for DIFF V2 its modelling file); see the module doc for what each attention kind becomes and what is refused.
     Nothing is written unless all of it can be; an existing ``folder`` is replaced only with ``overwrite=True``."""
     _check_model(model)
