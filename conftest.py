@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import os
 import shutil
@@ -33,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent
 _OWN_FOLDERS: list[str] = []
@@ -128,8 +128,7 @@ def wheel_site() -> Path:
     asks first (the others wait on a lock)."""
     run = Path(os.environ[RUN_DIR])
     site, done = run / "site", run / "site.done"
-    with open(run / "wheel.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(run / "wheel.lock"):
         if not done.exists():
             shutil.rmtree(run / "wheel", ignore_errors=True)
             wheel = build_wheel(run / "wheel")

@@ -12,12 +12,14 @@ cross-reference, a missing page or a docstring that names an object that does no
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 DEFAULT_OUT = DOCS / "_build" / "html"
+GENERATED = DOCS / "api" / "generated"  # autosummary's pages, written into the source folder by every build
 HOME = "docs/index.html"  # where Sphinx writes the home page (the source folder is the repository root)
 
 # The folder's own index.html: a page with a link to the home page, not a redirect (an instant meta refresh keeps
@@ -38,6 +40,9 @@ def build(out: Path = DEFAULT_OUT, *, quiet: bool = False) -> int:
     from sphinx.cmd.build import build_main
 
     out = Path(out)
+    # autosummary writes a page per module and never deletes one: a page of a module since removed or left out
+    # of the reference would linger, outside every toctree (a warning, so a failed build); start from none
+    shutil.rmtree(GENERATED, ignore_errors=True)
     args = ["-W", "--keep-going", "-b", "html", "-c", str(DOCS), "-d", str(out / ".doctrees"), str(ROOT), str(out)]
     status = build_main(args + (["-q"] if quiet else []))
     if status == 0:

@@ -3,10 +3,11 @@ sm_86, A100 sm_80, T4 sm_75): no register spills, shared memory and registers wi
 sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 16-bit dot on ``mma.sync``
 (``diffattn_tutorial.kernels.triton.aot``).
 
-* ``test_pinned_launches_compile_clean_for_hopper`` and ``..._for_turing`` compile a representative subset here,
-  every time: the pinned configuration of every launch of the plain training case at d = 64 and d = 128 (bf16 on
-  sm_90a; fp16 on sm_75, d = 128 as inference, the library trains up to d = 64 there), in a subprocess (Triton's
-  compiler cannot run where ``TRITON_INTERPRET=1`` was set);
+* ``test_pinned_launches_compile_clean_for_hopper`` and ``..._for_turing`` compile a sample here, every time: the
+  pinned configuration of every launch of the plain training case where each target works hardest (d = 128 in
+  bf16 on sm_90a; d = 64 in fp16 on sm_75, the largest it trains), in a subprocess (Triton's compiler cannot run
+  where ``TRITON_INTERPRET=1`` was set); ``test_the_live_sample_compiles_as_recorded`` checks that each of these
+  compiles equals its row of the record, which covers the rest;
 * ``test_recorded_facts_cover_every_config_and_are_current`` checks the full run,
   ``diffattn_tutorial/recorded/compile_facts.json`` (``aot.record_cases``: every autotune configuration of each
   target's table in its first dtype at every head dim, the careful launch and the inference forward pinned, on
@@ -89,7 +90,9 @@ def pinned() -> dict[str, list]:
     """The facts of the compiles below, by target (``"decode"``: the decode kernels' T4 launch), from one compiler
     subprocess (each start of one imports torch and Triton again)."""
     t0 = time.perf_counter()
-    facts = tc.compile_check(archs=("sm_75", "sm_90a"), jobs=2, also=tc.plan_work([(DECODE_T4, False)], ["sm_75"]))
+    sample = tc.plan_work([(tc.Case(64, "float16"), False)], ["sm_75"]) + tc.plan_work(
+        [(tc.Case(128, "bfloat16"), False)], ["sm_90a"]) + tc.plan_work([(DECODE_T4, False)], ["sm_75"])
+    facts = tc.compile_check([], archs=(), jobs=2, also=sample)
     print(f"{len(facts)} compiles in {time.perf_counter() - t0:.0f} s")
     decode = [f for f in facts if f.kernel.startswith("_decode")]
     assert {f.arch for f in facts} == {"sm_75", "sm_90a"} and {f.arch for f in decode} == {"sm_75"}
@@ -101,8 +104,7 @@ def pinned() -> dict[str, list]:
 def test_pinned_launches_compile_clean_for_turing(pinned):
     """Colab's free T4: fp16, 64 KiB of shared memory, FMA dots (this Triton has no tensor-core path there)."""
     facts = pinned["sm_75"]
-    assert {(64, "map"), (64, "dv"), (64, "dk_map"), (64, "dq_map"), (64, "pre"), (128, "map")} <= {
-        (f.head_dim, f.form) for f in facts}
+    assert {(64, "map"), (64, "dv"), (64, "dk_map"), (64, "dq_map"), (64, "pre")} <= {(f.head_dim, f.form) for f in facts}
     assert {f.dtype for f in facts} == {"float16"}
     bad = {f"{f.kernel} {f.form} d{f.head_dim} {f.config}": f.problems() for f in facts if f.problems()}
     assert not bad, bad
@@ -113,13 +115,30 @@ def test_pinned_launches_compile_clean_for_turing(pinned):
 def test_pinned_launches_compile_clean_for_hopper(pinned):
     facts = pinned["sm_90a"]
     forms = {(f.head_dim, f.form) for f in facts}
-    assert {(64, "fused"), (64, "dv"), (64, "dk"), (64, "dq"), (128, "map"), (128, "dv"), (128, "dk_map"),
-            (128, "dq_map"), (64, "pre"), (128, "pre")} <= forms, forms
+    assert {(128, "map"), (128, "dv"), (128, "dk_map"), (128, "dq_map"), (128, "pre")} <= forms, forms
     bad = {f"{f.kernel} {f.form} d{f.head_dim} {f.config}": f.problems() for f in facts if f.problems()}
     assert not bad, bad
     for f in facts:
         if f.form != "pre":
             assert f.wgmma_shapes and all(s.startswith("m64") for s in f.wgmma_shapes), f
+
+
+@needs_nvidia
+def test_the_live_sample_compiles_as_recorded(pinned):
+    """The record is the compiler's word: each live compile with the record's Triton equals its recorded row (same
+    ``fact_key``: kernel source, configuration, target) in registers, spills and shared memory."""
+    rec, recorded, _ = tc.recorded_facts()
+    decode_rec, decode_recorded, _ = tc.recorded_facts(tc.DECODE_FACTS_NAME)
+    if rec["triton"] != triton.__version__:
+        pytest.skip(f"the record was made with triton {rec['triton']}, this is {triton.__version__}")
+    rows = {f.key: f for f in [*recorded, *decode_recorded]}
+    live = [f for fs in pinned.values() for f in fs]
+    missing = [f"{f.kernel} {f.form} {f.arch} {f.config}" for f in live if f.key not in rows]
+    assert not missing, f"not in the record (re-record: python -m diffattn_tutorial.kernels.triton.aot --all --write): {missing}"
+    differ = {f"{f.kernel} {f.form} {f.arch} {f.config}": (got, want) for f in live
+              for got, want in [((f.regs, f.spill_stores, f.shared), (rows[f.key].regs, rows[f.key].spill_stores,
+                                                                       rows[f.key].shared))] if got != want}
+    assert not differ, differ
 
 
 def test_recorded_facts_cover_every_config_and_are_current():

@@ -8,7 +8,7 @@ it goes to a private folder of the user's in the system's temporary folder, so i
 The cache is safe to share: a build writes under a name of its own (process and thread), renames the library into
 place and then writes a record of its size and SHA-256 beside it; a library is loaded only after its record
 matches and its ELF headers fit in the file (a truncated library would fault when loaded). Threads of one process
-build under one lock and processes under a file lock (``fcntl.flock`` where the platform has it). A compiler run
+build under one lock and processes under a file lock (``filelock``, on every platform). A compiler run
 longer than :data:`TIMEOUT_S` is stopped with every process it started. :func:`load_once` loads and checks the
 library once per process and remembers a failure until ``CXX``, ``PATH`` or the cache settings change.
 The kernel's wrapper, :mod:`diffattn_tutorial.kernels.cpu.cpu_fused`, says what the library computes.
@@ -34,12 +34,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from diffattn_tutorial.paths import cache_dir
+from filelock import FileLock
 
-try:
-    import fcntl
-except ImportError:  # Windows: builds of one process still take turns; processes may build side by side
-    fcntl = None
+from diffattn_tutorial.paths import cache_dir
 
 SOURCE = "diff_attention_cpu.cpp"
 """The kernel's source, inside the package."""
@@ -224,18 +221,19 @@ def _intact(library: Path) -> bool:
 
 @contextlib.contextmanager
 def _folder_lock(folder: Path, name: str) -> Iterator[None]:
-    """Hold this process's build lock and, where ``fcntl`` exists, an exclusive lock on ``folder/name.lock``
-    (released when the file closes, also when the process dies). Creates ``folder``."""
+    """Hold this process's build lock and an exclusive file lock on ``folder/name.lock`` (released on exit, also
+    when the process dies). Creates ``folder``."""
     with _BUILD_LOCK:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            handle = open(folder / f"{name}.lock", "a")
+            lock = FileLock(folder / f"{name}.lock")
+            lock.acquire()
         except OSError as e:
             raise KernelUnavailable(_cannot_write(folder, e)) from e
-        with handle:
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
             yield
+        finally:
+            lock.release()
 
 
 def _build(cxx: list[str], text: str, target: Path) -> None:
