@@ -3,7 +3,8 @@
 * **Notebooks run under strict nbval when nbval is installed** (the ``dev`` extra). Without nbval, ``pytest``
   still runs every unit test; the notebooks are simply not collected. ``--nbval-lax`` keeps its meaning.
 * **Two workers when pytest-xdist is installed** (the ``dev`` extra) and the machine has two or more cores:
-  ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order, and each worker
+  ``--dist loadscope`` keeps each notebook's cells (and each test module) on one worker, in order; the longest
+  work starts first (:func:`_run_order`), so the two workers finish together; and each worker
   runs torch with its share of the cores (``OMP_NUM_THREADS``, unless you set it). ``-n 0`` runs everything in
   this process; ``-n N`` chooses N workers.
 * **A fast set**: ``pytest tests -m "not slow"`` leaves out the tests marked ``slow`` (training, the wheel
@@ -56,6 +57,7 @@ def pytest_cmdline_main(config) -> None:
         opt.numprocesses = 2
         if opt.dist == "no":
             opt.dist = "loadscope"
+            opt.loadscopereorder = False  # xdist would start the scopes with most items first: see _run_order
         # each worker (and the notebook kernels and child processes it starts) gets its share of the cores, so
         # that two workers do not run four threads on two cores; a test that needs a thread count sets it
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opt.numprocesses)))
@@ -87,10 +89,34 @@ def _has_triton() -> bool:
         return False
 
 
+# Notebook 07 and test_experiments.py train the same three models (one cache, a lock per model); they start first,
+# side by side, in opposite orders of the three, so the two workers train different models instead of one waiting.
+TRAIN_TOGETHER = ("notebooks/07_experiments.ipynb", "tests/test_experiments.py")
+
+
+def _run_order(item) -> int:
+    """Longest first, so that no long notebook is left for the end with one worker busy and the other idle: the pair
+    that trains, the course notebooks, the modules with slow tests, then the rest (xdist's own order, most items
+    first, starts the notebooks last)."""
+    where = Path(str(item.fspath)).resolve()
+    path = where.relative_to(ROOT).as_posix() if ROOT in where.parents else where.as_posix()
+    if path in TRAIN_TOGETHER:
+        return 0
+    if path.startswith("notebooks/"):
+        return 1
+    return 2 if item.get_closest_marker("slow") else 3
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """A notebook's cells run in order under a random-order plugin too (``pytest-random-order`` shuffles a module's
-    items: a notebook's cells depend on the ones before). Without Triton (``pip install -e ".[notebooks,test]"``),
-    what executes notebook 09 is skipped, saying why."""
+    """Items in :func:`_run_order` (a stable sort: each file's items stay in order). A notebook's cells run in order
+    under a random-order plugin too (``pytest-random-order`` shuffles a module's items: a notebook's cells depend on
+    the ones before). Without Triton (``pip install -e ".[notebooks,test]"``), what executes notebook 09 is skipped,
+    saying why."""
+    rank: dict[str, int] = {}
+    for item in items:  # a file's rank is its lowest item's: its items stay together
+        rank[str(item.fspath)] = min(rank.get(str(item.fspath), 3), _run_order(item))
+    items.sort(key=lambda item: rank[str(item.fspath)])
     in_order = pytest.mark.random_order(disabled=True)
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
