@@ -28,20 +28,21 @@ def _item(path, slow=False):
 
 def test_training_pair_then_notebooks_then_slow_modules_then_the_rest():
     conftest = _root_conftest()
-    items = [_item("tests/test_a.py"), _item("tests/test_b.py"), _item("tests/test_b.py", slow=True),
-             _item("notebooks/03_x.ipynb"), _item("tests/test_experiments.py"), _item("solutions/07_x.ipynb"),
-             _item("notebooks/07_experiments.ipynb"), _item("notebooks/01_x.ipynb")]
+    items = [_item("tests/test_NAME_a.py"), _item("tests/test_NAME_b.py"), _item("tests/test_NAME_b.py", slow=True),
+             _item("notebooks/NN_c.ipynb"), _item("tests/test_experiments.py"), _item("solutions/NN_x.ipynb"),
+             _item("notebooks/07_experiments.ipynb"), _item("notebooks/NN_a.ipynb")]
     conftest.pytest_collection_modifyitems(SimpleNamespace(), items)
     assert [i.nodeid for i in items] == [
         "tests/test_experiments.py", "notebooks/07_experiments.ipynb",  # train side by side
-        "notebooks/03_x.ipynb", "notebooks/01_x.ipynb",  # the course notebooks, in their collected order
-        "tests/test_b.py", "tests/test_b.py",  # a module with a slow test: all of its items, in order
-        "tests/test_a.py", "solutions/07_x.ipynb"]
+        "notebooks/NN_c.ipynb", "notebooks/NN_a.ipynb",  # the course notebooks, in their collected order
+        "tests/test_NAME_b.py", "tests/test_NAME_b.py",  # a module with a slow test: all of its items, in order
+        "tests/test_NAME_a.py", "solutions/NN_x.ipynb"]
     assert items[4].slow is False and items[5].slow is True
 
 
 def test_the_training_pair_trains_in_opposite_orders():
     import test_experiments
+
     from diffattn_tutorial.training.model import ATTENTIONS
 
     (mark,) = [m for m in test_experiments.test_seed0_reproduces_the_recorded_row.pytestmark if m.name == "parametrize"]
