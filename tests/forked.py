@@ -1,4 +1,6 @@
-"""Run a Python snippet in a child process that starts in milliseconds: ``run_python(code, env=...)``.
+"""Run a child process that starts in milliseconds: ``run_module("children.NAME", args, env=...)`` for a module of
+``tests/children/`` (the tests' child code lives there, as modules), ``Worker("children.NAME")`` for one that answers
+requests line by line, ``run_python(code)`` for a one-line probe.
 
 Crash-prone checks (a kernel, ctypes, Triton's interpreter) run in a child process, so that a crash fails one test
 instead of the run. A fresh ``python -c`` spends about 1.5 s of CPU importing torch and half a second more leaving
@@ -23,13 +25,16 @@ A ``Child`` that is never waited for is killed when pytest exits.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import multiprocessing
 import multiprocessing.process
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -121,7 +126,7 @@ def _child(code: str, args: Sequence[str], env: dict, cwd: str, files: tuple[str
     import torch
 
     sys.modules.pop(__name__, None)  # imported to unpickle this function: a fresh interpreter has not
-    for fd, name, flags in zip((0, 1, 2), files, (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY)):
+    for fd, name, flags in ((1, files[1], os.O_WRONLY), (2, files[2], os.O_WRONLY), (0, files[0], os.O_RDONLY)):
         opened = os.open(name, flags)
         os.dup2(opened, fd)
         os.close(opened)
@@ -174,10 +179,16 @@ def _kill(proc) -> None:
 
 class Child:
     """A running snippet: ``wait(timeout)`` returns a ``subprocess.CompletedProcess``, as ``subprocess.run`` would
-    (``subprocess.TimeoutExpired`` after killing it when it runs longer); ``kill()`` stops it."""
+    (``subprocess.TimeoutExpired`` after killing it when it runs longer); ``kill()`` stops it.
+
+    With ``stream=True`` its stdin and stdout are pipes (FIFOs for a forked child), ``child.stdin`` and
+    ``child.stdout`` text streams, as ``Popen(stdin=PIPE, stdout=PIPE, text=True)`` gives: a worker that answers
+    requests line by line (:class:`Worker`); ``wait`` then returns stdout empty (read it from ``child.stdout``)."""
 
     def __init__(self, code: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
-                 input: Optional[str] = None):
+                 input: Optional[str] = None, stream: bool = False):
+        if stream and input is not None:
+            raise ValueError("a streaming child reads its stdin from child.stdin: pass input=None")
         self.args = [sys.executable, "-c", code, *args]
         env = dict(os.environ if env is None else env)
         cwd = str(cwd or os.getcwd())
@@ -188,20 +199,60 @@ class Child:
         self._folder = tempfile.TemporaryDirectory(prefix="forked-")
         folder = Path(self._folder.name)
         self._files = tuple(str(folder / name) for name in ("stdin", "stdout", "stderr"))
-        Path(self._files[0]).write_text(input or "")
+        self._stream, self.stdin, self.stdout = stream, None, None
         self._proc = self._popen = None
         reason = _slow_reason(ctx, env)
         if reason is None:
-            for name in self._files[1:]:
-                Path(name).touch()
-            self._proc = ctx.Process(target=_child, args=(code, list(args), env, cwd, self._files, _server["path"]))
-            self._proc.start()
-            multiprocessing.process._children.discard(self._proc)  # not joined by multiprocessing at exit ...
-            weakref.finalize(self, _kill, self._proc)                # ... but killed then, if still running
+            self._fork(ctx, code, args, env, cwd, input)
         else:
             _count_slow(reason)
-            with open(self._files[0]) as stdin, open(self._files[1], "w") as out, open(self._files[2], "w") as err:
+            self._spawn(env, cwd, input)
+
+    def _fork(self, ctx, code, args, env, cwd, input) -> None:
+        Path(self._files[2]).touch()
+        if self._stream:
+            os.mkfifo(self._files[0])
+            os.mkfifo(self._files[1])
+            out = os.open(self._files[1], os.O_RDONLY | os.O_NONBLOCK)  # now: the child's open of it returns
+        else:
+            Path(self._files[0]).write_text(input or "")
+            Path(self._files[1]).touch()
+        self._proc = ctx.Process(target=_child, args=(code, list(args), env, cwd, self._files, _server["path"]))
+        self._proc.start()
+        multiprocessing.process._children.discard(self._proc)  # not joined by multiprocessing at exit ...
+        weakref.finalize(self, _kill, self._proc)                # ... but killed then, if still running
+        if self._stream:
+            self.stdin = open(self._open_stdin(), "w", buffering=1, encoding="utf-8")
+            os.set_blocking(out, True)  # the child opened its stdout before its stdin: EOF is its end from here
+            self.stdout = open(out, encoding="utf-8", errors="replace")
+
+    def _open_stdin(self) -> int:
+        """The writing end of the child's stdin FIFO, once the child has opened its end (it opens its stdin last)."""
+        while True:
+            try:
+                fd = os.open(self._files[0], os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: no reader yet
+                    raise
+                if self._proc.exitcode is not None:
+                    raise ChildProcessError(f"the child ended (exit status {self._proc.exitcode}) before it read "
+                                            f"its stdin:\n{Path(self._files[2]).read_text(errors='replace')}")
+                time.sleep(0.002)
+            else:
+                os.set_blocking(fd, True)
+                return fd
+
+    def _spawn(self, env, cwd, input) -> None:
+        err = open(self._files[2], "w")
+        if self._stream:
+            self._popen = subprocess.Popen(self.args, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=err, text=True, bufsize=1)
+            self.stdin, self.stdout = self._popen.stdin, self._popen.stdout
+        else:
+            Path(self._files[0]).write_text(input or "")
+            with open(self._files[0]) as stdin, open(self._files[1], "w") as out:
                 self._popen = subprocess.Popen(self.args, env=env, cwd=cwd, stdin=stdin, stdout=out, stderr=err)
+        err.close()
 
     @property
     def forked(self) -> bool:
@@ -232,14 +283,24 @@ class Child:
         if status is None:
             self.kill()
             out, err = self._read()
-            self._folder.cleanup()
+            self._close()
             raise subprocess.TimeoutExpired(self.args, timeout, out, err)
         self._result = subprocess.CompletedProcess(self.args, status, *self._read())
-        self._folder.cleanup()
+        self._close()
         return self._result
 
     def _read(self) -> tuple[str, str]:
-        return tuple(Path(name).read_text(encoding="utf-8", errors="replace") for name in self._files[1:])
+        out = "" if self._stream else Path(self._files[1]).read_text(encoding="utf-8", errors="replace")
+        return out, Path(self._files[2]).read_text(encoding="utf-8", errors="replace")
+
+    def _close(self) -> None:
+        for stream in (self.stdin, self.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except BrokenPipeError:  # what was left to write to a child that has ended
+                    pass
+        self._folder.cleanup()
 
 
 def run_python(code: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
@@ -253,11 +314,60 @@ CHILDREN_ROOT = Path(__file__).resolve().parent
 """The folder that holds ``children/``: put on the child's ``PYTHONPATH`` by :func:`run_module`."""
 
 
-def run_module(module: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
-               input: Optional[str] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
-    """``python -m module *args`` (a module of ``tests/children/``: child code as a module, not a string), forked
-    from the server where the environment allows, as :func:`run_python` is."""
+def start_module(module: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
+                 input: Optional[str] = None, stream: bool = False) -> Child:
+    """Start ``python -m module *args`` (a module of ``tests/children/``: child code as a module, not a string),
+    forked from the server where the environment allows, and return its :class:`Child` without waiting for it."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHILDREN_ROOT), env.get("PYTHONPATH", "")) if p)
     code = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
-    return run_python(code, args, env=env, cwd=cwd, input=input, timeout=timeout)
+    return Child(code, args, env=env, cwd=cwd, input=input, stream=stream)
+
+
+def run_module(module: str, args: Sequence[str] = (), *, env: Optional[dict] = None, cwd=None,
+               input: Optional[str] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, "-m", module, *args], ...)`` for a module of ``tests/children/``, as
+    :func:`run_python` runs a snippet (see :func:`start_module`)."""
+    return start_module(module, args, env=env, cwd=cwd, input=input).wait(timeout)
+
+
+class Worker:
+    """A child (``python -m module``, a module of ``tests/children/`` that runs ``children.worker.serve``) answering
+    one JSON line per request: ``run(request) -> answer``. A crash, or no answer within ``timeout`` seconds, is a
+    failed answer (``{"ok": False, "msg": ...}`` naming the exit code and the end of its stderr), and the next
+    request starts a fresh child: the property tests whose examples may crash the interpreter run through one."""
+
+    def __init__(self, module: str, *, env: Optional[dict] = None, timeout: float = 300, start_timeout: float = 120):
+        self.module, self.env, self.timeout, self.start_timeout = module, env, timeout, start_timeout
+        self.child: Optional[Child] = None
+
+    def _start(self) -> None:
+        self.child = start_module(self.module, env=self.env, stream=True)
+        assert json.loads(self._read_line(self.start_timeout) or "{}").get("ready"), self._died()
+
+    def _read_line(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.child.stdout], [], [], timeout)
+        return self.child.stdout.readline() if ready else ""
+
+    def _died(self) -> str:
+        self.child.kill()
+        done, self.child = self.child.wait(), None
+        code = done.returncode
+        return f"worker ended with exit code {code} (a crash: {code < 0 or code == 134}):\n{done.stderr[-1500:]}"
+
+    def run(self, request: dict) -> dict:
+        if self.child is None:
+            self._start()
+        try:
+            self.child.stdin.write(json.dumps(request) + "\n")
+            self.child.stdin.flush()
+        except BrokenPipeError:
+            return {"ok": False, "msg": self._died()}
+        line = self._read_line(self.timeout)
+        return json.loads(line) if line else {"ok": False, "msg": self._died()}
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.stdin.close()
+            self.child.wait(timeout=60)
+            self.child = None

@@ -105,33 +105,14 @@ def test_train_subcommand_is_the_training_entry_point(capsys):
     assert exit_info.value.code == 0 and "--strategy" in capsys.readouterr().out
 
 
-SWEEP_DRIVER = r"""
-import contextlib, io, json, sys, traceback
-from diffattn_tutorial.cli import main
-
-results = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-        except BaseException:  # what the console script would print as a traceback
-            traceback.print_exc()
-            code = "escaped"
-    results.append([argv, code, err.getvalue()])
-print(json.dumps(results))
-"""
-
 
 def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_path):
     """Each subcommand of ``diffattn-tutorial --help`` with bad values: a non-zero exit and one line on stderr.
 
-    The cases run through the CLI's ``main`` in one child process (``forked.run_python``, without ``TRITON_INTERPRET``, as a
-    learner's shell has it), each as the console script runs it: an exception escaping ``main`` is the traceback
-    the user would see."""
-    from forked import run_python
+    The cases run through the CLI's ``main`` in one child process (``children/cli_sweep.py`` by
+    ``forked.run_module``, without ``TRITON_INTERPRET``, as a learner's shell has it), each as the console script
+    runs it: an exception escaping ``main`` is the traceback the user would see."""
+    from forked import run_module
 
     from diffattn_tutorial.cli import build_parser
 
@@ -195,7 +176,7 @@ def test_every_subcommand_answers_bad_values_with_one_line_and_no_traceback(tmp_
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     argvs = [argv for group in cases.values() for argv in group]
-    proc = run_python(SWEEP_DRIVER, [json.dumps(argvs)], env=env, cwd=tmp_path, timeout=600)
+    proc = run_module("children.cli_sweep", [json.dumps(argvs)], env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     problems = []
     for argv, code, err in json.loads(proc.stdout.strip().splitlines()[-1]):

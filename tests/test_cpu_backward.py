@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from forked import run_module, run_python
+from forked import run_module
 
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.kernels.cpu import boundary, cpu_fused
@@ -32,47 +32,12 @@ def test_gradients_equal_naives_in_float64_on_any_thread_count():
     assert "PROPERTY OK" in proc.stdout
 
 
-GROUPS = r"""
-import torch
-from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.measure.cpu_threads import threads
-# One head pair: the kernel splits its 9 blocks of 48 query rows into 8 groups (blocks 0 and 8 share one), each
-# with partial sums of dk and dv; GQA adds two heads' partial sums per key; Nq != Nk shifts the causal diagonal.
-g = torch.Generator().manual_seed(3)
-# first a larger call: the block of buffers each call reuses holds its numbers (nothing may be read unwritten)
-big = [torch.randn(2, 4, 500, 64), torch.randn(2, 4, 500, 64), torch.randn(2, 2, 500, 128), torch.tensor(0.5)]
-big = [t.requires_grad_() for t in big[:3]] + big[3:]
-diff_attention(*big, backend="cpu_fused").sum().backward()
-# The last case's partial sums (600 keys x 4 x 256 floats) over 1100 rows take the taller blocks of rows
-# (BACKWARD_ROWS_LONG). Each case with the forward's maps kept for the backward, and recomputed.
-from diffattn_tutorial.kernels.cpu import cpu_fused
-KEPT = cpu_fused.MAPS_KEPT_BYTES
-for (B, H, Hkv, Nq, Nk, d, causal), kept in ((case, kept) for kept in (KEPT, 0) for case in (
-        (1, 1, 1, 400, 430, 64, True), (1, 2, 1, 400, 300, 64, False), (2, 2, 1, 150, 170, 64, True),
-        (1, 1, 1, 1100, 600, 256, True))):
-    cpu_fused.MAPS_KEPT_BYTES = kept
-    ins = [torch.randn(B, 2 * H, Nq, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g),
-           torch.randn(B, Hkv, Nk, 2 * d, generator=g), torch.rand(B, H, Nq, 1, generator=g)]
-    grad_out = torch.randn(B, H, Nq, 2 * d, generator=g)
-    def grads(backend, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in ins]
-        return torch.autograd.grad(diff_attention(*leaves, causal=causal, backend=backend), leaves, grad_out.to(dtype))
-    expected = grads("naive", torch.float64)
-    with threads(1):
-        one = grads("cpu_fused", torch.float32)
-    with threads(3):
-        three = grads("cpu_fused", torch.float32)
-    for name, a, b, e in zip(("dq", "dk", "dv", "dlam"), one, three, expected):
-        assert torch.equal(a, b), f"{name} depends on the thread count ({B, H, Hkv, Nq, Nk, d, causal, kept})"
-        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5 * max(1.0, e.abs().max().item()))
-print("GROUPS OK")
-"""
-
 
 def test_gradients_summed_over_row_groups_and_heads_equal_naives():
     """Many row blocks per head: the partial sums of dk and dv of every group of row blocks (and of every head of a
     GQA group) add up to naive's gradients, with the same bits on 1 and 3 threads."""
-    proc = run_python(GROUPS, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = run_module("children.cpu_backward_cases", ["groups"], env=env, timeout=600)
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "GROUPS OK" in proc.stdout
 
@@ -90,22 +55,10 @@ def test_a_scalar_lambdas_gradient_does_not_depend_on_the_thread_count():
     assert got[0] == got[1] == got[2], got
 
 
-EMPTY = r"""
-import torch
-from diffattn_tutorial.kernels.cpu.cpu_fused import fused_diff_attention
-q = torch.randn(0, 4, 8, 32, requires_grad=True)
-k, v, lam = torch.randn(0, 4, 8, 32), torch.randn(0, 2, 8, 64), torch.tensor(0.5, requires_grad=True)
-fused_diff_attention(q, k, v, lam, scale=32 ** -0.5).sum().backward()
-dq, dk, dv, dlam = torch.ops.diffattn.cpu_fused_backward(torch.randn(0, 2, 8, 64), q.detach(), k, v, lam.detach(),
-                                                          None, True, 0.1)
-assert q.grad.shape == q.shape and lam.grad == 0 and dk.shape == k.shape and dlam.shape == (0, 2, 8)
-print("EMPTY OK")
-"""
-
 
 def test_an_empty_batch_gives_empty_gradients_not_a_crash():
     """B = 0 reaches the kernel through the operators (diff_attention sends it to the reference instead)."""
-    proc = run_python(EMPTY, timeout=300)
+    proc = run_module("children.cpu_backward_cases", ["empty"], timeout=300)
     assert proc.returncode == 0 and "EMPTY OK" in proc.stdout, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
 
 
@@ -262,35 +215,11 @@ def test_short_calls_keep_their_maps_for_the_backward_and_long_ones_recompute_th
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
-DEFAULT_DTYPE = r"""
-import torch
-from diffattn_tutorial.functional import diff_attention
-g = torch.Generator().manual_seed(0)
-ins = [torch.randn(1, 4, 40, 32, generator=g), torch.randn(1, 4, 50, 32, generator=g),
-       torch.randn(1, 2, 50, 64, generator=g), torch.rand(1, 2, 40, 1, generator=g)]
-mask = torch.rand(1, 1, 40, 50, generator=g) < 0.8
-
-
-def grads():
-    leaves = [t.clone().requires_grad_() for t in ins]
-    out = diff_attention(*leaves, attn_mask=mask, backend="cpu_fused")
-    return [out.detach()] + list(torch.autograd.grad(out, leaves, torch.ones_like(out)))
-
-
-expected = grads()
-for default in (torch.float16, torch.bfloat16, torch.float64):
-    torch.set_default_dtype(default)
-    for a, b in zip(grads(), expected):
-        assert a.dtype == torch.float32 and torch.equal(a, b), default
-    torch.set_default_dtype(torch.float32)
-print("DEFAULT DTYPE OK")
-"""
-
 
 def test_the_kernels_float32_buffers_do_not_follow_torchs_default_dtype():
     """The kept maps, dlam and a bool mask's additive copy are float32 whatever ``torch.set_default_dtype`` says:
     the kernel writes and reads float32 there (a float16 default made the kept maps half as long as it writes)."""
-    proc = run_python(DEFAULT_DTYPE, timeout=300)
+    proc = run_module("children.cpu_backward_cases", ["default_dtype"], timeout=300)
     assert proc.returncode == 0 and "DEFAULT DTYPE OK" in proc.stdout, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
 
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from forked import run_python
+from forked import run_module
 
 from diffattn_tutorial import backend_table
 from diffattn_tutorial.functional import backend_status, diff_attention
@@ -208,34 +208,6 @@ def test_row_major_scores_and_the_tiles_give_the_formula(Nq, causal):
         assert torch.equal(fused(q, k, v, lam, causal=causal, attn_mask=mask), out)
 
 
-NARROW_BUILD = r"""
-import torch
-from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.kernels.cpu import build, cpu_fused
-from diffattn_tutorial.measure.cpu_threads import threads
-
-build.NATIVE_FLAGS = (*build.NATIVE_FLAGS, "-DDIFFATTN_NARROW")  # the tiles of an AVX2 or NEON build, on any CPU
-ok, why = cpu_fused.kernel_status()  # its self-check: both forward paths and the backward against float64
-assert ok, why
-assert cpu_fused.vector_floats() == 8
-g = torch.Generator().manual_seed(5)
-for nq, nk, causal in ((3, 200, False), (77, 77, True), (530, 45, False), (600, 600, True)):
-    q, k = torch.randn(2, 4, nq, 32, generator=g), torch.randn(2, 2, nk, 32, generator=g)
-    v, lam = torch.randn(2, 1, nk, 64, generator=g), torch.rand(2, 2, nq, 1, generator=g)
-    ins = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = diff_attention(*ins, causal=causal, backend="cpu_fused")
-    out.backward(torch.ones_like(out))
-    ref = [t.double().requires_grad_() for t in (q, k, v, lam)]
-    expected = diff_attention(*ref, causal=causal, backend="naive")
-    expected.backward(torch.ones_like(expected))
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
-    for a, b in zip(ins, ref):
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-4)
-    with torch.no_grad(), threads(3):
-        assert torch.equal(diff_attention(q, k, v, lam, causal=causal, backend="cpu_fused"), out.detach())
-print("narrow build ok")
-"""
-
 
 def test_vector_floats_is_public_as_kernel_threads_is():
     """README and notebook 08 name ``cpu_fused.vector_floats()`` beside ``kernel_threads()``: it is in the module's
@@ -256,7 +228,7 @@ def test_the_kernel_is_built_for_the_widest_vectors_whose_tiles_stay_in_register
                             capture_output=True, text=True)
     wide = macros.returncode == 0 and "__AVX512F__" in macros.stdout
     assert cpu_fused.vector_floats() == (16 if wide else 8)
-    run = run_python(NARROW_BUILD, timeout=600)
+    run = run_module("children.cpu_kernel_cases", ["narrow_build"], timeout=600)
     assert run.returncode == 0 and "narrow build ok" in run.stdout, run.stderr[-3000:]
 
 
@@ -435,13 +407,8 @@ def test_auto_runs_the_operator_under_torch_compile_fullgraph(compiler, monkeypa
 def test_the_operator_called_first_in_a_process_loads_a_working_kernel():
     """The kernel's first use may be a direct operator call, where autograd is off for the thread: the self-check
     of its backward used to fail there and leave the kernel unusable for the whole process."""
-    code = ("import torch, diffattn_tutorial.kernels.cpu.cpu_fused as cf\n"
-            "from diffattn_tutorial.functional import diff_attention\n"
-            "q, k, v, lam = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 16), torch.tensor(0.5)\n"
-            "out = torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, False, 8 ** -0.5)[0]\n"
-            "ref = diff_attention(q, k, v, lam, backend='naive')\n"
-            "print(cf.kernel_status()[0], bool(torch.allclose(out, ref, atol=1e-5)))\n")
-    done = run_python(code, env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
+    done = run_module("children.cpu_kernel_cases", ["first_use_operator"],
+                      env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
     assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]
 
 
@@ -450,19 +417,8 @@ def test_a_first_use_under_torch_func_leaves_a_working_kernel():
     """The kernel's first use may be its status, asked inside a torch.func transform (``backend_status()`` in a
     function under ``grad`` or ``vmap``), where fresh tensors are the transform's, with no memory to hand the kernel:
     its self-check used to fail there and leave the kernel unusable for the whole process."""
-    code = ("import torch\n"
-            "from torch.func import grad, vmap\n"
-            "from diffattn_tutorial.functional import backend_status, diff_attention\n"
-            "seen = []\n"
-            "def f(x):\n"
-            "    seen.append(backend_status()['cpu_fused'][0])\n"
-            "    return x.sum()\n"
-            "grad(f)(torch.randn(3)); vmap(f)(torch.randn(2, 3))\n"
-            "q, k, v, lam = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 16), torch.tensor(0.5)\n"
-            "out = diff_attention(q, k, v, lam, backend='cpu_fused')\n"
-            "ref = diff_attention(q, k, v, lam, backend='naive')\n"
-            "print(*seen, bool(torch.allclose(out, ref, atol=1e-5)))\n")
-    done = run_python(code, env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
+    done = run_module("children.cpu_kernel_cases", ["first_use_under_torch_func"],
+                      env={**os.environ, "PYTHONPATH": str(package_root())}, timeout=600)
     assert done.returncode == 0 and done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr[-2000:]
 
 
@@ -478,44 +434,13 @@ def test_a_nan_query_gives_a_nan_gradient_not_a_hidden_one():
     assert q.grad[0, 0, 2, 0].isnan() and q.grad[0, 1:].isfinite().all()
 
 
-KEPT = r"""
-import resource, torch
-from diffattn_tutorial.functional import diff_attention
-from diffattn_tutorial.kernels.cpu import cpu_fused
-lib = cpu_fused._kernel()
-g = torch.Generator().manual_seed(0)
-q, k = torch.randn(1, 8, 1024, 64, generator=g), torch.randn(1, 8, 1024, 64, generator=g)
-v, lam = torch.randn(1, 4, 1024, 128, generator=g), torch.tensor(0.3)
-q, k, v = (t.requires_grad_() for t in (q, k, v))
-
-def step():
-    diff_attention(q, k, v, lam, causal=True, backend="cpu_fused").sum().backward()
-
-def faults():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-step()
-kept = lib.diff_attention_cpu_kept_bytes()
-assert kept >= 12 << 20, kept  # k and v transposed (4 MiB), the partial sums of dk and dv (8 MiB), the scores
-reused = min(faults() for _ in range(3))
-cpu_fused.release_buffers()
-assert lib.diff_attention_cpu_kept_bytes() == 0
-fresh = faults()
-assert fresh - reused > (kept >> 12) // 2, (fresh, reused, kept)  # a fresh block faults its pages in; a kept one not
-assert lib.diff_attention_cpu_keep_at_most(kept - 1) == 64 << 20
-step()
-assert lib.diff_attention_cpu_kept_bytes() == 0  # above the limit: freed after its call
-print("KEPT OK")
-"""
-
 
 @needs_compiler
 def test_the_kernel_keeps_its_work_buffers_between_calls_and_frees_large_ones():
     """A call carves its buffers from a block kept for the calling thread's next call (no fresh pages to fault in),
     frees a block above the limit after its call, and ``release_buffers`` frees it at once."""
-    done = run_python(KEPT, env={**os.environ, "PYTHONPATH": str(package_root()), "OMP_NUM_THREADS": "2"}, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(package_root()), "OMP_NUM_THREADS": "2"}
+    done = run_module("children.cpu_kernel_cases", ["kept_buffers"], env=env, timeout=600)
     assert done.returncode == 0 and "KEPT OK" in done.stdout, done.stdout + done.stderr[-3000:]
 
 

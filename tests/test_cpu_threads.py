@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from forked import run_python
+from forked import run_module
 
 from diffattn_tutorial.kernels.cpu import cpu_fused, openmp
 from diffattn_tutorial.measure.cpu_threads import threads
@@ -36,17 +36,7 @@ def test_the_runtimes_are_read_from_any_maps_listing():
 def test_the_pool_is_torchs_where_the_process_has_one_openmp_runtime():
     """Where torch's runtime is the ``libgomp.so.1`` a GCC build of the kernel links to, the kernel brings no
     second one and runs on torch's pool; elsewhere on threads of its own."""
-    code = """
-import os
-import torch
-from diffattn_tutorial.kernels.cpu import cpu_fused, openmp
-before = openmp.openmp_runtimes()
-where = cpu_fused.kernel_threads()
-after = openmp.openmp_runtimes()
-torch_gomp = before is not None and [os.path.basename(f) for f in before] == ["libgomp.so.1"]
-print(where, openmp.CHOSEN["built"], None if after is None else len(after), torch_gomp)
-"""
-    proc = run_python(code, env=dict(os.environ), timeout=120)
+    proc = run_module("children.cpu_threads_cases", ["pool"], env=dict(os.environ), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     where, built, count, torch_gomp = proc.stdout.split()
     assert where == ("openmp" if built == "True" and count == "1" else "own")
@@ -83,26 +73,8 @@ def test_a_child_forked_after_the_kernel_ran_runs_it_too():
     are not there. The kernel starts threads of its own in a child forked after it was loaded, also after a switch
     back and forth (small inputs: torch's own calls stay on one thread here, so the kernel alone used the pool).
     A child that hangs anyway is ended by its alarm."""
-    code = """
-import os, signal
-import torch
-from diffattn_tutorial.kernels.cpu import cpu_fused, openmp
-g = torch.Generator().manual_seed(0)
-q, k = torch.randn(1, 4, 64, 32, generator=g), torch.randn(1, 4, 64, 32, generator=g)
-v, lam = torch.randn(1, 2, 64, 64, generator=g), torch.tensor(0.3)
-run = lambda: torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, None, True, 0.125)[0]
-before, parent = run(), cpu_fused.kernel_threads()
-pid = os.fork()
-if pid == 0:
-    signal.alarm(20)
-    same = torch.equal(run(), before)
-    with cpu_fused.own_threads():
-        same &= torch.equal(run(), before)
-    same &= torch.equal(run(), before)
-    os._exit(0 if same and cpu_fused.kernel_threads() == "own" else 3)
-print("CHILD", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), parent)
-"""
-    proc = run_python(code, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=60)  # a pool of two threads
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # a pool of two threads
+    proc = run_module("children.cpu_threads_cases", ["fork_after_run"], env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     status, parent = proc.stdout.split()[1:]
     assert status == "0", f"the forked child exited with {status} (-14: it hung; 3: other numbers or threads)"

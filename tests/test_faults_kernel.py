@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from forked import Child, run_python
+from forked import run_module, start_module
 
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.kernels.cpu import build, cpu_fused
@@ -26,29 +26,15 @@ pytestmark = [
     pytest.mark.skipif(os.name != "posix", reason="stand-in compilers are shell scripts"),
 ]
 
-CALL = """
-import threading
-import torch
-from diffattn_tutorial.kernels.cpu import build, cpu_fused
-from diffattn_tutorial.functional import diff_attention
-
-g = torch.Generator().manual_seed(0)
-q, k = torch.randn(1, 4, 30, 32, generator=g), torch.randn(1, 2, 30, 32, generator=g)
-v = torch.randn(1, 1, 30, 64, generator=g)
-with torch.no_grad():
-    ref = diff_attention(q, k, v, 0.4, backend="naive")
-    out = diff_attention(q, k, v, 0.4)
-assert (out - ref).abs().max() < 1e-5, "wrong answer"
-ok, why = cpu_fused.kernel_status()
-print("STATUS", ok, why.splitlines()[0])
-"""
+CALL = ["call"]  # one inference call, then the kernel's status (children/kernel_first_use.py)
+THREADS = ["threads"]  # six threads using the kernel first at once
 
 
-def child(code, cache, timeout=120, **env):
-    """Run ``code`` in a child process (``forked.run_python``) with ``DIFFATTN_CACHE=cache`` (and ``env``).
-    Returns the CompletedProcess."""
+def child(args, cache, timeout=120, **env):
+    """``python -m children.kernel_first_use *args`` in a child process (``forked.run_module``) with
+    ``DIFFATTN_CACHE=cache`` (and ``env``). Returns the CompletedProcess."""
     full_env = {**os.environ, "DIFFATTN_CACHE": str(cache), "OMP_NUM_THREADS": "1", **env}
-    return run_python(code, env=full_env, timeout=timeout)
+    return run_module("children.kernel_first_use", args, env=full_env, timeout=timeout)
 
 
 def status_line(proc):
@@ -169,36 +155,6 @@ def test_the_elf_check_rejects_every_truncation(real_library):
 # first use from several threads and processes: one build, every caller gets the kernel (item 2)
 # ---------------------------------------------------------------------------------------------------------
 
-THREADS = """
-import threading
-import torch
-from diffattn_tutorial.kernels.cpu import build, cpu_fused
-from diffattn_tutorial.functional import diff_attention
-
-g = torch.Generator().manual_seed(0)
-q, k = torch.randn(1, 4, 30, 32, generator=g), torch.randn(1, 2, 30, 32, generator=g)
-v = torch.randn(1, 1, 30, 64, generator=g)
-start, results, errors = threading.Barrier(6), [], []
-
-def first_use():
-    start.wait()
-    try:
-        with torch.no_grad():
-            results.append((diff_attention(q, k, v, 0.4), cpu_fused.kernel_status()))
-    except BaseException as e:
-        errors.append(repr(e))
-
-threads = [threading.Thread(target=first_use) for _ in range(6)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
-assert not errors, errors
-assert all(status[0] for _, status in results), [status for _, status in results]
-assert all(torch.equal(out, results[0][0]) for out, _ in results)
-print("STATUS", True, len(results))
-"""
-
 
 def logging_cxx(tmp_path):
     """The real compiler behind a wrapper that logs each build."""
@@ -219,7 +175,7 @@ def test_first_use_from_two_processes_builds_once(tmp_path, copying_cxx):
     """Two processes of six threads each, on one empty cache: the file lock lets one of them build."""
     cxx, log = copying_cxx
     env = {**os.environ, "DIFFATTN_CACHE": str(tmp_path / "cache"), "CXX": str(cxx), "OMP_NUM_THREADS": "1"}
-    procs = [Child(THREADS, env=env) for _ in range(2)]  # both running before either is waited for
+    procs = [start_module("children.kernel_first_use", THREADS, env=env) for _ in range(2)]  # both running at once
     try:
         done = [p.wait(timeout=180) for p in procs]
     finally:
@@ -297,8 +253,7 @@ def test_a_hanging_compiler_is_stopped(tmp_path):
         if [ "$1" = "--version" ]; then echo "hanging stand-in 1.0"; exit 0; fi
         sleep 600
     """)
-    code = "from diffattn_tutorial.kernels.cpu import build\nbuild.TIMEOUT_S = 1.0\n" + CALL
-    line = status_line(child(code, tmp_path / "cache", timeout=60, CXX=str(hang)))
+    line = status_line(child([*CALL, "--build-timeout", "1.0"], tmp_path / "cache", timeout=60, CXX=str(hang)))
     assert line.startswith("STATUS False") and "timed out after 1.0 seconds" in line
 
 
@@ -332,8 +287,7 @@ def test_a_compiler_without_openmp_builds_a_kernel_on_threads_of_its_own(tmp_pat
         for a in "$@"; do [ "$a" = "-fopenmp" ] && {{ echo refused >> '{log}'; echo "unsupported option" >&2; exit 1; }}; done
         exec '{real}' "$@"
     """)
-    code = CALL + "print('THREADS', cpu_fused.kernel_threads())\n"
-    proc = child(code, tmp_path / "cache", CXX=str(cxx))
+    proc = child([*CALL, "--print-threads"], tmp_path / "cache", CXX=str(cxx))
     assert status_line(proc).startswith("STATUS True")
     assert "THREADS own" in proc.stdout
     assert log.read_text().split() == ["refused"]  # then the native flags alone build it

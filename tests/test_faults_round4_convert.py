@@ -5,12 +5,10 @@ misspelled key taken as the default, a log that lost its steps, a refusal that n
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from forked import run_module
 
 from diffattn_tutorial import golden, interop
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
@@ -148,8 +146,7 @@ def test_a_rewrite_of_the_metrics_log_cut_short_loses_no_step(tmp_path):
     for step in range(1, 41):
         metrics.write({"event": "step", "step": step, "loss": 1.0 / step, "lr": 1e-3, "seconds": 0.01 * step})
     assert log.stat().st_size > 2000
-    child = subprocess.run([sys.executable, "-m", "tests.truncate_metrics_child", str(log), "30", "1000"],
-                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120)
+    child = run_module("children.truncate_metrics", [str(log), "30", "1000"], timeout=120)
     assert "cut short" in child.stdout, (child.stdout, child.stderr)
     steps = [r["step"] for r in read_steps(log)]
     assert steps in (list(range(1, 41)), list(range(1, 31))), steps

@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked import run_module
 
 from diffattn_tutorial import backends, cli, validation
 from diffattn_tutorial.backends import Backend, Choice, backend_status, get_backend, registered
 from diffattn_tutorial.functional import diff_attention, diff_attention_maps, diff_attention_v2, softmax_attention
 from diffattn_tutorial.layers.attention import DiffAttnV2, KVCache, MultiheadAttention, MultiheadDiffAttn
-
-HERE = Path(__file__).parent
 
 
 def inputs(d=8, seed=0):
@@ -33,9 +32,8 @@ def inputs(d=8, seed=0):
 
 
 def child(case: str) -> dict:
-    """``tests/faults_round4_child.py CASE`` in a process of its own (a segfault fails only this test)."""
-    proc = subprocess.run([sys.executable, str(HERE / "faults_round4_child.py"), case], capture_output=True,
-                          text=True, timeout=600)
+    """``python -m children.faults_round4_core CASE`` in a process of its own (a segfault fails only this test)."""
+    proc = run_module("children.faults_round4_core", [case], timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

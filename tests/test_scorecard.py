@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from forked import run_python
+from forked import run_module
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from diffattn_tutorial.cli import main
@@ -181,8 +181,8 @@ def test_a_cell_that_swallows_the_interrupt_is_stopped_and_later_tasks_fail(tmp_
         new_code_cell("# CHECK 3\nassert y == 2"),
     ])
     nbformat.write(nb, tmp_path / "stubborn.ipynb")
-    done = run_python("import sys\nfrom diffattn_tutorial.cli import main\nsys.exit(main(sys.argv[1:]))",
-                      ["check", "stubborn.ipynb", "--timeout", "1"], cwd=tmp_path, timeout=180)
+    done = run_module("diffattn_tutorial.cli", ["check", "stubborn.ipynb", "--timeout", "1"], cwd=tmp_path,
+                      timeout=180)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = task_lines(done.stdout)
     assert lines[0].endswith(PASSED)

@@ -13,11 +13,10 @@ registered operator ``diffattn::triton_decode`` passes ``torch.library.opcheck``
 
 import json
 import os
-import textwrap
 
 import pytest
 import torch
-from forked import run_python
+from forked import run_module
 
 pytest.importorskip("triton")
 
@@ -47,61 +46,13 @@ CASES = {
 }
 TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
-SCRIPT = textwrap.dedent('''
-    import json, os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    from diffattn_tutorial.functional import diff_attention
-    from diffattn_tutorial.kernels.triton.decode import decode_attention, split_k_reference
-
-    def inputs(c, g):
-        B, H, Hkv, Nq, Nk, d = (c[n] for n in ("B", "H", "Hkv", "Nq", "Nk", "d"))
-        dtype = getattr(torch, c["dtype"])
-        r = lambda *s: torch.randn(*s, generator=g).to(dtype)
-        q, k, v = r(B, 2 * H, Nq, d), r(B, 2 * Hkv, Nk, d), r(B, Hkv, Nk, 2 * d)
-        if c["strided"]:  # every other head / key / column of larger buffers
-            q = r(B, 4 * H, Nq, d)[:, ::2]
-            k = r(B, 2 * Hkv, 2 * Nk, d)[:, :, ::2]
-            v = r(B, Hkv, Nk, 4 * d)[..., 1::2]
-        lam = {"token": lambda: torch.rand(B, H, Nq, 1, generator=g),
-               "head": lambda: 0.2 + torch.rand(H, 1, 1, generator=g),
-               "scalar": lambda: torch.tensor(0.37)}[c["lam"]]().to(dtype)
-        return q, k, v, lam
-
-    def naive(q, k, v, lam, c, lengths):
-        Nq, Nk = q.shape[2], k.shape[2]
-        keys, queries = torch.arange(Nk), torch.arange(Nq)
-        last = lengths[:, None] - 1 + ((queries - (Nq - 1)) if c["causal"] else 0)
-        mask = (keys < lengths[:, None, None]) & (keys <= last[:, :, None])
-        k0, v0 = (torch.where(mask.any(1)[:, None, :, None], t, 0) for t in (k, v))  # naive reads every key
-        return diff_attention(q.double(), k0.double(), v0.double(), lam.double(), attn_mask=mask[:, None],
-                              backend="naive")
-
-    results = {}
-    for name, c in json.loads(sys.stdin.read()).items():
-        q, k, v, lam = inputs(c, torch.Generator().manual_seed(0))
-        lengths = torch.tensor(c["lengths"] if isinstance(c["lengths"], list) else [c["lengths"]] * c["B"])
-        if c["garbage"]:  # what an unfilled static cache may hold: never read
-            for t in (k, v):
-                for b, n in enumerate(lengths.tolist()):
-                    t[b, :, n:] = float("nan") if b else float("inf")
-        kw = dict(lengths=c["lengths"] if isinstance(c["lengths"], int) else lengths, causal=c["causal"])
-        out = decode_attention(q, k, v, lam, num_splits=c["splits"], **kw)
-        ref = split_k_reference(q, k, v, lam, num_splits=c["splits"] or 3, **kw)
-        want = naive(q, k, v, lam, c, lengths)
-        results[name] = {"kernel": (out.double() - want).abs().max().item(), "reference":
-                         (ref.double() - want).abs().max().item(), "finite": bool(torch.isfinite(out).all()),
-                         "shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch.")}
-    print(json.dumps(results))
-''')
-
 
 @pytest.fixture(scope="module")
 def interpreted():
     """Every case through the kernel in one interpreter subprocess: ``{case: errors}``."""
     cases = {name: {**BASE, **c} for name, c in CASES.items()}
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = run_python(SCRIPT, input=json.dumps(cases), env=env, timeout=600)
+    run = run_module("children.triton_decode_cases", ["cases"], input=json.dumps(cases), env=env, timeout=600)
     assert run.returncode == 0, f"the interpreter run failed (exit {run.returncode}):\n{run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -152,53 +103,13 @@ def test_refusals_name_the_fix():
         decode_attention(q, k, v[:, :1], lam)
 
 
-OPERATOR_SCRIPT = textwrap.dedent('''
-    import os
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["DIFFATTN_TRITON_POISON"] = "1"
-    import torch
-    from torch.library import opcheck
-    from diffattn_tutorial.kernels.triton import decode as dec
-
-    g = torch.Generator().manual_seed(0)
-    B, H, Hkv, Nk, d = 2, 4, 2, 37, 8
-    q, k = torch.randn(B, 2 * H, 1, d, generator=g), torch.randn(B, 2 * Hkv, Nk, d, generator=g)
-    v = torch.randn(B, Hkv, Nk, 2 * d, generator=g)
-    lam = torch.rand(B, H, 1, 1, generator=g)
-    lens = torch.tensor([37, 20], dtype=torch.int32)
-    for args in [(q, k, v, lam, lens, True, d ** -0.5, 3, 16),  # per-token lambda, 3 splits
-                 (q, k, v, torch.tensor(0.3), torch.tensor([5, 0], dtype=torch.int32), False, 0.5, 1,
-                  32)]:  # scalar lambda, an empty sequence, one split
-        result = opcheck(dec.triton_decode, args,
-                         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-        assert set(result.values()) == {"SUCCESS"}, result
-
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def step(q, k, v, lam, lens):
-        return dec.decode_attention(q, k, v, lam, lengths=lens, num_splits=3)
-
-    with torch.no_grad():
-        eager = step(q, k, v, lam, lens)
-        compiled = torch.compile(step, fullgraph=True, backend=counting)(q, k, v, lam, lens)
-    assert torch.equal(compiled, eager)
-    (graph,) = graphs
-    ops = [n.target for n in graph.graph.nodes if n.op == "call_function" and "diffattn" in str(n.target)]
-    assert ops == [torch.ops.diffattn.triton_decode.default], ops
-    print("OK")
-''')
-
 
 def test_the_operator_passes_opcheck_and_compiles_to_one_node():
     """``diffattn::triton_decode``: schema, fake implementation and AOT dispatch (``opcheck``) for a per-token and a
     scalar lambda, 3 splits and 1; a function calling :func:`decode_attention` under ``torch.compile(fullgraph=True)``
     (a graph break raises) holds the operator as its one diffattn node and gives eager's output bit for bit."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = run_python(OPERATOR_SCRIPT, env=env, timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DIFFATTN_TRITON_POISON": "1"}
+    run = run_module("children.triton_decode_cases", ["operator"], env=env, timeout=600)
     assert run.returncode == 0 and "OK" in run.stdout, (run.stdout + run.stderr)[-4000:]
 
 
@@ -210,59 +121,6 @@ def test_inputs_that_require_grad_are_refused():
         decode_attention(q.detach(), k, v, lam.requires_grad_())
 
 
-MAP2_PAST_INT32_SCRIPT = textwrap.dedent('''
-    import os
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    from diffattn_tutorial.kernels.triton import decode as dec
-    from diffattn_tutorial.kernels.triton.launch import strides as _strides
-
-    g = torch.Generator().manual_seed(0)
-    Nq, Nk, d, BIG = 16, 40, 16, 2**26  # BIG rows (or splits) x 2 BLOCK_D = 32 floats = 2**31
-    q, k = torch.randn(1, 2, Nq, d, generator=g), torch.randn(1, 2, Nk, d, generator=g)
-    v = torch.randn(1, 1, Nk, 2 * d, generator=g)
-    lam = torch.tensor(0.3).reshape(1, 1, 1, 1).expand(1, 1, Nq, 1)
-    lens = torch.full((1,), Nk, dtype=torch.int32)
-    consts = dict(GROUP=1, HEAD_DIM=d, BLOCK_D=16, CAUSAL=False, DOT_PRECISION="ieee", UPCAST=False, BLOCK_M=16,
-                  BLOCK_N=16)
-
-    def partial(o_part, lse_part, nq):
-        dec._decode_partial[(1, 1)](q, k, v, lens, o_part, lse_part, **_strides(q, "q", "bhm"),
-                                    **_strides(k, "k", "bhn"), **_strides(v, "v", "bhn"), H=1, Hkv=1, Nq=nq, Nk=Nk,
-                                    qk_scale=0.25, keys_per_split=48, **consts)
-
-    def combine(o_part, lse_part, n_splits, grid, out):
-        dec._decode_combine[grid](o_part, lse_part, lam, out, n_splits, **_strides(lam, "l", "bhm"),
-                                  **_strides(out, "o", "bhm"), H=1, Nq=Nq, HEAD_DIM=d, BLOCK_D=16, BLOCK_S=1)
-
-    # the true sizes: map 2's partials follow map 1's 16 rows of 32 floats
-    o_small, lse_small = torch.full((2, Nq, 1, 32), float("nan")), torch.full((2, Nq, 1), float("nan"))
-    partial(o_small, lse_small, Nq)
-    out_small = torch.full((1, 1, Nq, 2 * d), float("nan"))
-    combine(o_small, lse_small, 1, (Nq,), out_small)
-    assert torch.isfinite(out_small).all()
-    # told Nq = 2**26 rows (it computes the first 16): map 2's partials start 2**31 floats in. The 8 GiB buffer is
-    # a shared map of a sparse file: no memory is reserved for it (a machine that refuses to overcommit 8 GiB of
-    # anonymous memory maps it too), and only the pages written take space
-    import tempfile
-    fd, path = tempfile.mkstemp(prefix="partials")  # a file, no folder of its own (mkdtemp's stayed behind)
-    os.ftruncate(fd, (2**31 + 512) * 4)
-    os.close(fd)
-    o_big = torch.from_file(path, shared=True, size=2**31 + 512, dtype=torch.float32)
-    os.remove(path)  # the map stays; nothing is left behind, even after a crash
-    lse_big = torch.empty(BIG + 16)
-    o_big[:512], o_big[2**31:], lse_big[:16], lse_big[BIG:] = (float("nan"),) * 4
-    partial(o_big, lse_big, BIG)
-    assert torch.equal(o_big[:512], o_small[0].flatten()) and torch.equal(lse_big[:16], lse_small[0].flatten())
-    assert torch.equal(o_big[2**31:], o_small[1].flatten()), "map 2's partials are not 2**31 floats in"
-    assert torch.equal(lse_big[BIG:], lse_small[1].flatten())
-    # the combine told 2**26 splits of its one row (it reads split 0): map 2's partials again 2**31 floats in
-    out_big = torch.full((1, 1, Nq, 2 * d), float("nan"))
-    combine(o_big, lse_big, BIG, (1,), out_big)
-    torch.testing.assert_close(out_big[0, 0, 0], out_small[0, 0, 0], rtol=0, atol=0)
-    print("OK")
-''')
-
 
 def test_map2_partials_past_2_31_floats_are_addressed_in_int64():
     """The partial buffers hold map 1's ``B*H*Nq*splits`` rows of ``2 BLOCK_D`` floats, then map 2's. From
@@ -273,7 +131,7 @@ def test_map2_partials_past_2_31_floats_are_addressed_in_int64():
     2**31 offset set by their scalars (Nq, n_splits) with one program each: a few pages of an 8 GiB virtual
     buffer are written."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = run_python(MAP2_PAST_INT32_SCRIPT, env=env, timeout=300)
+    run = run_module("children.triton_decode_cases", ["map2_past_int32"], env=env, timeout=300)
     assert run.returncode == 0 and "OK" in run.stdout, (run.returncode, (run.stdout + run.stderr)[-3000:])
 
 

@@ -1,9 +1,11 @@
 """Rewrite a metrics log to its first steps under a file-size limit, as a process killed mid-write would leave it.
 
-    python -m tests.truncate_metrics_child LOG STEP LIMIT_BYTES
+    python -m children.truncate_metrics LOG STEP LIMIT_BYTES
 
-Sets ``RLIMIT_FSIZE`` to ``LIMIT_BYTES`` (with SIGXFSZ ignored, so a write past it fails with ``EFBIG``) and calls
-``MetricsLog(LOG).truncate_after(STEP)``, which rewrites the whole log; prints ``cut short`` when the write failed.
+Run by ``tests/test_faults_round4_convert.py`` (``forked.run_module``). Sets ``RLIMIT_FSIZE`` to ``LIMIT_BYTES`` (with
+SIGXFSZ ignored, so a write past it fails with ``EFBIG``) and calls ``MetricsLog(LOG).truncate_after(STEP)``, which
+rewrites the whole log; prints ``cut short`` when the write failed (a few bytes: its stdout is a file, under the
+same limit).
 """
 
 from __future__ import annotations

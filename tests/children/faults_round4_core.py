@@ -1,5 +1,5 @@
 """Child processes of ``tests/test_faults_round4_core.py`` (crash-prone cases: a kernel handed memory it cannot
-read segfaults the process). ``python tests/faults_round4_child.py CASE``; prints one JSON line, exits 0.
+read segfaults the process). ``python -m children.faults_round4_core CASE``; prints one JSON line, exits 0.
 
 * ``meta``: the first ``diff_attention`` call of the process (the fused CPU kernel loads and checks itself then)
   inside ``with torch.device("meta")``, on CPU tensors with a bool mask: every backend's output and gradients
