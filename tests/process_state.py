@@ -14,8 +14,15 @@ import warnings
 import torch
 
 
+def _stable_repr(value) -> str:
+    """``repr``, with a set's members sorted: a set copied or rebuilt may list the same members in another order."""
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({sorted(map(repr, value))})"
+    return repr(value)
+
+
 def _config(module) -> dict[str, str]:
-    return {k: repr(v) for k, v in module.get_config_copy().items()}
+    return {k: _stable_repr(v) for k, v in module.get_config_copy().items()}
 
 
 def _inductor_config() -> dict[str, str]:

@@ -48,3 +48,18 @@ def test_a_filter_added_without_an_import_is_named_and_an_import_time_one_is_not
         assert any("warnings filters" in line for line in process_state.changes(before, process_state.snapshot()))
         imported = dict(process_state.snapshot(), modules=before["modules"] | {"a_library_imported_now"})
         assert process_state.changes(before, imported) == []
+
+
+def test_a_set_with_the_same_members_in_another_order_is_no_change():
+    """A config set rebuilt by torch (dynamo's ``_save_config_ignore`` on a worker's first inductor compile) may list
+    the same members in another order: not a change. Another member still is one."""
+    members = ["repro_level", "constant_functions", "repro_after", "skipfiles_inline_module_allowlist"]
+    before = process_state.snapshot()
+    with torch._dynamo.config.patch(_save_config_ignore=set(reversed(members))):
+        during = process_state.snapshot()
+    assert not process_state.changes(before, process_state.snapshot())
+    assert process_state._stable_repr(set(members)) == process_state._stable_repr(set(reversed(members)))
+    with torch._dynamo.config.patch(_save_config_ignore={*members, "another"}):
+        changed = process_state.changes(before, process_state.snapshot())
+    assert [line.split(":")[0] for line in changed] == ["torch._dynamo.config['_save_config_ignore']"]
+    assert not process_state.changes(before, during)
