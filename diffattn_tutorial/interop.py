@@ -35,7 +35,8 @@ import torch
 
 from diffattn_tutorial.functional import lambda_init_fn
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadDiffAttn
-from diffattn_tutorial.layers.rope import interleaved_to_half_split
+from diffattn_tutorial.layers.rope import half_split_to_interleaved, interleaved_to_half_split
+from diffattn_tutorial.validation import check_not_meta, check_state_dict
 
 Tensor = torch.Tensor
 StateDict = Mapping[str, Tensor]
@@ -56,7 +57,7 @@ def _load(module: torch.nn.Module, sd: dict[str, Tensor], source: str, names: Ma
     """Load ``sd`` into ``module`` strictly; errors name the checkpoint's own keys (``names`` maps this
     library's prefixes to the checkpoint's; ``shape_names`` names a part of a checkpoint tensor, such as
     ``"qkv.weight rows 0:64 (q)"``, in shape errors) and say which config to check."""
-    _check_not_meta(module, source)
+    check_not_meta(module, source)
     own = module.state_dict()
     missing = sorted({_source_name(k, names) for k in own if k not in sd})
     unexpected = sorted({_source_name(k, names) for k in sd if k not in own})
@@ -98,49 +99,6 @@ def _detached(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def _state_dict(state_dict: Any, loader: str) -> Mapping[str, Tensor]:
-    """``state_dict`` when it is a mapping of names to tensors; else a ``TypeError`` saying what to pass (a path,
-    a model or numpy arrays are not loaded here)."""
-    how = ("pass a state dict of tensors, e.g. torch.load(path, weights_only=True) or "
-           "safetensors.torch.load_file(path)")
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{loader}(): got a {type(state_dict).__name__} ({str(state_dict)[:60]!r}), not a state dict; "
-                        f"{how}")
-    bad = [(k, v) for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        k, v = bad[0]
-        kind = f"{type(v).__module__}.{type(v).__name__}".removeprefix("builtins.")
-        raise TypeError(f"{loader}(): {k!r} is a {kind}, not a tensor; {how} (numpy arrays: "
-                        f"{{k: torch.from_numpy(v) for k, v in sd.items()}})")
-    for k, v in state_dict.items():
-        _check_entry(loader, k, v)
-    return state_dict
-
-
-def _check_entry(loader: str, k: Any, v: Tensor) -> None:
-    """Refuse an entry that loading would turn into other numbers or no numbers without a word: a key that is not
-    a name, a bool, integer or complex tensor (cast to 0/1, whole numbers, or its real part), a sparse one, or a meta
-    tensor (no data)."""
-    if not isinstance(k, str):
-        raise TypeError(f"{loader}(): key {k!r} is not a string: a state dict maps parameter names to tensors")
-    if v.layout != torch.strided:
-        raise TypeError(f"{loader}(): {k!r} is a {v.layout} tensor; pass dense tensors ({{k: v.to_dense()}})")
-    if v.is_meta:
-        raise TypeError(f"{loader}(): {k!r} is a meta tensor (a shape without data); load the checkpoint's data "
-                        f"(torch.load(path, weights_only=True), not a model built on the meta device)")
-    if not v.is_floating_point():
-        raise TypeError(f"{loader}(): {k!r} is {v.dtype}, but every weight here is floating-point: loading would "
-                        f"cast it (a quantized or wrong checkpoint?); pass float32, float16 or bfloat16 weights")
-
-
-def _check_not_meta(module: torch.nn.Module, loader: str) -> None:
-    """Refuse a module built on the meta device (a ``torch.device("meta")`` context around the loader): loading
-    into it copies nothing, and it would come back with no weights."""
-    if any(p.is_meta for p in module.parameters()):
-        raise ValueError(f"{loader} built its module on the meta device (a torch.device('meta') context?): loading "
-                         f"into it keeps no weights; call it outside that context")
-
-
 def _check_exportable(module: object, cls: type, exporter: str) -> None:
     """Refuse what ``exporter`` cannot export: another class than ``cls``, or a converted layer still in its
     negative-branch warm-up (``layers.convert``): no reference has the factor ``lambda_mix`` on its lambda, so its
@@ -160,7 +118,7 @@ def from_unilm(state_dict: StateDict, *, embed_dim: int, num_heads: int, depth: 
     Names match one to one (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``lambda_*``, ``subln``).
     Extra keyword arguments go to the module (e.g. ``backend``).
     """
-    state_dict = _state_dict(state_dict, "from_unilm")
+    state_dict = check_state_dict(state_dict, "from_unilm")
     _check_options(from_unilm, module_kwargs, MultiheadDiffAttn, ("depth", "num_kv_heads", "subln_affine"))
     layer = MultiheadDiffAttn(embed_dim, num_heads, depth=depth, num_kv_heads=num_kv_heads,
                               subln_affine=subln_affine, **module_kwargs)
@@ -198,7 +156,7 @@ def _interleaved_rope_rows(module: torch.nn.Module, sd: dict[str, Tensor]) -> di
         return sd
     for name in ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"):
         if name in sd:
-            sd[name] = _half_split_to_interleaved(sd[name], module.head_dim)
+            sd[name] = half_split_to_interleaved(sd[name], module.head_dim)
     return sd
 
 
@@ -209,7 +167,7 @@ def from_timm(state_dict: StateDict, *, dim: int, num_heads: int = 8, depth: int
 
     timm's ``q_norm``/``k_norm`` are ``RmsNorm(head_dim)`` with eps 1e-6 and its ``sub_norm`` is affine.
     """
-    state_dict = _state_dict(state_dict, "from_timm")
+    state_dict = check_state_dict(state_dict, "from_timm")
     if scale_norm:
         raise ValueError("timm's scale_norm=True (a norm before proj) is not supported; load with scale_norm=False")
     taken = ("depth", "lambda_mode", "qk_norm", "qk_norm_eps", "subln_affine", "qkv_bias", "out_bias", "dropout")
@@ -287,7 +245,7 @@ def to_timm(module: MultiheadDiffAttn) -> dict[str, Tensor]:
 def from_unilm_v2(state_dict: StateDict, *, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None,
                   head_dim: Optional[int] = None, use_diff_v2: bool = True, **module_kwargs) -> DiffAttnV2:
     """A :class:`DiffAttnV2` from unilm ``MultiheadFlashDiffV2`` weights (names match one to one)."""
-    state_dict = _state_dict(state_dict, "from_unilm_v2")
+    state_dict = check_state_dict(state_dict, "from_unilm_v2")
     if not use_diff_v2:
         raise ValueError("use_diff_v2=False is unilm's baseline layer: load it into "
                          "diffattn_tutorial.layers.attention.MultiheadAttention instead")
@@ -430,7 +388,7 @@ def from_diffllama(state_dict: StateDict, *, layer_idx: int, config: Any = None,
     Pass one attention layer's weights (``q_proj.weight``, ..., ``lambda_k2``): from a whole model's
     state_dict take the keys under ``model.layers.{layer_idx}.self_attn.``.
     """
-    state_dict = _state_dict(state_dict, "from_diffllama")
+    state_dict = check_state_dict(state_dict, "from_diffllama")
     options = _module_options(MultiheadDiffAttn, _DIFFLLAMA_TAKEN)
     module_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
                      if k in options and not (k == "dtype" and isinstance(kwargs[k], str))}
@@ -518,23 +476,6 @@ _LLAMA_LM_KEYS: dict[str, Any] = {
 """The ``LlamaConfig`` keys that shape a ``LlamaForCausalLM``'s function, with transformers' defaults (None:
 required, or derived as transformers derives it). Other keys of a whole config (token ids, dtype, ...) are ignored."""
 
-_LLAMA_BLOCK_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
-    "self_attn.q_proj.weight": "attn.q_proj.weight", "self_attn.k_proj.weight": "attn.k_proj.weight",
-    "self_attn.v_proj.weight": "attn.v_proj.weight", "self_attn.o_proj.weight": "attn.out_proj.weight",
-    "mlp.gate_proj.weight": "mlp.gate.weight", "mlp.up_proj.weight": "mlp.up.weight",
-    "mlp.down_proj.weight": "mlp.down.weight"}
-"""A Llama decoder layer's parameter names (under ``model.layers.{i}.``) -> a TinyLM block's."""
-
-
-def _half_split_to_interleaved(w: Tensor, head_dim: int) -> Tensor:
-    """The inverse of :func:`~diffattn_tutorial.layers.rope.interleaved_to_half_split`: rows of a Llama q/k
-    projection (half-split RoPE) reordered so this library's interleaved RoPE rotates the same pairs."""
-    one = interleaved_to_half_split(torch.arange(head_dim)[:, None], head_dim)[:, 0]  # (d,) where each row went
-    back = torch.argsort(one)
-    return w.unflatten(0, (-1, head_dim))[:, back].flatten(0, 1)
-
-
 def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
     """The keys of a ``LlamaConfig`` (an object with ``to_dict()``, its dict, or keys given loose) that shape the
     model's function, with transformers' defaults filled in; refuses the Llama features TinyLM does not have
@@ -613,9 +554,10 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
     checkpoint's dtype (float16 and bfloat16 weights convert exactly); ``.to(dtype)`` with the checkpoint's
     dtype gives its precision back.
     """
+    from diffattn_tutorial.training.hf_weights import load_weights
     from diffattn_tutorial.training.model import LMConfig, TinyLM
 
-    state_dict = _state_dict(state_dict, "from_llama")
+    check_state_dict(state_dict, "from_llama")
     _check_llama_keys(kwargs)
     cfg = llama_lm_config(config, **kwargs)
     lm = LMConfig(vocab_size=cfg["vocab_size"], attention="baseline", d_model=cfg["hidden_size"],
@@ -623,33 +565,4 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
                   n_kv_heads=cfg["num_key_value_heads"], ffn_hidden=cfg["intermediate_size"],
                   max_len=cfg["max_position_embeddings"], rope_base=float(cfg["rope_theta"]),
                   norm_eps=float(cfg["rms_norm_eps"]))
-    sd = _detached(state_dict)
-    if cfg["tie_word_embeddings"] and "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd.get("model.embed_tokens.weight")
-    out, names = {}, {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                      "head.weight": "lm_head.weight"}
-    out.update({ours: sd.pop(theirs) for ours, theirs in names.items() if sd.get(theirs) is not None})
-    model = TinyLM(lm)
-    _check_not_meta(model, "from_llama")
-    own = model.state_dict()
-    for i in range(lm.n_layers):
-        for theirs, ours in _LLAMA_BLOCK_NAMES.items():
-            key = f"model.layers.{i}.{theirs}"
-            if key in sd:
-                t = sd.pop(key)
-                if theirs.startswith(("self_attn.q_proj", "self_attn.k_proj")) and \
-                        t.shape == own[f"blocks.{i}.{ours}"].shape:  # another shape is named below
-                    t = _half_split_to_interleaved(t, cfg["head_dim"])
-                out[f"blocks.{i}.{ours}"] = t
-                names[f"blocks.{i}.{ours}"] = key
-    missing = sorted(names.get(k, k) for k in own if k not in out)
-    if sd or missing:
-        raise ValueError(f"Llama state_dict does not match this config: missing {missing}, unexpected {sorted(sd)}; "
-                         f"pass LlamaForCausalLM's state_dict with its config (num_hidden_layers, "
-                         f"tie_word_embeddings)")
-    wrong = [f"{names[k]}: checkpoint {tuple(out[k].shape)}, this config {tuple(v.shape)}"
-             for k, v in own.items() if out[k].shape != v.shape]
-    if wrong:
-        raise ValueError(f"Llama state_dict has other shapes than this config: {'; '.join(wrong)}")
-    model.load_state_dict(out)
-    return model.eval()
+    return load_weights(TinyLM(lm), state_dict, tied=bool(cfg["tie_word_embeddings"]), loader="from_llama")

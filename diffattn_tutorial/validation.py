@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 import torch
 
@@ -313,7 +314,50 @@ def check_plain(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], wh
     return mask, (B, Hq, Nq, k.shape[2], d)
 
 
+def check_state_dict(state_dict: Any, loader: str) -> Mapping[str, Tensor]:
+    """``state_dict`` when it is a mapping of names to tensors; else a ``TypeError`` saying what to pass (a path,
+    a model or numpy arrays are not loaded here)."""
+    how = ("pass a state dict of tensors, e.g. torch.load(path, weights_only=True) or "
+           "safetensors.torch.load_file(path)")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{loader}(): got a {type(state_dict).__name__} ({str(state_dict)[:60]!r}), not a state dict; "
+                        f"{how}")
+    bad = [(k, v) for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        k, v = bad[0]
+        kind = f"{type(v).__module__}.{type(v).__name__}".removeprefix("builtins.")
+        raise TypeError(f"{loader}(): {k!r} is a {kind}, not a tensor; {how} (numpy arrays: "
+                        f"{{k: torch.from_numpy(v) for k, v in sd.items()}})")
+    for k, v in state_dict.items():
+        _check_state_entry(loader, k, v)
+    return state_dict
+
+
+def _check_state_entry(loader: str, k: Any, v: Tensor) -> None:
+    """Refuse an entry that loading would turn into other numbers or no numbers without a word: a key that is not
+    a name, a bool, integer or complex tensor (cast to 0/1, whole numbers, or its real part), a sparse one, or a meta
+    tensor (no data)."""
+    if not isinstance(k, str):
+        raise TypeError(f"{loader}(): key {k!r} is not a string: a state dict maps parameter names to tensors")
+    if v.layout != torch.strided:
+        raise TypeError(f"{loader}(): {k!r} is a {v.layout} tensor; pass dense tensors ({{k: v.to_dense()}})")
+    if v.is_meta:
+        raise TypeError(f"{loader}(): {k!r} is a meta tensor (a shape without data); load the checkpoint's data "
+                        f"(torch.load(path, weights_only=True), not a model built on the meta device)")
+    if not v.is_floating_point():
+        raise TypeError(f"{loader}(): {k!r} is {v.dtype}, but every weight here is floating-point: loading would "
+                        f"cast it (a quantized or wrong checkpoint?); pass float32, float16 or bfloat16 weights")
+
+
+def check_not_meta(module: torch.nn.Module, loader: str) -> None:
+    """Refuse a module built on the meta device (a ``torch.device("meta")`` context around the loader): loading
+    into it copies nothing, and it would come back with no weights."""
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(f"{loader} built its module on the meta device (a torch.device('meta') context?): loading "
+                         f"into it keeps no weights; call it outside that context")
+
+
 __all__ = ["LambdaLike", "causal_mask", "combine_masks", "fix_fully_masked", "rows_reading_nonfinite",
            "under_torch_func", "forward_ad_active", "may_hold_nonfinite", "zero_nonfinite", "check_tensor",
            "check_same", "broadcasts_to", "check_mask", "check_lambda", "check_scale", "check_scale_dropout",
-           "check_causal", "check_qkv", "check_diff_inputs", "check_plain"]
+           "check_causal", "check_qkv", "check_diff_inputs", "check_plain", "check_state_dict", "check_not_meta"]

@@ -10,6 +10,8 @@
 """
 
 import ctypes
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,6 +87,21 @@ def test_a_library_whose_structs_differ_is_refused_by_name(change):
 # ---------------------------------------------------------------------------------------------------------------
 # one autograd path
 # ---------------------------------------------------------------------------------------------------------------
+
+def test_a_new_process_trains_through_the_operator_without_importing_the_compiler():
+    """The operators are defined with ``torch.library.define`` and ``impl``: ``custom_op``'s wrapper imported
+    ``torch._dynamo`` on the first call, a second or more of a new process's first training step. A fresh interpreter
+    (not a forked child): what it has imported is the point."""
+    probe = ("import sys, torch; from diffattn_tutorial.functional import diff_attention; "
+             "q = torch.randn(1, 4, 6, 8, requires_grad=True); k = torch.randn(1, 4, 6, 8); v = torch.randn(1, 2, 6, 16); "
+             "out = diff_attention(q, k, v, torch.tensor(0.5), backend='cpu_fused'); out.sum().backward(); "
+             "print(type(out.grad_fn).__name__, q.grad is not None, 'torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, has_grad, dynamo = done.stdout.split()
+    assert "cpu_fused_forward" in name and has_grad == "True"
+    assert dynamo == "False", "the first eager training call imported torch._dynamo"
+
 
 def test_eager_training_runs_the_operator_and_its_one_formula():
     assert not hasattr(cpu_fused, "CpuFusedTraining") and not hasattr(cpu_fused, "_NotFinite")

@@ -140,6 +140,34 @@ def test_mismatched_shapes_and_missing_weights_are_named():
         from_hf(case["state_dict"], config=dict(case["config"], num_hidden_layers=1))  # layer 1 left over
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.complex64])
+def test_a_weight_that_loading_would_cast_is_refused_by_name(dtype):
+    """The state-dict path too (the folder path reads safetensors): a bool, integer or complex weight was cast to
+    float32 without a word before from_hf shared from_llama's checks."""
+    case = golden.load("hf/llama3_gqa_untied")
+    sd = dict(case["state_dict"])
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(dtype)
+    with pytest.raises(TypeError, match=rf"from_hf\(\): 'model.norm.weight' is {dtype}.*floating-point"):
+        from_hf(sd, config=case["config"])
+
+
+def test_a_model_built_on_the_meta_device_is_refused():
+    case = golden.load("hf/llama3_gqa_untied")
+    with torch.device("meta"), pytest.raises(ValueError, match="meta device"):
+        from_hf(case["state_dict"], config=case["config"])
+
+
+def test_from_hf_and_from_llama_load_through_one_mapping():
+    """One home for transformers' names and the RoPE row order (training/hf_weights.py): both loaders give the same
+    model for a Llama checkpoint that both accept."""
+    case = golden.load("hf/llama3_gqa_untied")
+    config = dict(case["config"], rope_scaling=None, rope_parameters=None)  # from_llama: RoPE 'default' only
+    from diffattn_tutorial.interop import from_llama
+    a, b = from_hf(case["state_dict"], config=config), from_llama(case["state_dict"], config=config)
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+
+
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "phi", "phi3", None])
 def test_another_family_is_refused_by_name(family):
     config = dict(golden.load("hf/mistral_mha")["config"], model_type=family)

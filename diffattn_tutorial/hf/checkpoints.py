@@ -29,7 +29,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from diffattn_tutorial.layers.rope import LLAMA3_KEYS, interleaved_to_half_split
+from diffattn_tutorial.layers.rope import LLAMA3_KEYS
+from diffattn_tutorial.training.hf_weights import CheckpointError, load_weights
 
 Tensor = torch.Tensor
 
@@ -45,24 +46,6 @@ _DEFAULTS: dict[str, Any] = {
     "sliding_window": None, "use_sliding_window": False, "layer_types": None}
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 4096 * 32}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-BLOCK_NAMES: dict[str, str] = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
-    "self_attn.q_proj.weight": "attn.q_proj.weight", "self_attn.k_proj.weight": "attn.k_proj.weight",
-    "self_attn.v_proj.weight": "attn.v_proj.weight", "self_attn.o_proj.weight": "attn.out_proj.weight",
-    "self_attn.q_proj.bias": "attn.q_proj.bias", "self_attn.k_proj.bias": "attn.k_proj.bias",
-    "self_attn.v_proj.bias": "attn.v_proj.bias",
-    "mlp.gate_proj.weight": "mlp.gate.weight", "mlp.up_proj.weight": "mlp.up.weight",
-    "mlp.down_proj.weight": "mlp.down.weight"}
-"""A decoder layer's parameter names (under ``model.layers.{i}.``) in all three families -> a TinyLM block's."""
-
-TOP_NAMES: dict[str, str] = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-                             "lm_head.weight": "head.weight"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded or saved exactly; the message names what and the fix."""
-
 
 # ---------------------------------------------------------------- safetensors files (the maintained package)
 def read_safetensors(path: Union[str, os.PathLike]) -> dict[str, Tensor]:
@@ -196,62 +179,6 @@ def hf_lm_config(config: Any, *, max_len: Optional[int] = None):
 
 
 # ---------------------------------------------------------------- weights
-def half_split_to_interleaved(t: Tensor, head_dim: int) -> Tensor:
-    """Rows of a q/k projection's weight (or bias) in Llama's half-split RoPE layout, reordered per head into
-    TinyLM's interleaved one (the inverse of :func:`~diffattn_tutorial.layers.rope.interleaved_to_half_split`)."""
-    one = interleaved_to_half_split(torch.arange(head_dim)[:, None], head_dim)[:, 0]
-    return t.unflatten(0, (-1, head_dim))[:, torch.argsort(one)].flatten(0, 1)
-
-
-def _tinylm_state(sd: dict[str, Tensor], cfg, tied: bool) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """transformers' names -> TinyLM's, q/k rows reordered; returns the mapped tensors and ours -> theirs."""
-    if tied and "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    out, names = {}, {}
-    for theirs, ours in TOP_NAMES.items():
-        if theirs in sd:
-            out[ours], names[ours] = sd.pop(theirs), theirs
-    for i in range(cfg.n_layers):
-        for theirs, ours in BLOCK_NAMES.items():
-            key = f"model.layers.{i}.{theirs}"
-            if key in sd:
-                t = sd.pop(key)
-                if theirs.startswith(("self_attn.q_proj", "self_attn.k_proj")) and t.shape[0] % cfg.head_dim == 0:
-                    t = half_split_to_interleaved(t, cfg.head_dim)
-                out[f"blocks.{i}.{ours}"], names[f"blocks.{i}.{ours}"] = t, key
-    return out, names
-
-
-def _their_name(ours: str) -> str:
-    """transformers' name of TinyLM parameter ``ours`` (``blocks.1.attn.k_proj.weight`` ->
-    ``model.layers.1.self_attn.k_proj.weight``)."""
-    top = {v: k for k, v in TOP_NAMES.items()}
-    if ours in top:
-        return top[ours]
-    _, i, rest = ours.split(".", 2)
-    return f"model.layers.{i}.{ {v: k for k, v in BLOCK_NAMES.items()}.get(rest, rest)}"
-
-
-def load_weights(model, state_dict: Mapping[str, Tensor], *, tied: bool):
-    """Load transformers-named weights into a baseline ``model`` (TinyLM), as float32; every missing, unexpected or
-    misshapen tensor named (by transformers' name) before anything is loaded."""
-    sd = {k: v.detach().to(torch.float32) for k, v in state_dict.items()
-          if not k.endswith("rotary_emb.inv_freq")}  # a buffer some older checkpoints carry
-    out, names = _tinylm_state(sd, model.cfg, tied)
-    own = model.state_dict()
-    missing = sorted(_their_name(k) for k in own if k not in out)
-    if sd or missing:
-        raise CheckpointError(f"the checkpoint's weights do not match its config: missing {missing}, unexpected "
-                              f"{sorted(sd)} (num_hidden_layers, tie_word_embeddings and the family must be the "
-                              f"checkpoint's own)")
-    wrong = [f"{names[k]}: checkpoint {tuple(out[k].shape)}, config {tuple(v.shape)}"
-             for k, v in own.items() if out[k].shape != v.shape]
-    if wrong:
-        raise CheckpointError(f"the checkpoint's weights have other shapes than its config says: {'; '.join(wrong)}")
-    model.load_state_dict(out)
-    return model.eval()
-
-
 def from_hf(source: Any, *, config: Any = None, max_len: Optional[int] = None):
     """A baseline :class:`~diffattn_tutorial.training.model.TinyLM` computing what a Llama, Qwen2 or Mistral
     checkpoint computes (see the module doc), float32 whatever the checkpoint's dtype.
@@ -279,5 +206,4 @@ def from_hf(source: Any, *, config: Any = None, max_len: Optional[int] = None):
     return load_weights(TinyLM(cfg), state_dict, tied=tied)
 
 
-__all__ = ["FAMILIES", "ROPE_TYPES", "BLOCK_NAMES", "TOP_NAMES", "CheckpointError", "read_safetensors",
-           "write_safetensors", "read_folder", "hf_lm_config", "half_split_to_interleaved", "load_weights", "from_hf"]
+__all__ = ["FAMILIES", "ROPE_TYPES", "read_safetensors", "write_safetensors", "read_folder", "hf_lm_config", "from_hf"]

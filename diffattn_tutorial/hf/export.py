@@ -34,10 +34,11 @@ from typing import Any, Union
 import torch
 
 from diffattn_tutorial import functional
-from diffattn_tutorial.hf.checkpoints import BLOCK_NAMES, TOP_NAMES, CheckpointError, write_safetensors
+from diffattn_tutorial.hf.checkpoints import write_safetensors
 from diffattn_tutorial.layers import rope as rope_mod
 from diffattn_tutorial.layers.attention import DiffAttnV2, MultiheadAttention, MultiheadDiffAttn
 from diffattn_tutorial.layers.rope import interleaved_to_half_split
+from diffattn_tutorial.training.hf_weights import BLOCK_NAMES, TOP_NAMES, CheckpointError
 
 Tensor = torch.Tensor
 

@@ -125,3 +125,11 @@ def interleaved_to_half_split(w: Tensor, head_dim: int, dim: int = 0) -> Tensor:
     n_heads = w.shape[dim] // head_dim
     perm = (perm_one[None, :] + head_dim * torch.arange(n_heads, device=w.device)[:, None]).flatten()
     return w.index_select(dim, perm)
+
+
+def half_split_to_interleaved(w: Tensor, head_dim: int) -> Tensor:
+    """The inverse of :func:`interleaved_to_half_split` along rows: a Llama-family q/k projection's rows (or bias),
+    half-split RoPE, reordered per head so interleaved RoPE rotates the same pairs (the scores ``q.k`` are sums
+    over the same pairs)."""
+    one = interleaved_to_half_split(torch.arange(head_dim)[:, None], head_dim)[:, 0]  # (d,) where each row went
+    return w.unflatten(0, (-1, head_dim))[:, torch.argsort(one)].flatten(0, 1)  # (H*d, ...) -> (H, d, ...) -> back

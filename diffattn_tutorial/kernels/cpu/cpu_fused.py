@@ -13,8 +13,8 @@ flash attention does, keeping no N x N tensor.
 The threads are those of torch's OpenMP pool where the process has that one OpenMP runtime (:func:`kernel_threads`):
 its threads keep spinning for a while after each of torch's parallel calls, so threads of the kernel's own would
 share the cores with them.
-The calls are the torch operators :data:`OP_NAME` and :data:`BACKWARD_OP_NAME` (``torch.library.custom_op``, with
-``register_autograd`` and fake implementations that check their inputs as the operators do), so
+The calls are the torch operators :data:`OP_NAME` and :data:`BACKWARD_OP_NAME` (``torch.library.define`` and
+``impl``, with ``register_autograd`` and fake implementations that check their inputs as the operators do), so
 ``torch.compile(fullgraph=True)`` trains through them. The library
 is built, cached and loaded by :mod:`diffattn_tutorial.kernels.cpu.build` and checked against the naive
 formula before it is used (:mod:`~diffattn_tutorial.kernels.cpu.selfcheck`); where any step fails,
@@ -233,14 +233,25 @@ NO_TRANSFORMS = ("the fused CPU kernel has no forward-mode derivative and does n
 """What the operators say under ``torch.func`` transforms and forward-mode AD."""
 
 
+_LIBRARY = torch.library.Library("diffattn", "FRAGMENT")
+
+
+def _operator(name: str, kernel):
+    """Defines ``diffattn::<name>`` with ``kernel``'s signature as its schema and ``kernel`` as its CPU
+    implementation; returns the operator. (``torch.library.custom_op`` does the same, but its wrapper imports
+    ``torch._dynamo`` on the operator's first call: a second or more of every new process's first training step.)"""
+    torch.library.define(f"diffattn::{name}", torch.library.infer_schema(kernel, mutates_args=()), lib=_LIBRARY)
+    torch.library.impl(f"diffattn::{name}", "cpu", kernel, lib=_LIBRARY)
+    return getattr(torch.ops.diffattn, name).default
+
+
 OP_NAME = "diffattn::cpu_fused_forward"
 """The kernel as a torch operator: ``torch.ops.diffattn.cpu_fused_forward(q, k, v, lam, attn_mask, causal, scale,
 keep_maps=False, scan=False)`` gives ``(out, maps, nonfinite)``; one node in a ``torch.compile`` graph (its fake
 implementation gives the outputs' shapes and dtypes)."""
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=(), device_types="cpu")
-def cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
+def _cpu_fused_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
                       scale: float, keep_maps: bool = False, scan: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The fused forward on CPU tensors, as :func:`fused_diff_attention` describes. ``out``: a new
     ``(B, H, Nq, 2d)`` tensor in q's dtype, contiguous, or, where q is a projection's ``(B, Nq, 2H, d)`` output
@@ -267,7 +278,10 @@ def _forward_checked(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Op
     return out, maps, torch.tensor(nonfinite, device=q.device)  # on q's device, whatever the default device
 
 
-@cpu_fused_forward.register_fake
+cpu_fused_forward = _operator("cpu_fused_forward", _cpu_fused_forward)
+
+
+@torch.library.register_fake(OP_NAME, lib=_LIBRARY)
 def _(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool, scale: float,
       keep_maps: bool = False, scan: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     check_operator_inputs(q, k, v, lam, attn_mask)
@@ -283,8 +297,7 @@ BACKWARD_OP_NAME = "diffattn::cpu_fused_backward"
 attn_mask, causal, scale, maps=None)`` gives ``(dq, dk, dv, dlam)``, dlam per row ``(B, H, Nq)`` in float32."""
 
 
-@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=(), device_types="cpu")
-def cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
+def _cpu_fused_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
                        causal: bool, scale: float,
                        maps: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`cpu_fused_forward`'s output ``grad_out``: dq, dk, dv in q's dtype, laid out as
@@ -307,7 +320,10 @@ def _like(grad: Tensor, t: Tensor) -> Tensor:
     return like.copy_(grad)
 
 
-@cpu_fused_backward.register_fake
+cpu_fused_backward = _operator("cpu_fused_backward", _cpu_fused_backward)
+
+
+@torch.library.register_fake(BACKWARD_OP_NAME, lib=_LIBRARY)
 def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
       scale: float, maps: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_operator_inputs(q, k, v, lam, attn_mask, grad_out)
@@ -355,7 +371,7 @@ def _ordered_sum_to(t: Tensor, shape: torch.Size) -> Tensor:
     return t.reshape(shape)
 
 
-cpu_fused_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+torch.library.register_autograd(OP_NAME, _autograd_backward, setup_context=_setup_context, lib=_LIBRARY)
 
 
 def _no_second_derivative(ctx, *grads) -> tuple:
@@ -364,7 +380,8 @@ def _no_second_derivative(ctx, *grads) -> tuple:
                        "which backend='sdpa_padded' reaches, has none either)")
 
 
-cpu_fused_backward.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
+torch.library.register_autograd(BACKWARD_OP_NAME, _no_second_derivative,
+                                setup_context=lambda ctx, inputs, output: None, lib=_LIBRARY)
 
 
 def _refuse_layout(q, k, v, lam, attn_mask, *rest):
@@ -381,7 +398,6 @@ def _refuse_transforms(*args, **kwargs):
     raise RuntimeError(NO_TRANSFORMS)
 
 
-_LIBRARY = torch.library.Library("diffattn", "FRAGMENT")
 for _key in ("SparseCPU", "SparseCsrCPU"):  # a sparse argument reaches the check, not a dispatch error
     _LIBRARY.impl("cpu_fused_forward", _refuse_layout, _key)
     _LIBRARY.impl("cpu_fused_backward", _refuse_layout_backward, _key)
@@ -407,8 +423,7 @@ def fused_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, attn_m
     Where there is something to differentiate, and while ``torch.compile`` traces, it runs the operator
     :data:`OP_NAME` (one node in a compiled graph), its autograd formula the one for eager and compiled runs; eager
     training keeps the forward's maps for the backward where they are small (:data:`MAPS_KEPT_BYTES`). Eager
-    inference runs the operator's body without the dispatcher (no autograd node to make; the operator's first call
-    imports ``torch._dynamo``, about a second in every new process).
+    inference runs the operator's body without the dispatcher (no autograd node to make).
 
     ``scan=True`` (eager calls; ignored while ``torch.compile`` traces): the kernel also scans q, k and v for NaN
     and infinities as it reads them, and the call returns None where it finds one (``diff_attention`` then takes its
