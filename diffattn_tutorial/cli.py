@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 import platform
 import signal
 import sys
@@ -180,10 +181,23 @@ def check(args: argparse.Namespace) -> int:
     from diffattn_tutorial.course.scorecard import check_notebook
 
     with _noting_ctrl_c() as interrupted:
-        code = check_notebook(args.notebook, timeout=args.timeout)
+        try:
+            code = check_notebook(args.notebook, timeout=args.timeout)
+        finally:
+            if interrupted:
+                _quiet_runner_teardown()
     if interrupted:
         raise KeyboardInterrupt
     return code
+
+
+def _quiet_runner_teardown() -> None:
+    """After a Ctrl-C the notebook runner has stopped its kernel, but its own teardown can then fail and print
+    tracebacks as the process exits (an event-loop task whose ``DeadKernelError`` nobody read, an exit handler that
+    finds no kernel manager): noise after the one line that says the command stopped. The process is ending, so the
+    asyncio logger and the hook for errors Python can only print (``sys.unraisablehook``) are silenced."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+    sys.unraisablehook = lambda unraisable: None
 
 
 @contextlib.contextmanager

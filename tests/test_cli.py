@@ -201,3 +201,15 @@ def test_doctor_reports_an_unwritable_cache_folder_and_still_runs(tmp_path, caps
     monkeypatch.setenv("DIFFATTN_CACHE", str(tmp_path / "cache"))
     assert main(["doctor"]) == 0
     assert f"cache: {tmp_path / 'cache'} (writable" in capsys.readouterr().out
+
+
+def test_a_ctrl_c_leaves_one_line_not_the_runners_teardown_tracebacks():
+    """``check`` interrupted: the notebook runner's teardown could print an unread task exception and a failing exit
+    handler after "stopped (Ctrl-C)" (seen once in a whole-suite run); the command silences both once interrupted."""
+    from forked import run_module
+
+    loud = run_module("children.cli_quiet_teardown", timeout=120)
+    assert loud.returncode == 0 and loud.stdout.strip() == "done", loud.stderr
+    assert "Task exception was never retrieved" in loud.stderr and "Exception ignored in atexit callback" in loud.stderr
+    quiet = run_module("children.cli_quiet_teardown", ["quiet"], timeout=120)
+    assert quiet.returncode == 0 and quiet.stdout.strip() == "done" and quiet.stderr == "", quiet.stderr
