@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -89,23 +90,29 @@ def _has_triton() -> bool:
         return False
 
 
-# Notebook 07 trains the three study models (the longest work of the suite) and starts first; test_experiments.py,
-# which checks the same three runs through the same cache, comes with the slow modules, after the notebooks, when
-# they are cached. (Started side by side, the two met on the middle model: one trained it while the other waited.)
+# Notebook 07 trains the three study models (the longest work of the suite) and starts first. What reads those runs
+# from the same cache (a lock per run) comes after the other notebooks, when they are cached: the notebooks that call
+# retrieval_study (10, 14) last among the notebooks, test_experiments.py with the slow modules. (Started side by side
+# with notebook 07, test_experiments met it on the middle model and one waited; notebook 10 waited 75 s for its lock.)
 TRAINS_FIRST = "notebooks/07_experiments.ipynb"
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_the_study(path: Path) -> bool:
+    return "retrieval_study(" in path.read_text(encoding="utf-8", errors="replace")
 
 
 def _run_order(item) -> int:
     """Longest first, so that no long notebook is left for the end with one worker busy and the other idle: the
-    notebook that trains, the course notebooks, the modules with slow tests, then the rest (xdist's own order, most
-    items first, starts the notebooks last)."""
+    notebook that trains, the other course notebooks (those that read its runs last), the modules with slow tests,
+    then the rest (xdist's own order, most items first, starts the notebooks last)."""
     where = Path(str(item.fspath)).resolve()
     path = where.relative_to(ROOT).as_posix() if ROOT in where.parents else where.as_posix()
     if path == TRAINS_FIRST:
         return 0
     if path.startswith("notebooks/"):
-        return 1
-    return 2 if item.get_closest_marker("slow") else 3
+        return 2 if where.is_file() and _reads_the_study(where) else 1
+    return 3 if item.get_closest_marker("slow") else 4
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -116,7 +123,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     saying why."""
     rank: dict[str, int] = {}
     for item in items:  # a file's rank is its lowest item's: its items stay together
-        rank[str(item.fspath)] = min(rank.get(str(item.fspath), 3), _run_order(item))
+        rank[str(item.fspath)] = min(rank.get(str(item.fspath), 4), _run_order(item))
     items.sort(key=lambda item: rank[str(item.fspath)])
     in_order = pytest.mark.random_order(disabled=True)
     for item in items:

@@ -29,16 +29,18 @@ def _item(path, slow=False):
 def test_the_training_notebook_then_notebooks_then_slow_modules_then_the_rest():
     conftest = _root_conftest()
     items = [_item("tests/test_NAME_a.py"), _item("tests/test_NAME_b.py"), _item("tests/test_NAME_b.py", slow=True),
-             _item("notebooks/NN_c.ipynb"), _item("tests/test_experiments.py", slow=True), _item("solutions/NN_x.ipynb"),
+             _item("notebooks/10_diff_v2.ipynb"), _item("notebooks/NN_c.ipynb"),
+             _item("tests/test_experiments.py", slow=True), _item("solutions/NN_x.ipynb"),
              _item("notebooks/07_experiments.ipynb"), _item("notebooks/NN_a.ipynb")]
     conftest.pytest_collection_modifyitems(SimpleNamespace(), items)
     assert [i.nodeid for i in items] == [
         "notebooks/07_experiments.ipynb",  # trains the three study models
         "notebooks/NN_c.ipynb", "notebooks/NN_a.ipynb",  # the course notebooks, in their collected order
+        "notebooks/10_diff_v2.ipynb",  # reads notebook 07's runs from the cache
         "tests/test_NAME_b.py", "tests/test_NAME_b.py",  # a module with a slow test: all of its items, in order
         "tests/test_experiments.py",  # the same three runs, cached by then
         "tests/test_NAME_a.py", "solutions/NN_x.ipynb"]
-    assert items[3].slow is False and items[4].slow is True
+    assert items[4].slow is False and items[5].slow is True
 
 
 def test_the_notebook_and_the_test_train_the_same_runs_through_one_cache():
