@@ -119,6 +119,7 @@ def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
     model, _ = _model()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep")
+    (tmp_path / "out" / "config.json").write_text("{}")  # a checkpoint folder: only such is replaced
     with pytest.raises(FileExistsError, match="overwrite=True"):
         save_hf(model, tmp_path / "out")
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"

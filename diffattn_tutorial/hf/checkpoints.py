@@ -78,10 +78,14 @@ def read_folder(folder: Union[str, os.PathLike]) -> tuple[dict[str, Any], dict[s
                                 f"name is not downloaded here: fetch it with huggingface_hub.snapshot_download)")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} has no config.json: pass the folder save_pretrained wrote")
-    config = json.loads((folder / "config.json").read_text())
+    config = _read_json(folder / "config.json")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' (name -> shard file): write it again with "
+                                  f"save_pretrained, or remove it to read every *.safetensors in the folder")
+        files = sorted({folder / f for f in weight_map.values()})
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -93,9 +97,28 @@ def read_folder(folder: Union[str, os.PathLike]) -> tuple[dict[str, Any], dict[s
     if missing:
         raise CheckpointError(f"{folder}: the index lists shard(s) {missing} that are not there")
     state_dict: dict[str, Tensor] = {}
+    seen: dict[str, str] = {}
     for f in files:
-        state_dict.update(read_safetensors(f))
+        tensors = read_safetensors(f)
+        twice = sorted(set(tensors) & set(seen))
+        if twice:  # a stale file or an overlapping shard: which copy counts is not ours to guess
+            raise CheckpointError(f"{folder}: {twice[0]} (and {len(twice) - 1} more) is in both {seen[twice[0]]} "
+                                  f"and {f.name}: keep one checkpoint's files in the folder")
+        seen.update(dict.fromkeys(tensors, f.name))
+        state_dict.update(tensors)
     return config, state_dict
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict, or an error naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}): write it again with save_pretrained") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a JSON object: write it again with "
+                              f"save_pretrained")
+    return data
 
 
 # ---------------------------------------------------------------- config
@@ -161,6 +184,13 @@ def hf_lm_config(config: Any, *, max_len: Optional[int] = None):
     heads, width = c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
     max_len = c["max_position_embeddings"] if max_len is None else max_len
     window = _window(c, family)
+    if c["num_key_value_heads"] is not None and (isinstance(c["num_key_value_heads"], bool)
+                                                 or not isinstance(c["num_key_value_heads"], int)
+                                                 or c["num_key_value_heads"] < 1):
+        raise CheckpointError(f"num_key_value_heads must be a whole number >= 1 or None, got "
+                              f"{c['num_key_value_heads']!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"sliding_window must be a whole number >= 1 or None, got {window!r}")
     problems = [what for what, bad in [
         (f"hidden_act={c['hidden_act']!r} (SwiGLU uses 'silu')", c["hidden_act"] != "silu"),
         ("attention_bias=True (a bias on o_proj too)", family == "llama" and c["attention_bias"]),

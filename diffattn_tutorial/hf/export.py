@@ -308,14 +308,28 @@ def _check_model(model) -> None:
                               "conversion (heads='split') or DIFF V2")
 
 
+def _check_target(folder: Path, overwrite: object) -> None:
+    """``folder`` may be written: new, or with ``overwrite=True`` (a bool: ``"no"`` is truthy) a checkpoint folder
+    (``config.json``) or an empty one; a file or a folder of other things is never deleted whole."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    if not folder.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{folder} exists: pass overwrite=True to replace it, or another folder")
+    if not folder.is_dir() or not ((folder / "config.json").is_file() or not any(folder.iterdir())):
+        raise FileExistsError(f"{folder} is not a checkpoint folder (no config.json), and overwrite=True replaces "
+                              f"the whole folder: pass a new folder (e.g. {folder / 'checkpoint'}) or remove it yourself")
+
+
 def save_hf(model, folder: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
     """Write ``model`` (a TinyLM) as a transformers checkpoint folder (``config.json``, the weights in one safetensors file, and
     for DIFF V2 its modelling file); see the module doc for what each attention kind becomes and what is refused.
-    Nothing is written unless all of it can be; an existing ``folder`` is replaced only with ``overwrite=True``."""
+    Nothing is written unless all of it can be; an existing ``folder`` is replaced only with ``overwrite=True`` and only if it is a checkpoint folder
+    (``config.json``) or empty."""
     _check_model(model)
     folder = Path(folder)
-    if folder.exists() and not overwrite:
-        raise FileExistsError(f"{folder} exists: pass overwrite=True to replace it, or another folder")
+    _check_target(folder, overwrite)
     config, tensors, files = _WRITERS[model.cfg.attention][1](model)  # every refusal happens here, before writing
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))

@@ -1,0 +1,89 @@
+"""Red-team round five (issue 48's last item): faults found trying this round's changed entry points with bad and
+edge-case input. Each test reproduces a fault before its fix."""
+
+import json
+
+import pytest
+import torch
+
+from diffattn_tutorial.hf import CheckpointError, from_hf, hf_lm_config, read_folder, save_hf
+from diffattn_tutorial.hf.checkpoints import write_safetensors
+from diffattn_tutorial.training.hf_weights import their_name
+from diffattn_tutorial.training.model import LMConfig, TinyLM
+
+CONFIG = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+
+
+def _hf_state() -> dict:
+    torch.manual_seed(0)
+    return {their_name(k): v.clone() for k, v in TinyLM(hf_lm_config(CONFIG)).state_dict().items()}
+
+
+def _tiny() -> TinyLM:
+    return TinyLM(LMConfig(vocab_size=32, attention="baseline", d_model=16, n_layers=1, n_heads=2, max_len=16))
+
+
+def test_save_hf_overwrite_must_be_a_bool_not_a_truthy_string(tmp_path):
+    # Was: overwrite="no" is truthy, so the existing folder (and whatever the user kept in it) was replaced.
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        save_hf(_tiny(), folder, overwrite="no")
+    assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_save_hf_overwrite_refuses_a_folder_that_is_no_checkpoint(tmp_path):
+    # Was: save_hf(model, folder, overwrite=True) deleted a folder of anything (a project, a runs folder) whole.
+    (tmp_path / "train.py").write_text("print('my work')")
+    with pytest.raises(FileExistsError, match="not a checkpoint folder"):
+        save_hf(_tiny(), tmp_path, overwrite=True)
+    assert (tmp_path / "train.py").is_file()
+    target = tmp_path / "ckpt"
+    save_hf(_tiny(), target)
+    save_hf(_tiny(), target, overwrite=True)  # a checkpoint folder (config.json) is still replaced
+    assert (target / "config.json").is_file()
+
+
+def test_save_hf_overwrite_refuses_a_file(tmp_path):
+    (tmp_path / "model.bin").write_text("weights")
+    with pytest.raises(FileExistsError, match="not a checkpoint folder"):
+        save_hf(_tiny(), tmp_path / "model.bin", overwrite=True)
+    assert (tmp_path / "model.bin").read_text() == "weights"
+
+
+def test_read_folder_refuses_a_weight_found_in_two_files(tmp_path):
+    # Was: a stale second *.safetensors (or a shard holding another's names) silently overwrote weights, by file
+    # name order: the model loaded was some mix of the two.
+    sd = _hf_state()
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    write_safetensors(sd, tmp_path / "model.safetensors")
+    write_safetensors({k: v + 1 for k, v in sd.items()}, tmp_path / "model_v2.safetensors")
+    with pytest.raises(CheckpointError, match="is in both model.safetensors and model_v2.safetensors"):
+        read_folder(tmp_path)
+
+
+def test_read_folder_names_a_broken_json_file(tmp_path):
+    # Was: json's bare "Expecting value: line 1 column 1" (or KeyError 'weight_map'), naming no file.
+    write_safetensors(_hf_state(), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{bad json")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        read_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(CheckpointError, match="config.json .*object"):
+        read_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="index.json has no 'weight_map'"):
+        read_folder(tmp_path)
+
+
+def test_hf_lm_config_refuses_zero_kv_heads_and_a_window_that_is_no_number():
+    # Was: num_key_value_heads=0 silently became num_attention_heads; sliding_window="4" a bare TypeError from '<'.
+    with pytest.raises(CheckpointError, match="num_key_value_heads"):
+        hf_lm_config({**CONFIG, "num_key_value_heads": 0})
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        hf_lm_config({**CONFIG, "model_type": "mistral", "sliding_window": "4"})
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        hf_lm_config({**CONFIG, "model_type": "mistral", "sliding_window": 0})
