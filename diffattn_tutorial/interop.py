@@ -499,12 +499,15 @@ def llama_lm_config(config: Any = None, **kwargs) -> dict[str, Any]:
     scaling = cfg.pop("rope_scaling") or {}
     cfg["rope_theta"] = rope.get("rope_theta", cfg["rope_theta"])
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    cfg["num_key_value_heads"] = cfg["num_key_value_heads"] or cfg["num_attention_heads"]
-    if isinstance(cfg["num_key_value_heads"], bool) or not isinstance(cfg["num_key_value_heads"], int):
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"] if cfg["num_key_value_heads"] is None \
+        else cfg["num_key_value_heads"]
+    if isinstance(cfg["num_key_value_heads"], bool) or not isinstance(cfg["num_key_value_heads"], int) \
+            or cfg["num_key_value_heads"] < 1:
         raise ValueError(f"num_key_value_heads must be a whole number >= 1, got {cfg['num_key_value_heads']!r}")
     width = cfg["hidden_size"] // cfg["num_attention_heads"]
     problems = [what for what, bad in [
-        (f"RoPE type {rope_type!r} (only 'default')", rope_type != "default"),
+        (f"RoPE type {rope_type!r} (only 'default' here; diffattn_tutorial.hf.from_hf loads 'llama3')",
+         rope_type != "default"),
         (f"hidden_act={cfg['hidden_act']!r} (SwiGLU uses 'silu')", cfg["hidden_act"] != "silu"),
         ("attention_bias=True", cfg["attention_bias"]), ("mlp_bias=True", cfg["mlp_bias"]),
         (f"pretraining_tp={cfg['pretraining_tp']}", cfg["pretraining_tp"] != 1),

@@ -87,3 +87,29 @@ def test_hf_lm_config_refuses_zero_kv_heads_and_a_window_that_is_no_number():
         hf_lm_config({**CONFIG, "model_type": "mistral", "sliding_window": "4"})
     with pytest.raises(CheckpointError, match="sliding_window"):
         hf_lm_config({**CONFIG, "model_type": "mistral", "sliding_window": 0})
+
+
+def test_a_bias_the_config_has_no_place_for_is_named_by_transformers_name():
+    # Was: torch's load_state_dict error, 'Unexpected key(s) in state_dict: "blocks.0.attn.q_proj.bias"' (TinyLM's
+    # name, no fix), for a Llama-labelled checkpoint that carries q/k/v biases (a Qwen2 one).
+    from diffattn_tutorial.interop import from_llama
+
+    sd = {**_hf_state(), "model.layers.0.self_attn.q_proj.bias": torch.zeros(16)}
+    loose = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    for load in (lambda: from_hf(sd, config=CONFIG), lambda: from_llama(sd, **loose)):
+        with pytest.raises(CheckpointError, match=r"unexpected \['model.layers.0.self_attn.q_proj.bias'\]"):
+            load()
+
+
+def test_from_llama_points_a_llama3_rope_to_from_hf_and_refuses_zero_kv_heads():
+    # Was: "TinyLM has no RoPE type 'llama3'", though TinyLM has it and from_hf loads it; num_key_value_heads=0
+    # was taken as num_attention_heads.
+    from diffattn_tutorial.interop import from_llama
+
+    loose = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    with pytest.raises(ValueError, match="from_hf"):
+        from_llama(_hf_state(), config={**loose, "rope_parameters": rope})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        from_llama(_hf_state(), config={**loose, "num_key_value_heads": 0})

@@ -80,9 +80,10 @@ def load_weights(model, state_dict: Mapping[str, Tensor], *, tied: bool, loader:
     out, names = tinylm_state(sd, model.cfg.n_layers, model.cfg.head_dim, tied)
     own = model.state_dict()
     missing = sorted(their_name(k) for k in own if k not in out)
-    if sd or missing:
+    unexpected = sorted([*sd, *(names[k] for k in out if k not in own)])  # e.g. q/k/v biases a Llama has not
+    if unexpected or missing:
         raise CheckpointError(f"the checkpoint's weights do not match its config: missing {missing}, unexpected "
-                              f"{sorted(sd)} (num_hidden_layers, tie_word_embeddings and the family must be the "
+                              f"{unexpected} (num_hidden_layers, tie_word_embeddings and the family must be the "
                               f"checkpoint's own)")
     wrong = [f"{names[k]}: checkpoint {tuple(out[k].shape)}, config {tuple(v.shape)}"
              for k, v in own.items() if out[k].shape != v.shape]
