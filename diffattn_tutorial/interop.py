@@ -568,4 +568,4 @@ def from_llama(state_dict: StateDict, *, config: Any = None, **kwargs):
                   n_kv_heads=cfg["num_key_value_heads"], ffn_hidden=cfg["intermediate_size"],
                   max_len=cfg["max_position_embeddings"], rope_base=float(cfg["rope_theta"]),
                   norm_eps=float(cfg["rms_norm_eps"]))
-    return load_weights(TinyLM(lm), state_dict, tied=bool(cfg["tie_word_embeddings"]), loader="from_llama")
+    return load_weights(TinyLM(lm), state_dict, tied=cfg["tie_word_embeddings"], loader="from_llama")

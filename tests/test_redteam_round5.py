@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from diffattn_tutorial import golden
 from diffattn_tutorial.hf import CheckpointError, from_hf, hf_lm_config, read_folder, save_hf
 from diffattn_tutorial.hf.checkpoints import write_safetensors
 from diffattn_tutorial.training.hf_weights import their_name
@@ -113,3 +114,11 @@ def test_from_llama_points_a_llama3_rope_to_from_hf_and_refuses_zero_kv_heads():
         from_llama(_hf_state(), config={**loose, "rope_parameters": rope})
     with pytest.raises(ValueError, match="num_key_value_heads"):
         from_llama(_hf_state(), config={**loose, "num_key_value_heads": 0})
+
+
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_a_tie_word_embeddings_that_is_no_bool_is_refused(value):
+    """A hand-written config's "false" counted as True (the head copied from the embedding where lm_head is absent)."""
+    case = golden.load("hf/llama3_gqa_untied")
+    with pytest.raises(CheckpointError, match=rf"tie_word_embeddings must be true or false, got {value!r}"):
+        from_hf(case["state_dict"], config=dict(case["config"], tie_word_embeddings=value))

@@ -232,7 +232,7 @@ def from_hf(source: Any, *, config: Any = None, max_len: Optional[int] = None):
         raise TypeError(f"source must be a transformers model, a checkpoint folder or a state_dict, got "
                         f"{type(source).__name__}")
     cfg = hf_lm_config(config, max_len=max_len)
-    tied = bool(_config_dict(config).get("tie_word_embeddings", False))
+    tied = _config_dict(config).get("tie_word_embeddings", False)
     return load_weights(TinyLM(cfg), state_dict, tied=tied)
 
 

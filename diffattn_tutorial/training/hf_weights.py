@@ -73,6 +73,8 @@ def load_weights(model, state_dict: Mapping[str, Tensor], *, tied: bool, loader:
     """Load transformers-named weights into a baseline ``model`` (TinyLM), as float32, and return it in eval mode;
     refuses by name, before anything is loaded: an entry that is no floating-point dense tensor, a model built on the
     meta device, and every missing, unexpected or misshapen tensor (by transformers' name)."""
+    if not isinstance(tied, bool):  # a config written by hand: "false" would count as True
+        raise CheckpointError(f"{loader}(): tie_word_embeddings must be true or false, got {tied!r}")
     check_state_dict(state_dict, loader)
     check_not_meta(model, loader)
     sd = {k: v.detach().to(torch.float32) for k, v in state_dict.items()
