@@ -52,14 +52,15 @@ def fix_fully_masked(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional
 
     Returns ``(mask, valid)`` where ``valid`` is a bool ``(..., Nq, 1)`` tensor (None if every row
     has at least one key it may attend to). In an additive mask, ``-inf`` and entries ``<= finfo(dtype).min``
-    (how Hugging Face models fill theirs) both mean masked, so a row of them is fully masked in every backend.
+    (how Hugging Face models fill theirs) both mean masked, so a row of them is fully masked in every backend. A NaN
+    entry is not masked: a row of NaN reads a NaN (a NaN row, as the fused kernels give it), not a masked row.
     """
     if mask is None:
         return None, None
     if mask.dtype == torch.bool:
         valid = mask.any(-1, keepdim=True)
     else:
-        valid = (mask > torch.finfo(mask.dtype).min).any(-1, keepdim=True)
+        valid = ~(mask <= torch.finfo(mask.dtype).min).all(-1, keepdim=True)  # a NaN row is not masked: NaN out
     may_branch = not (torch.compiler.is_compiling() or under_torch_func())  # compiled, vmapped: always fix
     if may_branch and bool(valid.all()):
         return mask, None

@@ -122,3 +122,25 @@ def test_a_tie_word_embeddings_that_is_no_bool_is_refused(value):
     case = golden.load("hf/llama3_gqa_untied")
     with pytest.raises(CheckpointError, match=rf"tie_word_embeddings must be true or false, got {value!r}"):
         from_hf(case["state_dict"], config=dict(case["config"], tie_word_embeddings=value))
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunked", "sdpa_padded", "cpu_fused", "auto"])
+def test_a_mask_row_of_nan_gives_a_nan_row_not_a_masked_one(backend):
+    """A row of an additive mask that is all NaN passed for fully masked (zeros) on every backend, while one NaN entry
+    gave NaN: the max skips NaN, and ``mask > finfo.min`` is False for NaN. Now that row reads a NaN: NaN output and
+    gradient rows, on every backend alike; a row of -inf stays fully masked (zeros)."""
+    from diffattn_tutorial.functional import backend_status, diff_attention
+
+    if not backend_status("cpu")[backend][0]:
+        pytest.skip(backend_status("cpu")[backend][1])
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 6, 32, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 6, 64, generator=g, requires_grad=True)
+    mask = torch.zeros(1, 1, 6, 6)
+    mask[..., 2, :], mask[..., 4, :] = float("nan"), float("-inf")
+    out = diff_attention(q, k, v, 0.5, attn_mask=mask, backend=backend)
+    out.sum().backward()
+    nan_rows = [r for r in range(6) if torch.isnan(out[0, :, r]).all()]
+    zero_rows = [r for r in range(6) if (out[0, :, r] == 0).all()]
+    assert (nan_rows, zero_rows) == ([2], [4])
+    assert [r for r in range(6) if torch.isnan(q.grad[0, :, r]).any()] == [2]

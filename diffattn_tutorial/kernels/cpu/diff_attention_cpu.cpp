@@ -241,7 +241,8 @@ inline void out_tail(int n, const float* p, int ldp, int j0, int j1, const float
 
 // One row of scores: add the mask row (key stride 0 or 1), replace s[j] by exp2((s[j] - max) * exp_scale)
 // (exp_scale = LOG2E: e^(s[j] - max)) for the nvis visible keys and by 0 up to npad. Returns the row sum;
-// 0 when every visible score is -inf (the caller then writes a zero row).
+// 0 when every visible score is -inf (the caller then writes a zero row); NaN, with the row NaN, when no score is
+// above -inf but one is NaN (a mask row of NaN: the max skips NaN, and the row must not pass for fully masked).
 inline float softmax_numerators(float* s, int nvis, int npad, const float* mask, long mask_key_stride,
                                 float exp_scale, float* row_max = nullptr) {
   const int nv = nvis / VL * VL;
@@ -256,7 +257,14 @@ inline float softmax_numerators(float* s, int nvis, int npad, const float* mask,
   float m = hmax(mv);
   for (int j = nv; j < nvis; ++j) m = s[j] > m ? s[j] : m;
   if (row_max) *row_max = m;
-  if (m == -INFINITY) return 0.0f;
+  if (m == -INFINITY) {
+    for (int j = 0; j < nvis; ++j)
+      if (std::isnan(s[j])) {
+        for (int i = 0; i < npad; ++i) s[i] = NAN;
+        return NAN;
+      }
+    return 0.0f;
+  }
   mv = splat(m);
   const vec es = splat(exp_scale);
   vec sum = {};
