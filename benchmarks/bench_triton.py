@@ -76,6 +76,22 @@ def _peak_mib(call: Callable[[], Tensor], device: torch.device) -> Optional[floa
     return cuda_peak_extra(call) / 2**20 if device.type == "cuda" else None
 
 
+def attention(impl: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -> Tensor:
+    """``diff_attention`` with backend ``impl``; ``triton_atomic``: the Triton kernel with the atomic twin of the
+    plan it would use (``configs.ATOMIC_TWINS``: dQ added by the dK programs; chosen by name only, so called
+    through ``triton_diff_attention``). Head dims whose plan has no twin (d <= 32: fused) are refused."""
+    if impl != "triton_atomic":
+        return diff_attention(q, k, v, lam, causal=causal, backend=impl)
+    from diffattn_tutorial.kernels.triton import launch
+    from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
+    from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
+
+    plan = plan_for(max(16, 1 << (q.shape[-1] - 1).bit_length()), launch.capability(q.device)).name
+    if plan not in ATOMIC_TWINS:
+        raise ValueError(f"plan {plan!r} (d = {q.shape[-1]}) has no atomic twin; triton_atomic runs d = 33 to 128")
+    return triton_diff_attention(q, k, v, lam, causal=causal, plan=ATOMIC_TWINS[plan])
+
+
 def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, device: torch.device, reps: int):
     """``(ms, peak_extra_mib, output, status)`` of one implementation under one SDPA backend on ``inputs``."""
     q, k, v, lam = inputs
@@ -86,7 +102,7 @@ def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, 
             warnings.simplefilter("always")
             if mode == "fwd":
                 with torch.inference_mode():
-                    call = lambda: diff_attention(q, k, v, lam, causal=causal, backend=impl)  # noqa: E731
+                    call = lambda: attention(impl, q, k, v, lam, causal)  # noqa: E731
                     out = call()  # the first triton call autotunes
                     ms = median_seconds(call, device, reps=reps) * 1e3
                     peak = _peak_mib(call, device)
@@ -98,7 +114,7 @@ def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, 
                 def call() -> Tensor:
                     for t in leaves:
                         t.grad = None
-                    o = diff_attention(*leaves, causal=causal, backend=impl)
+                    o = attention(impl, *leaves, causal)
                     o.backward(grad)
                     return o
 
@@ -111,7 +127,7 @@ def measure(impl: str, backend: str, mode: str, causal: bool, inputs: tuple, *, 
     except Exception as e:  # noqa: BLE001 - a refusing or failing implementation is a result, not a crash
         if backend != "default" and impl in SDPA_FORMULATIONS and is_refusal(e):
             return None, None, None, refusal(e, caught, limit=240)
-        if impl == "triton" and isinstance(e, (TypeError, ValueError)):  # what the kernel does not run on this GPU
+        if impl.startswith("triton") and isinstance(e, (TypeError, ValueError)):  # what the kernel does not run on this GPU
             return None, None, None, f"refused: {str(e)[:240]}"  # (training at d = 128 on a T4), naming the fix
         return None, None, None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     finally:
@@ -126,7 +142,7 @@ def impl_list(args: argparse.Namespace) -> list[tuple[str, str]]:
         if impl in SDPA_FORMULATIONS:
             pairs += [(impl, b) for b in args.backends]
         else:
-            pairs.append((impl, "triton" if impl == "triton" else "none"))
+            pairs.append((impl, "triton" if impl.startswith("triton") else "none"))
     return pairs
 
 
@@ -164,7 +180,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                     ref = outs.get((sdpa[0]["impl"], sdpa[0]["backend"])) if sdpa else None
                     for r in group:
                         r["best_sdpa"] = r is best
-                        if best is not None and r["impl"] == "triton" and r["ms"] is not None:
+                        if best is not None and r["impl"].startswith("triton") and r["ms"] is not None:
                             r["speedup_vs_best_sdpa"] = best["ms"] / r["ms"]
                         if ref is not None and (r["impl"], r["backend"]) in outs:
                             err = outs[(r["impl"], r["backend"])].float() - ref.float()
@@ -206,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     ap.add_argument("--impls", type=lambda s: s.split(","), default=["triton", *SDPA_FORMULATIONS, "naive"],
-                    help="comma-separated, from triton,sdpa_wide,sdpa_split,sdpa_stacked,naive")
+                    help="comma-separated, from triton,triton_atomic,sdpa_wide,sdpa_split,sdpa_stacked,naive "
+                         "(triton_atomic: the atomic twin of the kernel's plan, d = 33 to 128)")
     ap.add_argument("--backends", nargs="+", default=None, choices=list(SDPA_BACKENDS),
                     help="SDPA backends, each selected explicitly (default: flash cudnn efficient on CUDA, "
                          "default on a CPU)")
@@ -224,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(str(e)) from None
     args.backends = args.backends or (["flash", "cudnn", "efficient"] if args.device.startswith("cuda")
                                       else ["default"])
-    known = ("triton", *SDPA_FORMULATIONS, "naive")
+    known = ("triton", "triton_atomic", *SDPA_FORMULATIONS, "naive")
     bad = [i for i in args.impls if i not in known]
     if bad:
         raise SystemExit(f"unknown implementations {bad}; choose from {known}")

@@ -19,17 +19,19 @@ default ones and the machine's start fit 15 minutes of device time, :data:`DEVIC
    fwd+bwd, with the new sm_90a tables: the kernel through ``diff_attention`` against every SDPA formulation under
    the flash, cuDNN and efficient backends, each selected explicitly (a backend the GPU lacks is recorded as
    refused); time and peak memory;
-3. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
+3. ``atomic``: the same benchmark, fwd+bwd at d = 64 and 128, the kernel with its default plan beside the atomic
+   twin (``configs.ATOMIC_TWINS``: dQ added by the dK programs with float32 atomics), into the session file;
+4. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
    forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs);
-4. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
+5. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
    (``DIFFATTN_TRITON_AUTOTUNE=0``) and every buffer poisoned with NaN: the CPU suite's cases compiled (every
    plan, masks, finfo.min masks, fused-qkv slices, NaN), B * H > 65535, a mask past 2**31 elements; and
    ``tests/test_triton_layouts.py``, forward and backward on every input layout;
-5. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
+6. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
    norm-relative error, for masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
-6. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
-7. ``sdpa`` (only when named): ``benchmarks/bench_sdpa.py`` (notebook 08's table);
-8. ``compile`` (only when named; it needs no GPU): ``python -m diffattn_tutorial.kernels.triton.aot --all`` with
+7. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
+8. ``sdpa`` (only when named): ``benchmarks/bench_sdpa.py`` (notebook 08's table);
+9. ``compile`` (only when named; it needs no GPU): ``python -m diffattn_tutorial.kernels.triton.aot --all`` with
    the Triton installed there (registers can differ between versions).
 
 Each step writes ``session_<step>.json`` (command, exit code, seconds, device, versions, date, the log's tail)
@@ -76,6 +78,10 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
     "bench128": ("bench_triton at d = 128 with the new sm_90a table (N = 8192; 4096 below 40 GiB)", 1,
                  ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
                   "{out}/results_triton_part_d128.json"]),
+    "atomic": ("the backward's atomic plans (dQ added by the dK programs) beside the default plans, fwd+bwd at "
+               "d = 64 and 128, side by side in one run (no SDPA: bench64/bench128 have it)", 1,
+               ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "128", "--modes", "fwd_bwd",
+                "--impls", "triton,triton_atomic", "--out", "{out}/results_triton_atomic.json"]),
     "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 2,
               ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
     "tests": ("GPU tests: the CPU suite's cases compiled (the scan and the careful launch too), every input "
@@ -212,6 +218,8 @@ def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
     for d in dirs:
         for p in Path(d).glob("probe_triton.json"):
             session["probe"] = json.loads(p.read_text())
+        for p in Path(d).glob("results_triton_atomic.json"):  # the atomic plans beside the default ones
+            session["atomic_plans"] = json.loads(p.read_text())
         for p in Path(d).glob("compile_facts_gpu_machine.json"):
             facts = json.loads(p.read_text())
             session["compile_facts_gpu_machine"] = {"recorded": facts["recorded"], "problems": _problems(facts)}

@@ -28,8 +28,9 @@ def test_steps_fit_the_limits(capsys):
     default = [session.STEPS[name][1] for name in session.DEFAULT_STEPS]
     assert session.START_MINUTES + sum(default) <= session.DEVICE_MINUTES == 15  # start included (issue 51)
     assert all(minutes < 9 for _, minutes, _ in session.STEPS.values())
-    # in order of value: the new tables' bench at d = 64 and 128 first, then the probe; the optional ones last
-    assert session.DEFAULT_STEPS[:3] == ["bench64", "bench128", "probe"]
+    # in order of value: the new tables' bench at d = 64 and 128 first, the backward's atomic plans beside them,
+    # then the probe; the optional ones last
+    assert session.DEFAULT_STEPS[:4] == ["bench64", "bench128", "atomic", "probe"]
     assert list(session.STEPS)[-len(session.OPTIONAL_STEPS):] == list(session.OPTIONAL_STEPS)
     assert listed.index("bench64") < listed.index("bench128") < listed.index("probe") < listed.index("tests")
 
@@ -67,12 +68,14 @@ def test_collect_merges_steps_into_results(tmp_path):
     (steps / "compile_facts_gpu_machine.json").write_text(json.dumps(facts))
     probe = {"ceilings": {"copy_gb_per_s": 4300.0}, "forward": [{"d": 64, "status": "ok"}], "ncu": {}}
     (steps / "probe_triton.json").write_text(json.dumps(probe))
+    atomic = {**_part(64), "rows": [{"impl": "triton_atomic", "mode": "fwd_bwd", "d": 64, "ms": 1.0}]}
+    (steps / "results_triton_atomic.json").write_text(json.dumps(atomic))  # not a part of bench_triton's file
     dest = tmp_path / "dest"
     dest.mkdir()
     out = session.collect([steps], dest=dest)
     assert set(out["steps"]) == {"tests", "bench64", "bench128"}
     assert len(out["compile_facts_gpu_machine"]["problems"]) == 1
-    assert out["probe"] == probe
+    assert out["probe"] == probe and out["atomic_plans"] == atomic
     merged = json.loads((dest / "bench_triton_nvidia-h100-80gb-hbm3.json").read_text())
     assert merged["config"]["head_dims"] == [64, 128] and len(merged["rows"]) == 16
     assert [g["met"]["fwd_speedup_vs_best_sdpa"] for g in out["goals"]] == [True, True]

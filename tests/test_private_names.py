@@ -22,12 +22,11 @@ ALLOWED = {
         KERNELS_OUT_OF_SCOPE + " (read as source text for the cache key, so a rename changes every key)",
     ("kernels.triton.decode", "kernels.triton.flash_kernels", "_dot"): KERNELS_OUT_OF_SCOPE,
     ("kernels.triton.decode", "kernels.triton.flash_kernels", "_online_softmax_step"): KERNELS_OUT_OF_SCOPE,
-    ("kernels.triton.flash_diff", "kernels.triton.configs", "_form"):
-        KERNELS_OUT_OF_SCOPE + " (configs already exports it as form)",
     ("kernels.triton.flash_diff", "kernels.triton.flash_kernels", "_key_tile_bounds"): KERNELS_OUT_OF_SCOPE,
     **{("kernels.triton.flash_diff", "kernels.triton.flash_kernels", name):
        "a Triton kernel's name is its identity in the recorded compile facts, autotune tables and GPU sessions"
-       for name in ("_diff_attn_fwd", "_diff_attn_bwd_preprocess", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq")},
+       for name in ("_diff_attn_fwd", "_diff_attn_bwd_preprocess", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq",
+                    "_diff_attn_bwd_dq")},
 }
 
 

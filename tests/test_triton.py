@@ -247,10 +247,12 @@ PLAN_CASES = [  # B, H, Hkv, Nq, Nk, d, causal, lambda, mask
 ]
 
 
-@pytest.mark.parametrize("plan", ["fused", "split_kv", "split"])
+@pytest.mark.parametrize("plan", ["fused", "split_kv", "split", "split_kv_atomic", "split_atomic"])
 @pytest.mark.parametrize("B,H,Hkv,Nq,Nk,d,causal,lam_kind,mask_kind", PLAN_CASES)
 def test_both_plans_match_naive(plan, B, H, Hkv, Nq, Nk, d, causal, lam_kind, mask_kind):
-    """Every plan gives naive's answer: fused (d <= 32), dV and dK apart (d = 64), one map per program (d = 128)."""
+    """Every plan gives naive's answer: fused (d <= 32), dV and dK apart (d = 64), one map per program (d = 128),
+    and the atomic twins of the last two (dQ added by the dK programs: every key tile adds to the same dQ rows,
+    so GQA, a causal Nq > Nk and ragged tiles are where a lost or doubled share would show)."""
     q, k, v, lam = make(B, H, Hkv, Nq, Nk, d, lam_kind=lam_kind, seed=Nq * Nk)
     mask = None
     if mask_kind == "bool":
@@ -354,7 +356,7 @@ def test_every_launch_has_autotune_configs_for_its_variant(capability):
                 out = triton_diff_attention(q, k, v, torch.tensor(0.5, dtype=dtype))
                 if grad:
                     out.sum().backward()
-            names = [(x.name, tc_configs._form(x.name, x.consts)) for x in launches]
+            names = [(x.name, tc_configs.form(x.name, x.consts)) for x in launches]
             # each forward launch is followed by its careful launch (a no-op on finite inputs)
             if capability >= 90:  # fwd, pre, dkdv, dq; dkdv -> dv, dk; 2 fwd, 2 dk, 2 dq
                 expected = {16: 5, 32: 5, 64: 6, 128: 10}[d]
@@ -548,6 +550,22 @@ def test_an_upstream_gradient_with_rows_far_apart_is_copied_not_refused():
         triton_backward(dout, q, k, v, lam, None, out, o2, lse, flag, False, 0.25, [], "fused", [True, True, True])
     strides = {launch.args["stride_gm"] for launch in launches if "stride_gm" in launch.args}
     assert strides == {32}, strides
+
+
+@pytest.mark.parametrize("plan", ["split_kv_atomic", "split_atomic"])
+def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan):
+    """The atomic twins launch the forward, the preprocess, dV, then dK with dQ (``_diff_attn_bwd_dkdq``): no dQ
+    launch recomputes the scores. A call that read a NaN still gives NaN gradients, every one: the forward's flag
+    reaches every dS through delta, so every dQ share the dK programs add is NaN."""
+    q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
+    with capture_launches() as launches:
+        triton_diff_attention(*(t.requires_grad_() for t in (q, k, v, lam)), plan=plan).sum().backward()
+    names = [x.name for x in launches]
+    assert "_diff_attn_bwd_dq" not in names and names.count("_diff_attn_bwd_dkdq") == (1 if plan == "split_kv_atomic" else 2)
+    q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
+    q[0, 0, 3, 5] = float("nan")
+    _, grads = run_plan(plan, q, k, v, lam, torch.ones(1, 2, 20, 32, device=DEVICE))
+    assert all(g.isnan().all() for g in grads), [g.isnan().float().mean().item() for g in grads]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A :class:`Plan` splits the work of one attention call into launches: which maps 
 computes (the flags of :mod:`~diffattn_tutorial.kernels.triton.flags`). Fewer maps per program means fewer float32
 accumulators in registers, at the price of a second launch; :func:`plan_for` picks the plan by padded head dim and
 compute capability. Each variant (a *form*: ``fused``/``map`` forward, ``dkdv``/``dv``/``dk``/``dk_map``,
-``dq``/``dq_map``, see :func:`_form`) has a short list of configurations per head dim, one table per architecture
+``dkdq``/``dkdq_map``, ``dq``/``dq_map``, see :func:`form`) has a short list of configurations per head dim, one table per architecture
 (``_CONFIGS_16BIT`` Hopper, ``_CONFIGS_AMPERE`` sm_80/86/89, ``_CONFIGS_TURING`` sm_75, ``_CONFIGS_FP32``); the first
 entry is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins, the others are what the autotuner may pick. Every entry is
 checked by :mod:`~diffattn_tutorial.kernels.triton.aot` to compile for its targets without register spills, within
@@ -36,6 +36,7 @@ class Plan:
     fwd_maps: tuple[int, ...]  # forward launches in order, each its MAPS flag (map 2 before map 1: it stores o2)
     kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches, each (DV_OUT, DK_MAPS)
     dq_maps: tuple[int, ...]  # dQ launches, each its DQ_MAPS flag
+    kq_maps: tuple[int, ...] = ()  # dK launches that also add dQ by float32 atomics, each its DK_MAPS flag
 
 
 PLANS = {
@@ -45,7 +46,14 @@ PLANS = {
     "split_kv": Plan("split_kv", (MAPS_BOTH,), ((True, MAPS_NONE), (False, MAPS_BOTH)), (MAPS_BOTH,)),
     # d = 128: one map per forward and dQ program, dV and each map's dK apart
     "split": Plan("split", (MAPS_2, MAPS_1), ((True, MAPS_NONE), (False, MAPS_1), (False, MAPS_2)), (MAPS_1, MAPS_2)),
+    # the atomic twins of the last two (FlashAttention-2's backward, kernels/triton/HOPPER.md): the dK programs add
+    # dQ from the dS tiles they hold with float32 atomics, so no dQ launch recomputes the scores and dP. Chosen by
+    # name only (plan="split_kv_atomic" / "split_atomic") until a GPU session records that they win
+    "split_kv_atomic": Plan("split_kv_atomic", (MAPS_BOTH,), ((True, MAPS_NONE),), (), (MAPS_BOTH,)),
+    "split_atomic": Plan("split_atomic", (MAPS_2, MAPS_1), ((True, MAPS_NONE),), (), (MAPS_1, MAPS_2)),
 }
+ATOMIC_TWINS = {"split_kv": "split_kv_atomic", "split": "split_atomic"}
+"""Each plan with a dQ launch that has an atomic twin: the same forward and dV launches, dQ added by the dK ones."""
 
 
 def plan_for(block_d: int, capability: int = 90) -> Plan:
@@ -97,6 +105,12 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_bwd_dkdv", "dk_map"): {
         128: [_cfg(32, 128, 8, 3)],
     },
+    ("_diff_attn_bwd_dkdq", "dkdq"): {  # the dk shapes (unmeasured: the atomic plans wait for a GPU session)
+        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+    },
+    ("_diff_attn_bwd_dkdq", "dkdq_map"): {
+        128: [_cfg(32, 128, 8, 3)],
+    },
     ("_diff_attn_bwd_dq", "dq"): {
         16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         32: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
@@ -122,7 +136,9 @@ MEASURED_SPILLS: dict[tuple[str, str, int, str], str] = {
 _FP32_FWD, _FP32_KV, _FP32_Q = [_cfg(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
 _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     **{("_diff_attn_fwd", form): {d: _FP32_FWD for d in (16, 32, 64, 128)} for form in ("fused", "map")},
-    **{("_diff_attn_bwd_dkdv", form): {d: _FP32_KV for d in (16, 32, 64, 128)} for form in ("dkdv", "dv", "dk", "dk_map")},
+    **{(kernel, form): {d: _FP32_KV for d in (16, 32, 64, 128)} for kernel, form in (
+        ("_diff_attn_bwd_dkdv", "dkdv"), ("_diff_attn_bwd_dkdv", "dv"), ("_diff_attn_bwd_dkdv", "dk"),
+        ("_diff_attn_bwd_dkdv", "dk_map"), ("_diff_attn_bwd_dkdq", "dkdq"), ("_diff_attn_bwd_dkdq", "dkdq_map"))},
     **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq", "dq_map")},
 }
 # Ampere and Ada (sm_80, sm_86, sm_89: mma.sync, both operands in registers): one map per program at every head
@@ -187,7 +203,8 @@ AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "spl
 def form(name: str, consts: dict) -> str:
     """A short name for the kernel variant the constexprs select (the autotune lists are per variant): ``fused``
     (forward, both maps) or ``map`` (one map); ``dkdv`` (dV and both maps' dK), ``dv``, ``dk`` (both maps) or
-    ``dk_map`` (one map); ``dq`` (both maps) or ``dq_map`` (one map); ``pre`` (the backward's preprocess)."""
+    ``dk_map`` (one map); ``dkdq`` (both maps' dK and dQ by atomics) or ``dkdq_map`` (one map); ``dq`` (both maps)
+    or ``dq_map`` (one map); ``pre`` (the backward's preprocess)."""
     if name == "_diff_attn_fwd":
         return "fused" if consts["MAPS"] == MAPS_BOTH else "map"
     if name == "_diff_attn_bwd_dkdv":
@@ -195,6 +212,8 @@ def form(name: str, consts: dict) -> str:
         if dk == MAPS_NONE:
             return "dv"
         return ("dkdv" if dv else "dk") if dk == MAPS_BOTH else "dk_map"
+    if name == "_diff_attn_bwd_dkdq":
+        return "dkdq" if consts["DK_MAPS"] == MAPS_BOTH else "dkdq_map"
     if name == "_diff_attn_bwd_dq":
         return "dq" if consts["DQ_MAPS"] == MAPS_BOTH else "dq_map"
     return "pre"
@@ -210,7 +229,7 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
         table = _CONFIGS_FP32
     else:
         table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
-    by_d = table.get((name, _form(name, consts)), {})
+    by_d = table.get((name, form(name, consts)), {})
     return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
 
 
@@ -224,7 +243,5 @@ def autotune_enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV, "1") not in ("0", "", "false", "False")
 
 
-__all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
+__all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
            "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
-
-_form = form  # the name the host code has used

@@ -38,9 +38,9 @@ from diffattn_tutorial.kernels.triton import flash_kernels, launch
 from diffattn_tutorial.kernels.triton.configs import (
     MAX_HEAD_DIM,
     PLANS,
-    _form,
     autotune_configs,
     autotune_enabled,
+    form,
     plan_for,
     train_head_dim_limit,
 )
@@ -91,7 +91,8 @@ def triton_available() -> tuple[bool, str]:
 
 
 KERNELS = {"_diff_attn_fwd": flash_kernels._diff_attn_fwd, "_diff_attn_bwd_preprocess": flash_kernels._diff_attn_bwd_preprocess,
-           "_diff_attn_bwd_dkdv": flash_kernels._diff_attn_bwd_dkdv, "_diff_attn_bwd_dq": flash_kernels._diff_attn_bwd_dq}
+           "_diff_attn_bwd_dkdv": flash_kernels._diff_attn_bwd_dkdv, "_diff_attn_bwd_dkdq": flash_kernels._diff_attn_bwd_dkdq,
+           "_diff_attn_bwd_dq": flash_kernels._diff_attn_bwd_dq}
 """Every kernel the host code launches, by name (a launch names its kernel; :class:`Launch` records the name)."""
 
 _tuned: dict[tuple, object] = {}
@@ -99,7 +100,7 @@ _AUTOTUNE_KEYS = ("N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "MASK_KIND", "MASK_
 
 
 def _tuned_kernel(name: str, consts: dict, configs: list):
-    key = (name, _form(name, consts), consts.get("BLOCK_D"), tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+    key = (name, form(name, consts), consts.get("BLOCK_D"), tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
                                                                    c.num_warps, c.num_stages) for c in configs))
     if key not in _tuned:
         _tuned[key] = triton.autotune(configs, key=list(_AUTOTUNE_KEYS))(KERNELS[name])
@@ -140,9 +141,9 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
 def chosen_configs() -> dict[str, dict]:
     """What the autotuner picked so far, per kernel variant and key: ``{"fwd/fused/d64": {key: config}}``."""
     picked = {}
-    for (name, form, block_d, _), tuner in _tuned.items():
+    for (name, variant, block_d, _), tuner in _tuned.items():
         cache = getattr(tuner, "cache", {})
-        picked[f"{name}/{form}/d{block_d}"] = {str(k): str(c) for k, c in cache.items()}
+        picked[f"{name}/{variant}/d{block_d}"] = {str(k): str(c) for k, c in cache.items()}
     return picked
 
 
@@ -526,7 +527,26 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
                 dict(common, DQ=dq, **_strides(dq, "dq", "bhm")), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks),
                 interpret, q.dtype, cap)
+    if the_plan.kq_maps and (needs[0] or needs[1]):
+        _dk_and_atomic_dq(the_plan, common, consts, q, k, dq, dk, needs, blocks, interpret, cap)
     return dq, dk, dv, delta
+
+
+def _dk_and_atomic_dq(the_plan, common: dict, consts: dict, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor,
+                      needs: list[bool], blocks: list[int], interpret: bool, cap: int) -> None:
+    """An atomic plan's dK launches, which add dQ into float32 sums (zeros first: every key tile adds to them),
+    then dQ = the sums times the scale, in q's dtype (one pass over dQ). ``dk`` is empty where neither dK nor dV is
+    asked for (they come together, :func:`_wanted`): the launches write dK to a scratch buffer then."""
+    B, Nk, Hkv = q.shape[0], k.shape[2], k.shape[1] // 2
+    dq_sums = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # (B, 2H, Nq, d)
+    dk_out = dk if dk.numel() == k.numel() else _alloc(*k.shape, like=k)
+    for dk_maps in the_plan.kq_maps:
+        _launch("_diff_attn_bwd_dkdq", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
+                dict(common, DK=dk_out, DQACC=dq_sums, **_strides(dk_out, "dk", "bhn"),
+                     **_strides(dq_sums, "aq", "bhm"), Hkv=Hkv),
+                dict(consts, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap)
+    if needs[0]:
+        dq.copy_(dq_sums.mul_(common["sm_scale"]))
 
 
 @triton_backward.register_fake
