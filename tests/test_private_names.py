@@ -25,8 +25,13 @@ ALLOWED = {
     ("kernels.triton.flash_diff", "kernels.triton.flash_kernels", "_key_tile_bounds"): KERNELS_OUT_OF_SCOPE,
     **{("kernels.triton.flash_diff", "kernels.triton.flash_kernels", name):
        "a Triton kernel's name is its identity in the recorded compile facts, autotune tables and GPU sessions"
-       for name in ("_diff_attn_fwd", "_diff_attn_bwd_preprocess", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq",
-                    "_diff_attn_bwd_dq")},
+       for name in ("_diff_attn_fwd", "_diff_attn_bwd_preprocess", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dq")},
+    ("kernels.triton.flash_diff", "kernels.triton.atomic_kernels", "_diff_attn_bwd_dkdq"):
+        "a Triton kernel's name is its identity in the recorded compile facts, autotune tables and GPU sessions",
+    **{("kernels.triton.atomic_kernels", "kernels.triton.flash_kernels", name):
+       "a jit helper's name is part of every kernel's cache key (aot_keys.kernel_source_hash): renaming it "
+       "recompiles every recorded kernel" for name in ("_dot", "_load_mask_tile", "_probs_t", "_query_tile_bounds",
+                                                       "_score_grad")},
 }
 
 

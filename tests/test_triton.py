@@ -555,14 +555,21 @@ def test_an_upstream_gradient_with_rows_far_apart_is_copied_not_refused():
 @pytest.mark.parametrize("plan", ["split_kv_atomic", "split_atomic"])
 def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan):
     """The atomic twins launch the forward, the preprocess, dV, then dK with dQ (``_diff_attn_bwd_dkdq``): no dQ
-    launch recomputes the scores. A call that read a NaN still gives NaN gradients, every one: the forward's flag
-    reaches every dS through delta, so every dQ share the dK programs add is NaN."""
+    launch recomputes the scores. They refuse deterministic mode (the sums' order varies). A call that read a NaN
+    still gives NaN gradients, every one: the forward's flag reaches every dS through delta, so every dQ share the
+    dK programs add is NaN."""
     q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
     with capture_launches() as launches:
         triton_diff_attention(*(t.requires_grad_() for t in (q, k, v, lam)), plan=plan).sum().backward()
     names = [x.name for x in launches]
     assert "_diff_attn_bwd_dq" not in names and names.count("_diff_attn_bwd_dkdq") == (1 if plan == "split_kv_atomic" else 2)
     q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
+    torch.use_deterministic_algorithms(True)
+    try:  # the sums' order is the programs': refused where the caller asked for bitwise reproducible results
+        with pytest.raises(RuntimeError, match="use plan='auto'"):
+            triton_diff_attention(q, k, v, lam, plan=plan)
+    finally:
+        torch.use_deterministic_algorithms(False)
     q[0, 0, 3, 5] = float("nan")
     _, grads = run_plan(plan, q, k, v, lam, torch.ones(1, 2, 20, 32, device=DEVICE))
     assert all(g.isnan().all() for g in grads), [g.isnan().float().mean().item() for g in grads]

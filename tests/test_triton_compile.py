@@ -167,6 +167,29 @@ def test_recorded_facts_cover_every_config_and_are_current():
                     assert key in seen, key
 
 
+def test_an_unmasked_only_entry_is_offered_without_a_mask_and_never_pinned():
+    """``configs.UNMASKED_ONLY``: the d = 128 forward's 128x128 tile (too much shared memory beside a mask tile) is
+    one the autotuner may pick for a call without a mask only; with a bool or additive mask it is not offered,
+    and the pinned (first) configuration is the same for every variant."""
+    import torch
+
+    from diffattn_tutorial.kernels.triton import configs
+    from diffattn_tutorial.kernels.triton.flags import MAPS_1, MASK_ADD, MASK_BOOL, MASK_NONE
+
+    def offered(mask_kind):
+        consts = {"MAPS": MAPS_1, "BLOCK_D": 128, "MASK_KIND": mask_kind}
+        return [f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+                for c in configs.autotune_configs("_diff_attn_fwd", consts, torch.bfloat16, 90)]
+
+    assert offered(MASK_NONE) == ["128x64 w8 s2", "128x128 w8 s2"]
+    assert offered(MASK_BOOL) == offered(MASK_ADD) == ["128x64 w8 s2"]
+    tables = configs.config_tables()
+    for kernel, variant, d, label in configs.UNMASKED_ONLY:
+        listed = [f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+                  for c in tables["hopper"][(kernel, variant)][d]]
+        assert label in listed[1:], (kernel, variant, d, label, listed)
+
+
 def test_a_kernel_change_recompiles_only_that_kernel():
     """The record's cache key (``aot.fact_key``) follows each kernel's own source closure: the forward's and the
     dQ kernel's differ, a jit helper only the forward calls is in the forward's, and a configuration or target

@@ -19,7 +19,7 @@ import os
 import torch
 import triton
 
-from diffattn_tutorial.kernels.triton.flags import MAPS_1, MAPS_2, MAPS_BOTH, MAPS_NONE
+from diffattn_tutorial.kernels.triton.flags import MAPS_1, MAPS_2, MAPS_BOTH, MAPS_NONE, MASK_NONE
 
 MAX_HEAD_DIM = 128
 AUTOTUNE_ENV = "DIFFATTN_TRITON_AUTOTUNE"
@@ -48,7 +48,8 @@ PLANS = {
     "split": Plan("split", (MAPS_2, MAPS_1), ((True, MAPS_NONE), (False, MAPS_1), (False, MAPS_2)), (MAPS_1, MAPS_2)),
     # the atomic twins of the last two (FlashAttention-2's backward, kernels/triton/HOPPER.md): the dK programs add
     # dQ from the dS tiles they hold with float32 atomics, so no dQ launch recomputes the scores and dP. Chosen by
-    # name only (plan="split_kv_atomic" / "split_atomic") until a GPU session records that they win
+    # name only (plan="split_kv_atomic" / "split_atomic") until a GPU session records that they win. dQ's float32
+    # sums then depend on the order the programs run: not reproducible bit for bit (refused in deterministic mode)
     "split_kv_atomic": Plan("split_kv_atomic", (MAPS_BOTH,), ((True, MAPS_NONE),), (), (MAPS_BOTH,)),
     "split_atomic": Plan("split_atomic", (MAPS_2, MAPS_1), ((True, MAPS_NONE),), (), (MAPS_1, MAPS_2)),
 }
@@ -87,9 +88,8 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
         64: [_cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],  # 64x64 w4 s3: the H100 probe's faster shape (MEASURED_SPILLS)
     },
     ("_diff_attn_fwd", "map"): {
-        # the probe's faster 128x128 w8 s2 is left out: in the heaviest variant (causal, additive mask, per-token
-        # lambda) it needs 262144 B of shared memory, over sm_90a's 232448 (recorded/compile_facts.json, 2026-11-28)
-        128: [_cfg(128, 64, 8, 2)],
+        # the probe's faster 128x128 w8 s2 for calls without a mask only (UNMASKED_ONLY)
+        128: [_cfg(128, 64, 8, 2), _cfg(128, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dkdv"): {
         16: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
@@ -128,9 +128,22 @@ MEASURED_SPILLS: dict[tuple[str, str, int, str], str] = {
         "spills 16-36 B in the heaviest variant (causal, additive mask, per-token lambda) since the in-kernel NaN "
         "scan, none before; the only d = 128 map shape left (128x128 needs more shared memory than sm_90a has); "
         "its speed with the scan is unmeasured",
+    ("_diff_attn_fwd", "map", 128, "128x128 w8 s2"):
+        "spilled 56 B before the scan and was timed 1.25x faster than 128x64 w8 s2 on the H100 probe of 2026-11-26; "
+        "spills 100-236 B with it (sm_90a); never pinned (UNMASKED_ONLY), so the autotuner, which times both on "
+        "the GPU, takes it only where it is faster; its speed with the scan is unmeasured",
 }
 """sm_90a entries kept although they spill: ``(kernel, form, padded head dim, config) -> why``. A spill is a problem
 (:mod:`~diffattn_tutorial.kernels.triton.aot`) everywhere else; these were measured faster on a GPU with theirs."""
+UNMASKED_ONLY: dict[tuple[str, str, int, str], str] = {
+    ("_diff_attn_fwd", "map", 128, "128x128 w8 s2"):
+        "timed 1.25x faster than 128x64 w8 s2 on the H100 probe of 2026-11-26 (recorded/gpu_session_nvidia-h100-"
+        "80gb-hbm3.json, before the in-kernel NaN scan); with a mask tile beside it, the heaviest variant (causal, "
+        "additive mask, per-token lambda) needs 262144 B of shared memory, over sm_90a's 232448 "
+        "(recorded/compile_facts.json, 2026-11-28)",
+}
+"""Table entries the autotuner may pick only for calls without a mask (``MASK_KIND`` none): ``(kernel, form, padded
+head dim, config) -> why``. Never first in their list, so the pinned configuration runs every variant."""
 
 # float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only, any plan
 _FP32_FWD, _FP32_KV, _FP32_Q = [_cfg(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
@@ -229,8 +242,14 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
         table = _CONFIGS_FP32
     else:
         table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
-    by_d = table.get((name, form(name, consts)), {})
-    return list(by_d.get(consts["BLOCK_D"], [])) or [_cfg(64, 32, 4, 2)]
+    variant = form(name, consts)
+    configs = [c for c in table.get((name, variant), {}).get(consts["BLOCK_D"], [])
+               if consts.get("MASK_KIND") == MASK_NONE or (name, variant, consts["BLOCK_D"], _label(c)) not in UNMASKED_ONLY]
+    return configs or [_cfg(64, 32, 4, 2)]
+
+
+def _label(c: triton.Config) -> str:
+    return f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
 
 
 def config_tables() -> dict[str, dict[tuple[str, str], dict[int, list[triton.Config]]]]:
@@ -244,4 +263,4 @@ def autotune_enabled() -> bool:
 
 
 __all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
-           "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+           "UNMASKED_ONLY", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.kernels.triton import flash_kernels, launch
+from diffattn_tutorial.kernels.triton import atomic_kernels, flash_kernels, launch
 from diffattn_tutorial.kernels.triton.configs import (
     MAX_HEAD_DIM,
     PLANS,
@@ -91,7 +91,7 @@ def triton_available() -> tuple[bool, str]:
 
 
 KERNELS = {"_diff_attn_fwd": flash_kernels._diff_attn_fwd, "_diff_attn_bwd_preprocess": flash_kernels._diff_attn_bwd_preprocess,
-           "_diff_attn_bwd_dkdv": flash_kernels._diff_attn_bwd_dkdv, "_diff_attn_bwd_dkdq": flash_kernels._diff_attn_bwd_dkdq,
+           "_diff_attn_bwd_dkdv": flash_kernels._diff_attn_bwd_dkdv, "_diff_attn_bwd_dkdq": atomic_kernels._diff_attn_bwd_dkdq,
            "_diff_attn_bwd_dq": flash_kernels._diff_attn_bwd_dq}
 """Every kernel the host code launches, by name (a launch names its kernel; :class:`Launch` records the name)."""
 
@@ -618,6 +618,10 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
                          "backend='naive' for a learned additive bias")
     if plan not in ("auto", *PLANS):
         raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
+    if PLANS.get(plan, PLANS["fused"]).kq_maps and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(f"plan={plan!r} adds dQ with atomics, in whatever order the programs run, so its dQ is not "
+                           f"reproducible bit for bit, and torch.use_deterministic_algorithms(True) is set; use "
+                           f"plan='auto' (the same result from its own dQ launch)")
     block_d = max(16, triton.next_power_of_2(d))
     cap = launch.capability(q.device)
     _check_target(q, k, v, lam, block_d, cap)
