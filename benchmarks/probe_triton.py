@@ -42,15 +42,16 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 N = 8192
-CANDIDATES: list[tuple[int, str, tuple[int, int, int, int]]] = [  # (d, plan, (BLOCK_M, BLOCK_N, warps, stages))
-    *[(64, "split_kv", c) for c in ((128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 3), (128, 64, 8, 2),
-                                    (64, 64, 4, 3))],
+CANDIDATES: list[tuple[int, str, tuple]] = [  # (d, plan, (BLOCK_M, BLOCK_N, warps, stages[, tma]))
+    *[(64, "split_kv", c) for c in ((64, 64, 4, 3), (64, 64, 4, 3, True), (128, 32, 8, 3), (128, 32, 8, 3, True),
+                                    (128, 32, 8, 4), (64, 32, 4, 3), (128, 64, 8, 2))],
     *[(64, "split", c) for c in ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3))],
-    *[(128, "split", c) for c in ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2),
-                                  (64, 64, 4, 3))],
+    *[(128, "split", c) for c in ((128, 64, 8, 2), (128, 64, 8, 2, True), (128, 128, 8, 2), (128, 128, 8, 2, True),
+                                  (128, 32, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3))],
 ]
-"""The forward shapes timed: the library's table entries (the first of each head dim is the pinned one) and
-neighbours it does not use."""
+"""The forward shapes timed: the library's table entries (the first of each head dim is the pinned one; a fifth
+``True``: the TMA twin, k and v tiles by tensor descriptor, ``configs.TMA_TWINS``), each TMA twin right after its
+pointer entry, and neighbours the tables do not use."""
 NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats")
 
 
@@ -67,13 +68,14 @@ def ceilings() -> dict:
 
 
 @contextlib.contextmanager
-def forward_config(config: tuple[int, int, int, int]):
-    """The forward launch pinned to ``config``; every other launch to its table's first entry."""
+def forward_config(config: tuple):
+    """The forward launch pinned to ``config`` (``configs.fwd_config``'s arguments); every other launch to its
+    table's first entry."""
     from diffattn_tutorial.kernels.triton import flash_diff
-    from diffattn_tutorial.kernels.triton.configs import AUTOTUNE_ENV, _cfg, autotune_configs
+    from diffattn_tutorial.kernels.triton.configs import AUTOTUNE_ENV, autotune_configs, fwd_config
 
-    def pinned(name, consts, dtype, capability=90):
-        return [_cfg(*config)] if name == "_diff_attn_fwd" else autotune_configs(name, consts, dtype, capability)
+    def pinned(name, consts, dtype, capability=90, tma=False):
+        return [fwd_config(*config)] if name == "_diff_attn_fwd" else autotune_configs(name, consts, dtype, capability)
 
     old_env, old_fn = os.environ.get(AUTOTUNE_ENV), flash_diff.autotune_configs
     os.environ[AUTOTUNE_ENV], flash_diff.autotune_configs = "0", pinned
@@ -112,7 +114,7 @@ def time_candidates(candidates: Sequence = CANDIDATES, n: int = N, device: str =
         q, k, v, lam = inputs(d, n, device, shape)
         b, h = q.shape[0], q.shape[1] // 2
         row = {"d": d, "plan": plan, "block_m": config[0], "block_n": config[1], "warps": config[2],
-               "stages": config[3], "batch": b, "heads": h, "n": n}
+               "stages": config[3], "tma": bool(config[4:5] and config[4]), "batch": b, "heads": h, "n": n}
         try:
             with torch.inference_mode():
                 if d not in reference:
@@ -188,14 +190,15 @@ def one(d: int) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| d | plan | BLOCK_M x BLOCK_N | warps | stages | ms | TFLOP/s | error vs default |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| d | plan | BLOCK_M x BLOCK_N | warps | stages | loads | ms | TFLOP/s | error vs default |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        head = (f"| {r['d']} | {r['plan']} | {r['block_m']} x {r['block_n']} | {r['warps']} | {r['stages']} | "
+                f"{'TMA' if r.get('tma') else 'pointers'} | ")
         if r["status"] == "ok":
-            lines.append(f"| {r['d']} | {r['plan']} | {r['block_m']} x {r['block_n']} | {r['warps']} | {r['stages']} | "
-                         f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['rel_err_vs_default']:.1e} |")
+            lines.append(head + f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['rel_err_vs_default']:.1e} |")
         else:
-            lines.append(f"| {r['d']} | {r['plan']} | {r['block_m']} x {r['block_n']} | {r['warps']} | {r['stages']} | "
-                         f"{r['status'][:60]} | | |")
+            lines.append(head + f"{r['status'][:60]} | | |")
     return "\n".join(lines)
 
 

@@ -156,7 +156,11 @@ def test_the_probe_pins_the_forward_only_and_refuses_a_cpu(monkeypatch, capsys):
             {"d": 64, "plan": "split", "block_m": 128, "block_n": 128, "warps": 8, "stages": 2,
              "status": "failed: OutOfResources: shared memory"}]
     text = probe.table(rows)
-    assert "| 64 | split | 128 x 64 | 8 | 2 | 5.000 | 300 | 2.0e-03 |" in text and "failed: OutOfResources" in text
+    assert "| 64 | split | 128 x 64 | 8 | 2 | pointers | 5.000 | 300 | 2.0e-03 |" in text and "failed: OutOfResources" in text
+    assert "| 128 x 64 | 8 | 2 | TMA | 4.000 |" in probe.table([{**rows[0], "tma": True, "ms": 4.0}])
+    with probe.forward_config((64, 64, 4, 3, True)):  # a TMA twin: the forward's one configuration reads by descriptor
+        [c] = flash_diff.autotune_configs("_diff_attn_fwd", consts, torch.bfloat16, 90, tma=None)
+        assert c.kwargs["TMA"] is True
     if not torch.cuda.is_available():
         assert probe.main([]) == 2 and "no CUDA GPU" in capsys.readouterr().err
 

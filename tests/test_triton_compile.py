@@ -142,6 +142,8 @@ def test_the_live_sample_compiles_as_recorded(pinned):
 
 
 def test_recorded_facts_cover_every_config_and_are_current():
+    from diffattn_tutorial.kernels.triton.configs import label
+
     assert tc.FACTS_FILE.exists(), "run: python -m diffattn_tutorial.kernels.triton.aot --all --jobs 8 --write"
     rec, facts, lessons = tc.recorded_facts()
     assert rec["schema"] == tc.SCHEMA
@@ -162,8 +164,7 @@ def test_recorded_facts_cover_every_config_and_are_current():
                 if launch.name == "_diff_attn_bwd_preprocess":
                     continue
                 for c in launch.configs:  # a careful launch has one: the pinned configuration
-                    config = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-                    key = (arch, dtype, launch.name, tc.kernel_and_form(launch.name, launch.consts)[1], d, config)
+                    key = (arch, dtype, launch.name, tc.kernel_and_form(launch.name, launch.consts)[1], d, label(c))
                     assert key in seen, key
 
 
@@ -194,9 +195,9 @@ def test_a_kernel_change_recompiles_only_that_kernel():
     """The record's cache key (``aot.fact_key``) follows each kernel's own source closure: the forward's and the
     dQ kernel's differ, a jit helper only the forward calls is in the forward's, and a configuration or target
     changes the key."""
-    from diffattn_tutorial.kernels.triton import flash_kernels as fk
+    from diffattn_tutorial.kernels.triton import dq_kernels, flash_kernels
 
-    fwd, dq = tc.kernel_source_hash(fk._diff_attn_fwd), tc.kernel_source_hash(fk._diff_attn_bwd_dq)
+    fwd, dq = tc.kernel_source_hash(flash_kernels._diff_attn_fwd), tc.kernel_source_hash(dq_kernels._diff_attn_bwd_dq)
     assert fwd != dq and len(fwd) == 16
     launch = next(x for x in tc.launches_for(tc.Case(64)) if x.name == "_diff_attn_fwd")
     c0, c1 = launch.configs[:2]
@@ -206,17 +207,36 @@ def test_a_kernel_change_recompiles_only_that_kernel():
 
 
 def test_the_record_is_small_enough_to_redo_after_a_change():
+    from diffattn_tutorial.kernels.triton.configs import shape
+
     """Issue 51: re-recording must fit 15 minutes on two cores. At about 4 CPU seconds a compile (measured here:
     39 sm_90a compiles took 140 s of user time), the record's scope must stay under 450 compiles."""
     planned = [p for a in tc.ARCHS for p in tc.plan_work(tc.record_cases(a), [a])]
     n = len(list(tc._work(planned)))
     print(n, "compiles")
     assert n <= 450, n
-    for arch in tc.ARCHS:  # each target's autotune space stays small: at most two configurations per entry
-        dtype = tc.ARCHS[arch].dtypes[0]
+    for arch in tc.ARCHS:  # each target's autotune space stays small: at most two configurations per entry, and
+        dtype = tc.ARCHS[arch].dtypes[0]  # TMA twins of those (the same tile read by tensor descriptor)
         for d in tc.HEAD_DIMS:
             for launch in tc.launches_for(tc.case_on(tc.Case(d, dtype), arch), arch=arch):
-                assert len(launch.configs) <= 2, (arch, launch.name, d, launch.configs)
+                pointers = [shape(c) for c in launch.configs if not c.kwargs.get("TMA")]
+                twins = [shape(c) for c in launch.configs if c.kwargs.get("TMA")]
+                assert len(pointers) <= 2 and set(twins) <= set(pointers), (arch, launch.name, d, launch.configs)
+
+
+def test_tma_twins_use_the_copy_engine_and_spill_no_more_than_their_pointer_entries():
+    """``configs.TMA_TWINS``: in the record, every TMA twin's PTX has the copy engine's loads
+    (``cp.async.bulk.tensor``), and in every variant it spills no more and uses no more registers than the pointer
+    entry of the same tile (why it may share that entry's ``MEASURED_SPILLS``); the pointer entries have none."""
+    _, facts, _ = tc.recorded_facts()
+    pointer = {(f.arch, f.case, f.kernel, f.form, f.shape): f for f in facts if not f.tma}
+    twins = [f for f in facts if f.tma]
+    assert {f.arch for f in twins} == {"sm_90a"} and {f.head_dim for f in twins} == {64, 128}, twins
+    assert all(not f.tma_loads for f in pointer.values())
+    for f in twins:
+        p = pointer[(f.arch, f.case, f.kernel, f.form, f.shape)]
+        assert f.tma_loads > 0, f
+        assert f.spill_stores <= p.spill_stores and f.spill_loads <= p.spill_loads and f.regs <= p.regs, (f, p)
 
 
 @needs_nvidia

@@ -158,12 +158,17 @@ def _forward_pick(tri: dict, d: int) -> Optional[dict]:
                 if ", False," in key:
                     v = dict(re.findall(r"(\w+): (\w+)", cfg))
                     return {"block_m": int(v["BLOCK_M"]), "block_n": int(v["BLOCK_N"]), "warps": int(v["num_warps"]),
-                            "stages": int(v["num_stages"])}
+                            "stages": int(v["num_stages"]), "tma": v.get("TMA") == "True"}
     return None
 
 
 def _same(a: dict, cfg: dict) -> bool:
-    return all(a.get(k) == cfg.get(k) for k in ("block_m", "block_n", "warps", "stages"))
+    return all(a.get(k) == cfg.get(k) for k in ("block_m", "block_n", "warps", "stages")) and \
+        bool(a.get("tma")) == bool(cfg.get("tma"))
+
+
+def _loads(r: dict) -> str:
+    return ", TMA loads" if r.get("tma") else ""
 
 
 def probe_sentence(slug: str, folder: Path = FOLDER) -> str:
@@ -179,7 +184,7 @@ def probe_sentence(slug: str, folder: Path = FOLDER) -> str:
         rs = [r for r in rows if r["d"] == d]
         best, pinned = min(rs, key=lambda r: r["ms"]), rs[0]
         text = (f"d = {d}: fastest {best['plan']} {best['block_m']} x {best['block_n']} ({best['warps']} warps, "
-                f"{best['stages']} stages) {best['ms']:.2f} ms, {best['tflops']:.0f} TFLOP/s; the table's first "
+                f"{best['stages']} stages{_loads(best)}) {best['ms']:.2f} ms, {best['tflops']:.0f} TFLOP/s; the table's first "
                 f"entry {pinned['block_m']} x {pinned['block_n']} {pinned['ms']:.2f} ms")
         bench = [t for t in (tri or {}).get("rows", []) if t["impl"] == "triton" and t["d"] == d and not t["causal"]
                  and t["mode"] == "fwd" and t["n"] == pinned["n"] and t.get("ms")]
@@ -187,7 +192,7 @@ def probe_sentence(slug: str, folder: Path = FOLDER) -> str:
         same = [r for r in rs if pick and _same(r, pick)]
         if bench and same:
             text += (f"; the autotuner's pick in `bench_triton` ({pick['block_m']} x {pick['block_n']}, "
-                     f"{pick['warps']} warps, {pick['stages']} stages) took {bench[0]['ms']:.2f} ms on the judged "
+                     f"{pick['warps']} warps, {pick['stages']} stages{_loads(pick)}) took {bench[0]['ms']:.2f} ms on the judged "
                      f"path and {same[0]['ms']:.2f} ms in the probe")
         elif bench:
             text += f"; the judged path's forward (`bench_triton`, the autotuner's pick) took {bench[0]['ms']:.2f} ms"

@@ -98,6 +98,7 @@ class Facts:
     num_warps: int
     num_stages: int
     pinned: bool
+    tma: bool = False  # a TMA twin (configs.TMA_TWINS): k and v tiles by tensor descriptor
     regs: Optional[int] = None
     spill_stores: Optional[int] = None
     spill_loads: Optional[int] = None
@@ -109,13 +110,18 @@ class Facts:
     wgmma_shapes: tuple = ()
     dup: float = 1.0
     p_via_smem: bool = False
+    tma_loads: int = 0  # cp.async.bulk.tensor instructions in the PTX (the copy engine's loads)
     compile_s: float = 0.0
     error: str = ""
     key: str = ""  # fact_key: the kernel's own source, its constexprs and arguments, the configuration, the target
 
     @property
-    def config(self) -> str:
+    def shape(self) -> str:
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+    @property
+    def config(self) -> str:
+        return self.shape + (" tma" if self.tma else "")
 
     @property
     def spills_allowed(self) -> bool:
@@ -125,7 +131,7 @@ class Facts:
 
         base = self.form.split("/")[0]
         return self.form.endswith("/careful") or (
-            self.arch == "sm_90a" and (self.kernel, base, self.head_dim, self.config) in MEASURED_SPILLS)
+            self.arch == "sm_90a" and (self.kernel, base, self.head_dim, self.shape) in MEASURED_SPILLS)
 
     def problems(self) -> list[str]:
         """Why this compile would fail on the GPU or run slowly there; empty if none."""
@@ -142,6 +148,8 @@ class Facts:
                        f"{arch.regs_per_block}")
         if 80 <= arch.capability < 90 and self.dtype != "float32" and self.dots and not self.mma_sync:
             out.append("16-bit dots not on tensor cores (no mma.sync: FMA loops)")
+        if self.tma and not self.tma_loads:
+            out.append("a TMA configuration with no cp.async.bulk.tensor in its PTX (pointer loads after all)")
         if self.arch == "sm_90a" and self.dtype != "float32" and self.dots:
             few_rows = self.kernel == "_decode_partial" and self.block_m < 64  # wgmma is m64: mma.sync then
             if few_rows and not self.mma_sync:
@@ -296,7 +304,7 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     facts = Facts(kernel=launch.name, form=form, case=case.label,
                   arch=arch, dtype=case.dtype, head_dim=launch.consts.get("BLOCK_D", 0),
                   block_m=kw.get("BLOCK_M", 0), block_n=kw.get("BLOCK_N", 0), num_warps=config.num_warps,
-                  num_stages=config.num_stages, pinned=pinned)
+                  num_stages=config.num_stages, pinned=pinned, tma=bool(kw.get("TMA")))
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -334,6 +342,7 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
     facts.shared = int(kernel.metadata.shared)
     ptx = kernel.asm["ptx"]
     facts.wgmma = ptx.count("wgmma.mma_async")
+    facts.tma_loads = ptx.count("cp.async.bulk.tensor")
     facts.mma_sync = len(re.findall(r"\bmma\.sync\b", ptx))
     facts.wgmma_shapes = tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))))
     facts.dots, facts.dup, facts.p_via_smem = analyse_ttgir(kernel.asm["ttgir"])
@@ -445,12 +454,13 @@ LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 12
 
 def lesson_facts(jobs: int = 1) -> list[Facts]:
     """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128."""
-    from diffattn_tutorial.kernels.triton.configs import _cfg
+    from diffattn_tutorial.kernels.triton.configs import config, fwd_config
 
     work = []
     for case, kernel, configs in LESSONS:
         launch = next(x for x in launches_for(case) if x.name == kernel)
-        work += [(launch, _cfg(*c), "sm_90a", case, False) for c in configs]
+        make = fwd_config if kernel == "_diff_attn_fwd" else config
+        work += [(launch, make(*c), "sm_90a", case, False) for c in configs]
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 

@@ -97,9 +97,9 @@ def _hash_jit(*modules):
 
 def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
-    from diffattn_tutorial.kernels.triton import atomic_kernels, configs, flags, flash_kernels
+    from diffattn_tutorial.kernels.triton import atomic_kernels, configs, dq_kernels, flags, flash_kernels
 
-    h = _hash_jit(flash_kernels, atomic_kernels)
+    h = _hash_jit(flash_kernels, dq_kernels, atomic_kernels)
     h.update(repr(sorted((k, getattr(flags, k)) for k in flags.__all__)).encode())  # the variant flags' values
     h.update(repr(sorted(configs.MEASURED_SPILLS)).encode())
     h.update(repr(sorted(configs.UNMASKED_ONLY)).encode())

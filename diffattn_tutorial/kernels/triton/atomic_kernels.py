@@ -1,7 +1,7 @@
 """The atomic plans' backward kernel (``configs.ATOMIC_TWINS``): dK programs that also add dQ, FlashAttention-2's way.
 
 :func:`_diff_attn_bwd_dkdq` runs where the default plans run :func:`~.flash_kernels._diff_attn_bwd_dkdv`'s dK
-launches and :func:`~.flash_kernels._diff_attn_bwd_dq`: one program per key tile of one (batch, KV group) walks
+launches and :func:`~.dq_kernels._diff_attn_bwd_dq`: one program per key tile of one (batch, KV group) walks
 the query tiles of the heads of its group, recomputes each map's probabilities from the saved log-sum-exps, and
 from the ``dS`` tile it holds adds dK (its own rows, in registers) and each query row's dQ share (float32 atomics
 into a buffer the host then scales). The dQ launch's second computation of the scores and ``dP`` is gone; the

@@ -19,7 +19,8 @@ forward kernel scans its scores and accumulators and sets a flag, and a careful 
 the flag is set recomputes, all on the device (no pass of the host's, no synchronisation). It runs the operators :data:`FORWARD_OP` and :data:`BACKWARD_OP` (one node
 under ``torch.compile``), which refuse mismatched shapes, dtypes, devices and layouts themselves
 (:func:`check_op_inputs`). On a CUDA GPU the tile sizes are autotuned over the tables of
-:mod:`~diffattn_tutorial.kernels.triton.configs`; on a CPU the kernels run in Triton's interpreter when
+:mod:`~diffattn_tutorial.kernels.triton.configs` (on Hopper also whether the forward reads k and v by tensor
+descriptor, ``configs.TMA_TWINS``, where :func:`tma_ok` holds); on a CPU the kernels run in Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before triton is first imported (exact but slow: for learning and tests).
 """
 
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from diffattn_tutorial.constants import LOG2E
-from diffattn_tutorial.kernels.triton import atomic_kernels, flash_kernels, launch
+from diffattn_tutorial.kernels.triton import atomic_kernels, dq_kernels, flash_kernels, launch
 from diffattn_tutorial.kernels.triton.configs import (
     MAX_HEAD_DIM,
     PLANS,
@@ -50,6 +51,7 @@ from diffattn_tutorial.kernels.triton.launch import (  # noqa: F401 (POISON_ENV,
     POISON_ENV,
     Launch,
     capture_launches,
+    tma_ok,
 )
 from diffattn_tutorial.kernels.triton.launch import alloc as _alloc
 from diffattn_tutorial.kernels.triton.launch import strides as _strides
@@ -92,7 +94,7 @@ def triton_available() -> tuple[bool, str]:
 
 KERNELS = {"_diff_attn_fwd": flash_kernels._diff_attn_fwd, "_diff_attn_bwd_preprocess": flash_kernels._diff_attn_bwd_preprocess,
            "_diff_attn_bwd_dkdv": flash_kernels._diff_attn_bwd_dkdv, "_diff_attn_bwd_dkdq": atomic_kernels._diff_attn_bwd_dkdq,
-           "_diff_attn_bwd_dq": flash_kernels._diff_attn_bwd_dq}
+           "_diff_attn_bwd_dq": dq_kernels._diff_attn_bwd_dq}
 """Every kernel the host code launches, by name (a launch names its kernel; :class:`Launch` records the name)."""
 
 _tuned: dict[tuple, object] = {}
@@ -101,19 +103,26 @@ _AUTOTUNE_KEYS = ("N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "MASK_KIND", "MASK_
 
 def _tuned_kernel(name: str, consts: dict, configs: list):
     key = (name, form(name, consts), consts.get("BLOCK_D"), tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
-                                                                   c.num_warps, c.num_stages) for c in configs))
+                                                                   c.kwargs.get("TMA"), c.num_warps, c.num_stages)
+                                                                  for c in configs))
     if key not in _tuned:
         _tuned[key] = triton.autotune(configs, key=list(_AUTOTUNE_KEYS))(KERNELS[name])
     return _tuned[key]
 
 
 def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool,
-            dtype: torch.dtype, capability: int) -> None:
+            dtype: torch.dtype, capability: int, tma: Optional[bool] = False) -> None:
     """Launch kernel ``name`` on a 1-D grid of ``n_programs(meta)`` programs: the interpreter's fixed
     blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
     the autotuner over :func:`autotune_configs`. The forward's careful launch (``CAREFUL``) always takes the
-    pinned configuration: it runs only where the scan found a non-finite value, so there is nothing to tune."""
-    configs = autotune_configs(name, consts, dtype, capability)
+    pinned configuration: it runs only where the scan found a non-finite value, so there is nothing to tune.
+    ``tma`` (the forward's, from :func:`_tma_choice`): which of the table's entries it may take, pointer loads
+    (``False``), tensor descriptors (``True``) or either (``None``, the autotuner's choice)."""
+    configs = autotune_configs(name, consts, dtype, capability, tma=tma)
+    if not configs and not interpret and blocks is None:  # tma=True where the table has no TMA twin
+        raise ValueError(f"tma=True: no TMA configuration in the tables for this call ({dtype}, padded head dim "
+                         f"{consts['BLOCK_D']}, compute capability {capability / 10:.1f}; configs.TMA_TWINS: sm_90a, "
+                         f"16-bit, head dims 64 and 128); pass tma=None, or blocks=(BLOCK_M, BLOCK_N)")
     if consts.get("CAREFUL"):
         configs = configs[:1]
     if launch.capturing():
@@ -125,17 +134,36 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
         return
     if interpret or blocks is not None:
         bm, bn = blocks or (INTERPRETER_BLOCK, INTERPRETER_BLOCK)
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn}
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, **({"TMA": bool(tma)} if name == "_diff_attn_fwd" else {})}
         same = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == (bm, bn)]
         opts = {} if interpret else {"num_warps": same[0].num_warps if same else 4,
                                      "num_stages": same[0].num_stages if same else 2}
-        kernel[(n_programs(meta),)](**args, **consts, **meta, **opts)
+        fn, grid, kw = kernel, (n_programs(meta),), {**meta, **opts}
     elif not autotune_enabled() or consts.get("CAREFUL"):
         c = configs[0]
-        kernel[(n_programs(c.kwargs),)](**args, **consts, **c.kwargs, num_warps=c.num_warps,
-                                        num_stages=c.num_stages)
+        fn, grid, kw = kernel, (n_programs(c.kwargs),), {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
     else:
-        _tuned_kernel(name, consts, configs)[lambda meta: (n_programs(meta),)](**args, **consts)
+        fn, grid, kw = _tuned_kernel(name, consts, configs), lambda meta: (n_programs(meta),), {}
+    # the interpreter builds its descriptors without a workspace
+    launch.call(fn[grid], workspace=tma is not False and not interpret, **args, **consts, **kw)
+
+
+def _tma_choice(tma: Optional[bool], k: Tensor, v: Tensor, capability: int, interpret: bool) -> Optional[bool]:
+    """The forward's ``tma`` for :func:`_launch` from the caller's: ``None`` (default) offers the sm_90a table's TMA
+    twins to the autotuner where :func:`tma_ok` holds, on a GPU (``False`` in the interpreter: the pinned entry);
+    ``True`` forces them and refuses, naming the fix, what they cannot read."""
+    if tma is False:
+        return False
+    if tma is None:
+        return None if capability >= 90 and not interpret and tma_ok(k, v) else False
+    if capability < 90 and not interpret:
+        raise ValueError(f"tma=True reads k and v with Hopper's copy engine (TMA), which this GPU (compute capability "
+                         f"{capability / 10:.1f}) does not have; pass tma=None")
+    if not tma_ok(k, v):
+        raise ValueError("tma=True needs k and v with 16-byte aligned base addresses and strides (the copy engine's "
+                         f"rule) and at least one key; got k strides {tuple(k.stride())}, v strides {tuple(v.stride())} "
+                         f"of {k.dtype}: pass k.contiguous() and v.contiguous(), or tma=None (pointer loads then)")
+    return True
 
 
 def chosen_configs() -> dict[str, dict]:
@@ -431,20 +459,21 @@ def _blocks(blocks: list[int]) -> Optional[tuple[int, int]]:
 
 @torch.library.custom_op(FORWARD_OP, mutates_args=())
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                   scale: float, blocks: list[int], plan: str, store_o2: bool
+                   scale: float, blocks: list[int], plan: str, store_o2: bool, tma: Optional[bool] = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward kernels on inputs :func:`triton_diff_attention` has checked: ``(out, o2, lse, flag)``, ``out``
     ``(B, H, Nq, 2d)`` in q's dtype, ``o2`` the map-2 output in float32 (``(B, H, Nq, 2d)`` when ``store_o2``, for
     the backward, else empty), ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32 and ``flag``
     ``(1,)`` int32, 1 where the kernels' scan met a NaN or an infinity (then the careful launches have made exactly
     the rows that read one NaN, and the backward makes every gradient NaN). Refuses inputs the kernels cannot read
-    safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts)."""
+    safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts). ``tma``: :func:`_tma_choice`."""
     _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
     if not launch.capturing():
         _check_mode(q.device)
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
+    tma = _tma_choice(tma, k, v, cap, interpret and not launch.capturing())  # a recording is as on a GPU
     lam4 = _lam4(lam, B, H, Nq)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     out = _alloc(B, H, Nq, 2 * d, like=q)
@@ -463,12 +492,12 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
             for maps in the_plan.fwd_maps:
                 _launch("_diff_attn_fwd", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H, args,
                         dict(consts, MAPS=maps, STORE_O2=store_o2, CAREFUL=careful), _blocks(blocks), interpret,
-                        q.dtype, cap)
+                        q.dtype, cap, tma)
     return out, (o2 if store_o2 else lse.new_empty(0)), lse, flag  # never out itself: outputs do not alias
 
 
 @triton_forward.register_fake
-def _(q, k, v, lam, attn_mask, causal, scale, blocks, plan, store_o2):
+def _(q, k, v, lam, attn_mask, causal, scale, blocks, plan, store_o2, tma=None):
     _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
     B, H2, Nq, d = q.shape
     o2 = q.new_empty(B, H2 // 2, Nq, 2 * d, dtype=torch.float32) if store_o2 else q.new_empty(0, dtype=torch.float32)
@@ -558,7 +587,7 @@ def _(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, causal, scale, blocks, 
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, lam, attn_mask, causal, scale, blocks, plan, _store_o2 = inputs
+    q, k, v, lam, attn_mask, causal, scale, blocks, plan, _store_o2, _tma = inputs
     out, o2, lse, flag = output
     ctx.save_for_backward(q, k, v, lam, attn_mask, out, o2, lse, flag)
     ctx.setup = (causal, scale, blocks, plan)
@@ -569,7 +598,7 @@ def _backward(ctx, dout, _do2, _dlse, _dflag):
     q, k, v, lam, attn_mask, out, o2, lse, flag = ctx.saved_tensors
     need = ctx.needs_input_grad
     if dout is None:  # out itself took no part in the loss
-        return (None,) * 10
+        return (None,) * 11
     dq, dk, dv, delta = triton_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, *ctx.setup,
                                         list(need[:3]))
     dlam = None
@@ -578,7 +607,7 @@ def _backward(ctx, dout, _do2, _dlse, _dflag):
         lam_shape4 = (1,) * (4 - lam.ndim) + tuple(lam.shape)
         dlam = (-delta[:, :, 1]).unsqueeze(-1).sum_to_size(lam_shape4).reshape(lam.shape).to(lam.dtype)
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dlam,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 triton_forward.register_autograd(_backward, setup_context=_save)
@@ -586,7 +615,8 @@ triton_forward.register_autograd(_backward, setup_context=_save)
 
 def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: bool = False,
                           attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-                          blocks: Optional[tuple[int, int]] = None, plan: str = "auto") -> Tensor:
+                          blocks: Optional[tuple[int, int]] = None, plan: str = "auto",
+                          tma: Optional[bool] = None) -> Tensor:
     """Differential attention with the fused Triton kernels (differentiable in ``q``, ``k``, ``v``, ``lam``).
 
     Shapes as :func:`diffattn_tutorial.functional.diff_attention` (which validates them and calls this
@@ -595,7 +625,9 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     broadcastable to ``(B, H, Nq, Nk)``. Returns ``(B, H, Nq, 2d)`` in q's dtype.
 
     ``blocks=(BLOCK_M, BLOCK_N)`` fixes the tile sizes (default: autotuned on a GPU, 16 x 16 in the
-    interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim).
+    interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim). ``tma``: how
+    the forward reads k and v on Hopper, by tensor descriptor (``True``), by pointers (``False``) or as the
+    autotuner times faster (``None``, where :func:`tma_ok` holds; pointers in the interpreter).
     Checks its inputs, then runs the operator :data:`FORWARD_OP` (its backward :data:`BACKWARD_OP`), so a call
     compiles (``torch.compile(fullgraph=True)``) as one node. Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """
@@ -632,10 +664,10 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     lam = lam.to(device=q.device, dtype=q.dtype)
     store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
     out, _o2, _lse, _flag = triton_forward(q, k, v, lam, attn_mask, bool(causal), scale, list(blocks or ()), the_plan.name,
-                                    store_o2)
+                                    store_o2, tma)
     return out
 
 
-__all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "capture_launches", "chosen_configs",
+__all__ = ["triton_available", "triton_diff_attention", "tile_schedule", "tma_ok", "capture_launches", "chosen_configs",
            "KERNELS", "Launch", "INTERPRETER_BLOCK", "POISON_ENV", "FORWARD_OP", "BACKWARD_OP", "triton_forward",
            "triton_backward"]

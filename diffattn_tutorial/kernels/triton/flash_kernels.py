@@ -6,10 +6,10 @@ of its KV group in two loops, the tiles that need no masking, then those that cr
 stream per map (:func:`_fwd_map_step`), each with its running max, sum and float32 accumulator; the epilogue
 combines ``o1 - lam o2`` and stores each map's base-2 log-sum-exp. Backward: :func:`_diff_attn_bwd_preprocess`
 computes ``delta = dO . o`` per map and row, :func:`_diff_attn_bwd_dkdv` (one program per key tile, looping over
-the query tiles and the heads of its KV group) and :func:`_diff_attn_bwd_dq` (one program per query tile) recompute
-the probabilities from the saved log-sum-exps and accumulate the gradients; nothing of size ``Nq x Nk`` is stored.
-The atomic plans replace the dQ launches with :mod:`~diffattn_tutorial.kernels.triton.atomic_kernels`, whose dK
-programs add dQ by atomics.
+the query tiles and the heads of its KV group) recomputes the probabilities from the saved log-sum-exps and
+accumulates dK and dV; dQ follows in :mod:`~diffattn_tutorial.kernels.triton.dq_kernels` (one program per query
+tile), or, in the atomic plans, from :mod:`~diffattn_tutorial.kernels.triton.atomic_kernels`, whose dK programs add
+dQ by atomics. Nothing of size ``Nq x Nk`` is stored.
 
 Contract: every kernel reads its tensors through the strides it is given and writes only its output buffers;
 which maps a launch computes (``MAPS``, ``DK_MAPS``, ``DQ_MAPS``) and what the mask holds (``MASK_KIND``) are the
@@ -174,15 +174,19 @@ def _finite(x):
 
 
 @triton.jit
-def _fwd_map_step(acc, m, l, chk, q, qbad, K, kt_off, kt_mask, v, vbad, mvals, rows, cols, Nq, Nk, qk_scale,
+def _fwd_map_step(acc, m, l, chk, q, qbad, K, start_n, kt_off, kt_mask, v, vbad, mvals, rows, cols, Nq, Nk, qk_scale,
                   EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                  CAREFUL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile of one map's stream: load its k tile (``K`` points at the tile), score it against ``q``,
-    one online-softmax step with the shared ``v`` tile. Returns the new ``(acc, m, l, chk)``. ``chk`` per row:
+                  CAREFUL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of one map's stream: load its k tile (``K`` points at the tile; ``TMA``: ``K`` is the head's
+    tensor descriptor, read at key ``start_n``), score it against ``q``, one online-softmax step with the shared
+    ``v`` tile. Returns the new ``(acc, m, l, chk)``. ``chk`` per row:
     the sum of the raw scores (non-finite once q or k held a NaN or an infinity: the scan, one add per score);
     ``CAREFUL``: k zeroed where not finite, and the count of visible entries that read a non-finite value
     (``qbad`` per row, ``vbad`` per key, k's own per key)."""
-    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
+    if TMA:  # rows past Nk and columns past the head dim arrive as 0, filled by the copy engine
+        kt = tl.trans(K.load([start_n, 0]))
+    else:
+        kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
     if CAREFUL:
         kt, k_ok = _finite(kt)  # (d, BLOCK_N)
         vbad = vbad | (tl.sum((~k_ok).to(tl.int32), 0) > 0)
@@ -204,10 +208,12 @@ def _fwd_kv_loop(acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2,  
                  start_m, lo, hi, Nq, Nk, qk_scale, stride_kn, stride_vn, stride_mm, stride_mn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                 TWO_MAPS: tl.constexpr, CAREFUL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 TWO_MAPS: tl.constexpr, CAREFUL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Key/value tiles ``[lo, hi)``. ``TWO_MAPS``: both online-softmax streams from one load of each tile
     (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal.
-    ``CAREFUL``: v zeroed where not finite (a hidden key's NaN would reach its rows through ``0 * NaN``)."""
+    ``CAREFUL``: v zeroed where not finite (a hidden key's NaN would reach its rows through ``0 * NaN``).
+    ``TMA``: ``K1``, ``K2``, ``V`` are tensor descriptors (:func:`_kv_descriptors`), not pointers."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
     offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
@@ -223,23 +229,43 @@ def _fwd_kv_loop(acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2,  
         else:
             kt_mask = d_ok[:, None]
             v_mask = dv_ok[None, :]
-        v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
+        if TMA:
+            v = V.load([start_n, 0])
+            Kt1, Kt2 = K1, K2
+        else:
+            v = tl.load(V + n64 * stride_vn + v_off, mask=v_mask, other=0.0)
+            Kt1, Kt2 = K1 + n64 * stride_kn, K2 + n64 * stride_kn
         vbad = offs_n < 0  # (BLOCK_N,) False
         if CAREFUL:
             v, v_ok = _finite(v)
             vbad = tl.sum((~v_ok).to(tl.int32), 1) > 0
         mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
                                 cols[None, :] < Nk, stride_mm, stride_mn, MASK_KIND=MASK_KIND)
-        acc1, m1, l1, chk1 = _fwd_map_step(acc1, m1, l1, chk1, q1, qbad1, K1 + n64 * stride_kn, kt_off, kt_mask, v,
+        acc1, m1, l1, chk1 = _fwd_map_step(acc1, m1, l1, chk1, q1, qbad1, Kt1, start_n, kt_off, kt_mask, v,
                                            vbad, mvals, rows, cols, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
-                                           MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, CAREFUL=CAREFUL,
+                                           MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, CAREFUL=CAREFUL, TMA=TMA,
                                            DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         if TWO_MAPS:  # map 2: the same update with its own state, the same v and mask tiles
-            acc2, m2, l2, chk2 = _fwd_map_step(acc2, m2, l2, chk2, q2, qbad2, K2 + n64 * stride_kn, kt_off, kt_mask,
+            acc2, m2, l2, chk2 = _fwd_map_step(acc2, m2, l2, chk2, q2, qbad2, Kt2, start_n, kt_off, kt_mask,
                                                v, vbad, mvals, rows, cols, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
-                                               MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, CAREFUL=CAREFUL,
+                                               MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, CAREFUL=CAREFUL, TMA=TMA,
                                                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     return acc1, m1, l1, chk1, acc2, m2, l2, chk2
+
+
+@triton.jit
+def _kv_descriptors(K1, V, stride_kh, stride_kn, stride_vn, Nk, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Tensor descriptors of one KV group's ``k1``, ``k2`` (``(Nk, d)`` each) and ``v`` (``(Nk, 2d)``), read a key
+    tile at a time by Hopper's copy engine (TMA) instead of per-thread pointer loads: no address registers, and
+    the engine fills rows past ``Nk`` and columns past the head dim with 0. The host passes them only where the
+    base and every stride but the last are multiples of 16 bytes (``flash_diff.tma_ok``)."""
+    kd1 = tl.make_tensor_descriptor(K1, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    kd2 = tl.make_tensor_descriptor(K1 + stride_kh, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1],
+                                    block_shape=[BLOCK_N, BLOCK_D])
+    vd = tl.make_tensor_descriptor(V, shape=[Nk, 2 * HEAD_DIM], strides=[stride_vn, 1],
+                                   block_shape=[BLOCK_N, 2 * BLOCK_D])
+    return kd1, kd2, vd
 
 
 @triton.jit
@@ -260,7 +286,7 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
                    MAPS: tl.constexpr, STORE_O2: tl.constexpr, CAREFUL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """One program: one query tile of one (batch, differential head), on a 1-D grid (no 65535 limit).
 
     ``MAPS == MAPS_BOTH``: both maps, output ``o1 - lam o2``. ``MAPS_2``: map 2 only, stores ``o2`` (float32) and
@@ -269,7 +295,9 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
     The scan: a program that met a NaN or an infinity (a raw score or an accumulator not finite) stores 1 in
     ``FLAG``. ``CAREFUL`` (a second launch, after every plain one): a program does nothing unless ``FLAG`` is set;
     then it computes its rows again with non-finite entries of q, k, v zeroed and makes NaN exactly the rows that
-    read one (their output and log-sum-exp): ``diff_attention``'s contract, with no pass of the host's."""
+    read one (their output and log-sum-exp): ``diff_attention``'s contract, with no pass of the host's.
+
+    ``TMA`` (a configuration's switch, sm_90a tables only): the key tiles arrive by tensor descriptor."""
     go = True
     if CAREFUL:  # the careful launch: only after the plain one found a non-finite value
         go = tl.load(FLAG) != 0
@@ -288,6 +316,10 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
         K1 = K + b64 * stride_kb + (2 * g64 + FIRST) * stride_kh
         Vg = V + b64 * stride_vb + g64 * stride_vh
         MASKm = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
+        K1s, K2s, Vs = K1, K1 + stride_kh, Vg  # where the loops read k1, k2, v: pointers, or descriptors
+        if TMA:
+            K1s, K2s, Vs = _kv_descriptors(K1, Vg, stride_kh, stride_kn, stride_vn, Nk, HEAD_DIM=HEAD_DIM,
+                                           BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -320,18 +352,18 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
         # key tiles [0, full_hi) need no masking; [full_hi, hi) cross Nk or the causal diagonal
         full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
         acc1, m1, l1, chk1, acc2, m2, l2, chk2 = _fwd_kv_loop(
-            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, Vg, MASKm, start_m, lo=0,
+            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1s, K2s, Vs, MASKm, start_m, lo=0,
             hi=full_hi, Nq=Nq, Nk=Nk,
             qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False, CAUSAL=CAUSAL,
-            MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL,
+            MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL, TMA=TMA,
             DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         acc1, m1, l1, chk1, acc2, m2, l2, chk2 = _fwd_kv_loop(
-            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1, K1 + stride_kh, Vg, MASKm, start_m,
+            acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2, K1s, K2s, Vs, MASKm, start_m,
             lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
             qk_scale=qk_scale, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm, stride_mn=stride_mn,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True, CAUSAL=CAUSAL,
-            MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL,
+            MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, TWO_MAPS=TWO_MAPS, CAREFUL=CAREFUL, TMA=TMA,
             DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
         # epilogue: normalise, combine with lambda; fully masked rows (l == 0) give 0
@@ -574,126 +606,3 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV, FLAG,
                   + offs_dv[None, :])
         dv += tl.where(tl.load(FLAG) != 0, float("nan"), 0.0)  # dK and dQ take NaN from delta (preprocess)
         tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=v_mask)
-
-
-@triton.jit
-def _dq_map_step(dq, q, K, kt_off, kt_mask, mvals, rows, cols, lse, delta, lam, dp, Nq, Nk, qk_scale,
-                 EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                 MAP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile of one map: load its k tile (``K`` points at the tile), recompute ``P = 2^(s - lse)`` from
-    the scores, ``dQ += dS k`` with ``dS`` from :func:`_score_grad` (``MAP2``: map 2's ``-lam``)."""
-    kt = tl.load(K + kt_off, mask=kt_mask, other=0.0)
-    s = _scores(q, kt, mvals, rows[:, None], cols[None, :], Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL,
-                MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-    ds = _score_grad(tl.math.exp2(s - lse[:, None]), dp, delta[:, None], lam[:, None], MAP2=MAP2)
-    return _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-
-
-@triton.jit
-def _bwd_q_loop(dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam,  # this query tile's state
-                K1, V, MASK, start_m, lo, hi, Nq, Nk, qk_scale, stride_kh, stride_kn, stride_vn, stride_mm, stride_mn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                EDGE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Key tiles ``[lo, hi)`` for one query tile: ``dQ_m += dS_m k_m`` for the maps in ``DQ_MAPS``."""
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = start_m + offs_m
-    offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                                                             HEAD_DIM=HEAD_DIM)
-    vt_off = offs_n[None, :] * stride_vn + offs_dv[:, None]
-    for start_n in range(lo, hi, BLOCK_N):
-        n64 = tl.cast(start_n, tl.int64)
-        cols = start_n + offs_n
-        col_ok = cols < Nk
-        kt_mask = d_ok[:, None] & col_ok[None, :]
-        vt = tl.load(V + n64 * stride_vn + vt_off, mask=dv_ok[:, None] & col_ok[None, :], other=0.0)  # (2d, BLOCK_N)
-        dp = _dot(do, vt, None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)  # dP = dO v^T, shared by both maps
-        mvals = _load_mask_tile(MASK + n64 * stride_mn, offs_m[:, None], offs_n[None, :], rows[:, None] < Nq,
-                                col_ok[None, :], stride_mm, stride_mn, MASK_KIND=MASK_KIND)
-        if DQ_MAPS == MAPS_1 or DQ_MAPS == MAPS_BOTH:
-            dq1 = _dq_map_step(dq1, q1, K1 + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse1, delta1, lam,
-                               dp, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
-                               MASK_MIN=MASK_MIN, MAP2=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-        if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
-            dq2 = _dq_map_step(dq2, q2, K1 + stride_kh + n64 * stride_kn, kt_off, kt_mask, mvals, rows, cols, lse2,
-                               delta2, lam, dp, Nq, Nk, qk_scale, EDGE=EDGE, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
-                               MASK_MIN=MASK_MIN, MAP2=True, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-    return dq1, dq2
-
-
-@triton.jit
-def _diff_attn_bwd_dq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DQ,
-                      stride_qb, stride_qh, stride_qm,
-                      stride_kb, stride_kh, stride_kn,
-                      stride_vb, stride_vh, stride_vn,
-                      stride_gb, stride_gh, stride_gm,
-                      stride_lb, stride_lh, stride_lm,
-                      stride_mb, stride_mh, stride_mm, stride_mn,
-                      stride_dqb, stride_dqh, stride_dqm,  # dQ's own strides (not q's)
-                      H, Nq, Nk, qk_scale, sm_scale, N_BUCKET,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                      DQ_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: one query tile of one (batch, differential head); dQ of the maps in ``DQ_MAPS`` (``MAPS_1``,
-    ``MAPS_2`` or ``MAPS_BOTH``), written with ``DQ``'s own strides."""
-    BLOCK_DV: tl.constexpr = 2 * BLOCK_D
-    n_m = tl.cdiv(Nq, BLOCK_M)
-    pid = tl.program_id(0)
-    off_bh = pid // n_m
-    start_m = (n_m - 1 - pid % n_m) * BLOCK_M
-    b64 = (off_bh // H).to(tl.int64)
-    h64 = (off_bh % H).to(tl.int64)
-    g64 = h64 // GROUP
-    m64 = start_m.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    rows = start_m + offs_m
-    row_ok = rows < Nq
-    q_off = offs_m[:, None] * stride_qm + offs_d[None, :]
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    Q1 = Q + b64 * stride_qb + (2 * h64) * stride_qh + m64 * stride_qm
-    do = tl.load(DO + b64 * stride_gb + h64 * stride_gh + m64 * stride_gm + offs_m[:, None] * stride_gm
-                 + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_DIM), other=0.0)
-    LSE = LSE + off_bh.to(tl.int64) * 2 * Nq
-    DELTA = DELTA + off_bh.to(tl.int64) * 2 * Nq
-    lam = tl.load(LAM + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, mask=row_ok, other=0.0)
-    lam = lam.to(tl.float32)
-    dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # the maps this program does not compute get placeholders (the loop never reads them)
-    q1, lse1, delta1 = do, lam, lam
-    q2, lse2, delta2 = do, lam, lam
-    if DQ_MAPS == MAPS_1 or DQ_MAPS == MAPS_BOTH:
-        q1 = tl.load(Q1 + q_off, mask=q_mask, other=0.0)
-        lse1 = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
-        delta1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
-        q2 = tl.load(Q1 + stride_qh + q_off, mask=q_mask, other=0.0)
-        lse2 = tl.load(LSE + Nq + rows, mask=row_ok, other=float("inf"))
-        delta2 = tl.load(DELTA + Nq + rows, mask=row_ok, other=0.0)
-    K1 = K + b64 * stride_kb + (2 * g64) * stride_kh
-    V = V + b64 * stride_vb + g64 * stride_vh
-    MASK = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
-
-    full_hi, hi = _key_tile_bounds(start_m, Nq, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
-    dq1, dq2 = _bwd_q_loop(
-        dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, lo=0, hi=full_hi, Nq=Nq, Nk=Nk,
-        qk_scale=qk_scale, stride_kh=stride_kh, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm,
-        stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=False,
-        CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DQ_MAPS=DQ_MAPS, DOT_PRECISION=DOT_PRECISION,
-        UPCAST=UPCAST)
-    dq1, dq2 = _bwd_q_loop(
-        dq1, dq2, q1, q2, do, lse1, lse2, delta1, delta2, lam, K1, V, MASK, start_m, lo=full_hi, hi=hi, Nq=Nq, Nk=Nk,
-        qk_scale=qk_scale, stride_kh=stride_kh, stride_kn=stride_kn, stride_vn=stride_vn, stride_mm=stride_mm,
-        stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, EDGE=True,
-        CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DQ_MAPS=DQ_MAPS, DOT_PRECISION=DOT_PRECISION,
-        UPCAST=UPCAST)
-
-    DQ1 = DQ + b64 * stride_dqb + (2 * h64) * stride_dqh + m64 * stride_dqm
-    dq_off = offs_m[:, None] * stride_dqm + offs_d[None, :]
-    if DQ_MAPS == MAPS_1 or DQ_MAPS == MAPS_BOTH:
-        tl.store(DQ1 + dq_off, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
-    if DQ_MAPS == MAPS_2 or DQ_MAPS == MAPS_BOTH:
-        tl.store(DQ1 + stride_dqh + dq_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)

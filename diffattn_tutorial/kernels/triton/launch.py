@@ -4,7 +4,8 @@
 arguments, constexprs, the configurations its autotuner may pick) instead of running them, as on a GPU of a given
 compute capability; :mod:`~diffattn_tutorial.kernels.triton.aot` compiles what it records. :func:`strides` names a
 tensor's strides as the kernels take them, :func:`alloc` makes a buffer the kernels write whole (NaN-poisoned under
-``DIFFATTN_TRITON_POISON=1``, for tests), :func:`tile_step` is the stride a tile steps in int32. The training
+``DIFFATTN_TRITON_POISON=1``, for tests), :func:`tile_step` is the stride a tile steps in int32, :func:`tma_ok` says
+whether a kernel may read a tensor by tensor descriptor and :func:`call` launches with the workspace those need. The training
 kernels' host code (:mod:`~diffattn_tutorial.kernels.triton.flash_diff`) and the decode kernels'
 (:mod:`~diffattn_tutorial.kernels.triton.decode`) both use these, and neither reaches into the other.
 """
@@ -12,9 +13,10 @@ kernels' host code (:mod:`~diffattn_tutorial.kernels.triton.flash_diff`) and the
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -124,6 +126,36 @@ def tile_offsets_fit(name: str, t: Tensor) -> bool:
     return tile_step(name, t) * MAX_TILE_ROWS < 2**31
 
 
+def descriptor_workspace(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    """Global memory for the tensor descriptors a kernel builds on the device (Triton's allocator protocol)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the caching allocator's blocks are 512-byte aligned
+
+
+def call(kernel: Callable, workspace: bool, **kwargs) -> None:
+    """``kernel(**kwargs)``; ``workspace``: the kernel may build tensor descriptors on the device
+    (``tl.make_tensor_descriptor``), for which Triton asks the allocator of ``triton.set_allocator`` for a
+    global-memory workspace at each launch. It is set in a copy of the current context (Triton keeps it in a
+    ``ContextVar``), so it holds for this launch only and whatever allocator the caller set stays as it was."""
+    if not workspace:
+        kernel(**kwargs)
+        return
+
+    def scoped() -> None:
+        import triton
+
+        triton.set_allocator(descriptor_workspace)
+        kernel(**kwargs)
+
+    contextvars.copy_context().run(scoped)
+
+
+def tma_ok(*tensors: Tensor) -> bool:
+    """Whether the forward may read these tensors (k, v) by tensor descriptor: the copy engine needs each base
+    address and every stride but the last (which is 1) to be a multiple of 16 bytes, and nothing empty."""
+    return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
+               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
 __all__ = ["POISON_ENV", "MAX_TILE_ROWS", "Launch", "capture_launches", "capturing", "record", "capability",
            "interpret_mode", "dot_precision",
-           "strides", "poison", "alloc", "tile_step", "tile_offsets_fit"]
+           "strides", "poison", "alloc", "tile_step", "tile_offsets_fit", "tma_ok", "call", "descriptor_workspace"]
