@@ -265,8 +265,8 @@ def compile_facts_block() -> str:
              f"{command}; compiled on a CPU for each target, not run on one.",
              "",
              "| target | compiles | failed | with register spills | most registers per thread | tensor-core products "
-             "| compiles with a product computed more than once |",
-             "|---|---:|---:|---:|---:|---|---:|"]
+             "| compiles with a product computed more than once | with TMA loads (`cp.async.bulk.tensor`) |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
     archs = list(dict.fromkeys(f["arch"] for f in facts))
     for arch in archs:
         rows = [f for f in facts if f["arch"] == arch]
@@ -275,8 +275,9 @@ def compile_facts_block() -> str:
         instr = Counter("wgmma" if f.get("wgmma") else "mma_sync" if f.get("mma_sync") else "none" for f in with_dots)
         instr_text = ", ".join(f"{k} in {v}" for k, v in instr.most_common()) + f" of {len(with_dots)} with products"
         dup = sum((f.get("dup") or 1) > 1 for f in rows)
+        tma = sum(bool(f.get("tma_loads")) for f in rows)
         lines.append(f"| {arch} | {len(rows)} | {sum(bool(f.get('error')) for f in rows)} | {spills} "
-                     f"| {max(f.get('regs') or 0 for f in rows)} | {instr_text} | {dup} |")
+                     f"| {max(f.get('regs') or 0 for f in rows)} | {instr_text} | {dup} | {tma} |")
     return "\n".join(lines) + "\n" + _duplicated_products(facts)
 
 
