@@ -76,15 +76,25 @@ def _peak_mib(call: Callable[[], Tensor], device: torch.device) -> Optional[floa
     return cuda_peak_extra(call) / 2**20 if device.type == "cuda" else None
 
 
+TRITON_VARIANTS = {"triton_atomic": "the atomic twin of the kernel's plan (configs.ATOMIC_TWINS), d = 33 to 128",
+                   "triton_tma": "the kernel with its TMA twins only (configs.TMA_TWINS), sm_90a, d = 64 and 128",
+                   "triton_pointers": "the kernel with pointer loads only (no TMA twin)"}
+"""The Triton kernel's variants chosen by name, beside its default (``triton``, through ``diff_attention``)."""
+
+
 def attention(impl: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -> Tensor:
-    """``diff_attention`` with backend ``impl``; ``triton_atomic``: the Triton kernel with the atomic twin of the
-    plan it would use (``configs.ATOMIC_TWINS``: dQ added by the dK programs; chosen by name only, so called
-    through ``triton_diff_attention``). Head dims whose plan has no twin (d <= 32: fused) are refused."""
-    if impl != "triton_atomic":
+    """``diff_attention`` with backend ``impl``, or a variant of :data:`TRITON_VARIANTS`, called through
+    ``triton_diff_attention`` (chosen by name only): ``triton_atomic``, the atomic twin of the plan the kernel
+    would use (dQ added by the dK programs; head dims whose plan has no twin, d <= 32, are refused);
+    ``triton_tma`` / ``triton_pointers``, every launch that can read by tensor descriptor made to, or not to."""
+    if impl not in TRITON_VARIANTS:
         return diff_attention(q, k, v, lam, causal=causal, backend=impl)
     from diffattn_tutorial.kernels.triton import launch
     from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
     from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
+
+    if impl != "triton_atomic":
+        return triton_diff_attention(q, k, v, lam, causal=causal, tma=impl == "triton_tma")
 
     plan = plan_for(max(16, 1 << (q.shape[-1] - 1).bit_length()), launch.capability(q.device)).name
     if plan not in ATOMIC_TWINS:
@@ -222,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     ap.add_argument("--impls", type=lambda s: s.split(","), default=["triton", *SDPA_FORMULATIONS, "naive"],
-                    help="comma-separated, from triton,triton_atomic,sdpa_wide,sdpa_split,sdpa_stacked,naive "
-                         "(triton_atomic: the atomic twin of the kernel's plan, d = 33 to 128)")
+                    help="comma-separated, from triton,triton_atomic,triton_tma,triton_pointers,sdpa_wide,sdpa_split,"
+                         "sdpa_stacked,naive (" + "; ".join(f"{k}: {v}" for k, v in TRITON_VARIANTS.items()) + ")")
     ap.add_argument("--backends", nargs="+", default=None, choices=list(SDPA_BACKENDS),
                     help="SDPA backends, each selected explicitly (default: flash cudnn efficient on CUDA, "
                          "default on a CPU)")
@@ -241,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(str(e)) from None
     args.backends = args.backends or (["flash", "cudnn", "efficient"] if args.device.startswith("cuda")
                                       else ["default"])
-    known = ("triton", "triton_atomic", *SDPA_FORMULATIONS, "naive")
+    known = ("triton", *TRITON_VARIANTS, *SDPA_FORMULATIONS, "naive")
     bad = [i for i in args.impls if i not in known]
     if bad:
         raise SystemExit(f"unknown implementations {bad}; choose from {known}")

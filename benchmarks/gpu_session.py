@@ -20,7 +20,8 @@ default ones and the machine's start fit 15 minutes of device time, :data:`DEVIC
    the flash, cuDNN and efficient backends, each selected explicitly (a backend the GPU lacks is recorded as
    refused); time and peak memory;
 3. ``atomic``: the same benchmark, fwd+bwd at d = 64 and 128, the kernel with its default plan beside the atomic
-   twin (``configs.ATOMIC_TWINS``: dQ added by the dK programs with float32 atomics), into the session file;
+   twin (``configs.ATOMIC_TWINS``: dQ added by the dK programs with float32 atomics) and with the TMA twins
+   (``configs.TMA_TWINS``) forced on and off, into the session file;
 4. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
    forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs);
 5. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
@@ -78,10 +79,11 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
     "bench128": ("bench_triton at d = 128 with the new sm_90a table (N = 8192; 4096 below 40 GiB)", 1,
                  ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
                   "{out}/results_triton_part_d128.json"]),
-    "atomic": ("the backward's atomic plans (dQ added by the dK programs) beside the default plans, fwd+bwd at "
-               "d = 64 and 128, side by side in one run (no SDPA: bench64/bench128 have it)", 1,
+    "atomic": ("the backward's atomic plans (dQ added by the dK programs) and the TMA twins forced on and off beside "
+               "the default, fwd+bwd at d = 64 and 128, side by side in one run (no SDPA: bench64/bench128 have it)", 1,
                ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "128", "--modes", "fwd_bwd",
-                "--impls", "triton,triton_atomic", "--out", "{out}/results_triton_atomic.json"]),
+                "--impls", "triton,triton_atomic,triton_tma,triton_pointers", "--out",
+                "{out}/results_triton_atomic.json"]),
     "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 2,
               ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
     "tests": ("GPU tests: the CPU suite's cases compiled (the scan and the careful launch too), every input "

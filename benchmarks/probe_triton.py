@@ -69,13 +69,16 @@ def ceilings() -> dict:
 
 @contextlib.contextmanager
 def forward_config(config: tuple):
-    """The forward launch pinned to ``config`` (``configs.fwd_config``'s arguments); every other launch to its
-    table's first entry."""
+    """The forward launch pinned to ``config`` (``(BLOCK_M, BLOCK_N, warps, stages[, tma])``); every other launch
+    to its table's first entry."""
     from diffattn_tutorial.kernels.triton import flash_diff
-    from diffattn_tutorial.kernels.triton.configs import AUTOTUNE_ENV, autotune_configs, fwd_config
+    from diffattn_tutorial.kernels.triton.configs import AUTOTUNE_ENV, autotune_configs
+    from diffattn_tutorial.kernels.triton.configs import config as cfg
 
     def pinned(name, consts, dtype, capability=90, tma=False):
-        return [fwd_config(*config)] if name == "_diff_attn_fwd" else autotune_configs(name, consts, dtype, capability)
+        if name == "_diff_attn_fwd":
+            return [cfg(*config[:4], tma=bool(config[4:5] and config[4]))]
+        return autotune_configs(name, consts, dtype, capability)  # pointer loads: the tables' first entries
 
     old_env, old_fn = os.environ.get(AUTOTUNE_ENV), flash_diff.autotune_configs
     os.environ[AUTOTUNE_ENV], flash_diff.autotune_configs = "0", pinned

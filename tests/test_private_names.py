@@ -31,8 +31,8 @@ ALLOWED = {
         "a Triton kernel's name is its identity in the recorded compile facts, autotune tables and GPU sessions",
     **{("kernels.triton.atomic_kernels", "kernels.triton.flash_kernels", name):
        "a jit helper's name is part of every kernel's cache key (aot_keys.kernel_source_hash): renaming it "
-       "recompiles every recorded kernel" for name in ("_dot", "_load_mask_tile", "_probs_t", "_query_tile_bounds",
-                                                       "_score_grad")},
+       "recompiles every recorded kernel" for name in ("_dot", "_load_mask_tile", "_probs_t", "_query_tile",
+                                                       "_query_tile_bounds", "_score_grad", "_tile_descriptors")},
     **{("kernels.triton.dq_kernels", "kernels.triton.flash_kernels", name):
        "a jit helper's name is part of every kernel's cache key (aot_keys.kernel_source_hash): renaming it "
        "recompiles every recorded kernel" for name in ("_dot", "_key_tile_bounds", "_key_tile_offsets",

@@ -1,5 +1,6 @@
-"""The forward's TMA twins (``configs.TMA_TWINS``): the key and value tiles read by tensor descriptor
-(``tl.make_tensor_descriptor``, Hopper's copy engine) instead of per-thread pointer loads.
+"""The TMA twins (``configs.TMA_TWINS``): the tiles a kernel's loop walks (the forward's k and v, the dK kernels'
+q and dO) read by tensor descriptor (``tl.make_tensor_descriptor``, Hopper's copy engine) instead of per-thread
+pointer loads.
 
 In Triton's interpreter on a CPU (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``): the descriptors' loads give
 the pointer loads' answer, at ragged lengths and padded head dims (where the copy engine fills with 0 what
@@ -20,18 +21,10 @@ from diffattn_tutorial.kernels.triton import configs  # noqa: E402
 from diffattn_tutorial.kernels.triton.flash_diff import (  # noqa: E402
     capture_launches,
     tma_ok,
-    triton_available,
     triton_diff_attention,
 )
 
-pytestmark = pytest.mark.slow  # the kernels in Triton's interpreter
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernels_run_here():
-    ok, why = triton_available()
-    if not ok:
-        pytest.fail(f"the Triton kernels cannot run in this test session: {why}", pytrace=False)
+pytestmark = pytest.mark.slow  # the kernels in Triton's interpreter (a session without it fails: RuntimeError)
 
 
 @pytest.fixture(autouse=True)
@@ -54,15 +47,16 @@ def out_and_grads(q, k, v, lam, **kw):
     return [out.detach(), *torch.autograd.grad((out * g).sum(), ins)]
 
 
-CASES = [  # B, H, Hkv, Nq, Nk, d, causal, mask, dtype
-    (2, 2, 1, 37, 50, 24, False, None, torch.float32),  # ragged key tiles, MQA, d padded to 32: filled with 0
-    (1, 4, 2, 50, 21, 64, True, "bool", torch.float32),  # causal with Nq > Nk, GQA, a mask: split_kv's forward
-    (1, 2, 2, 29, 45, 128, False, None, torch.bfloat16),  # split: one map per launch, 16-bit
+CASES = [  # B, H, Hkv, Nq, Nk, d, causal, mask, dtype, plan
+    (2, 2, 1, 37, 50, 24, False, None, torch.float32, "auto"),  # ragged tiles, MQA, d padded to 32: filled with 0
+    (1, 4, 2, 50, 21, 64, True, "bool", torch.float32, "auto"),  # causal, Nq > Nk, GQA, a mask: split_kv
+    (1, 2, 2, 29, 45, 128, False, None, torch.bfloat16, "auto"),  # split: one map per launch, 16-bit
+    (1, 4, 2, 37, 29, 64, True, None, torch.float32, "split_kv_atomic"),  # the dK kernel that adds dQ
 ]
 
 
-@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,d,causal,mask_kind,dtype", CASES)
-def test_descriptor_loads_give_the_pointer_loads_answer_exactly(B, H, Hkv, Nq, Nk, d, causal, mask_kind, dtype):
+@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,d,causal,mask_kind,dtype,plan", CASES)
+def test_descriptor_loads_give_the_pointer_loads_answer(B, H, Hkv, Nq, Nk, d, causal, mask_kind, dtype, plan):
     """The same tiles reach the same arithmetic: output and every gradient equal to float rounding (not bit for
     bit: the interpreter's products of a k tile loaded transposed and of one transposed after loading sum in
     different orders), none NaN (a zero fill gone wrong would read the poisoned buffers or NaN past the edges)."""
@@ -70,7 +64,7 @@ def test_descriptor_loads_give_the_pointer_loads_answer_exactly(B, H, Hkv, Nq, N
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(B, 1, Nq, Nk, generator=torch.Generator().manual_seed(1)) > 0.3
-    kw = dict(causal=causal, attn_mask=mask)
+    kw = dict(causal=causal, attn_mask=mask, plan=plan)
     pointers = out_and_grads(q, k, v, lam, tma=False, **kw)
     descriptors = out_and_grads(q, k, v, lam, tma=True, **kw)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dlam"), descriptors, pointers):
@@ -102,6 +96,15 @@ def offered(q, k, v, capability=90, **kw):
             if x.name == "_diff_attn_fwd"]
 
 
+def offered_backward(q, k, v, dout, capability=90, **kw):
+    """The backward launches' configurations, recorded: ``{kernel/form: [label, ...]}``."""
+    ins = [t.detach().requires_grad_() for t in (q, k, v, torch.tensor(0.5, dtype=q.dtype))]
+    with capture_launches(capability) as launches:
+        triton_diff_attention(*ins, **kw).backward(dout)
+    return {f"{x.name}/{configs.form(x.name, x.consts)}": [configs.label(c) for c in x.configs] for x in launches
+            if x.name in ("_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq", "_diff_attn_bwd_dq")}
+
+
 def test_the_autotuner_is_offered_the_twins_on_hopper_for_aligned_inputs_only():
     q, k, v, _ = make(1, 2, 1, 64, 64, 64, torch.bfloat16)
     plain, careful = offered(q, k, v)
@@ -116,6 +119,19 @@ def test_the_autotuner_is_offered_the_twins_on_hopper_for_aligned_inputs_only():
     q20, k20, v20, _ = make(1, 2, 1, 64, 64, 20, torch.bfloat16)  # rows of 40 bytes: not a multiple of 16
     assert not tma_ok(k20)
     assert all("tma" not in c for c in offered(q20, k20, v20)[0][1])
+
+
+def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can_read():
+    q, k, v, _ = make(1, 2, 1, 64, 64, 64, torch.bfloat16)
+    dout = torch.ones(1, 2, 64, 128, dtype=torch.bfloat16)
+    assert offered_backward(q, k, v, dout) == {
+        "_diff_attn_bwd_dkdv/dv": ["32x128 w8 s2", "32x64 w4 s2", "32x128 w8 s2 tma"],
+        "_diff_attn_bwd_dkdv/dk": ["32x128 w8 s2", "16x128 w8 s2", "32x128 w8 s2 tma"],
+        "_diff_attn_bwd_dq/dq": ["128x32 w8 s2", "64x32 w4 s3"]}  # the dQ kernel has no switch
+    assert offered_backward(q, k, v, dout, plan="split_kv_atomic")["_diff_attn_bwd_dkdq/dkdq"][-1] == "32x128 w8 s2 tma"
+    far = torch.ones(1, 2, 64, 129, dtype=torch.bfloat16)[..., :128]  # dO rows of 258 bytes
+    assert not tma_ok(far)
+    assert all("tma" not in c for cs in offered_backward(q, k, v, far).values() for c in cs)
 
 
 def test_tma_true_is_refused_where_the_copy_engine_cannot_read_with_the_fix():

@@ -455,13 +455,13 @@ LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 12
 
 def lesson_facts(jobs: int = 1) -> list[Facts]:
     """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128."""
-    from diffattn_tutorial.kernels.triton.configs import config, fwd_config
+    from diffattn_tutorial.kernels.triton.configs import TMA_KERNELS, config
 
     work = []
     for case, kernel, configs in LESSONS:
         launch = next(x for x in launches_for(case) if x.name == kernel)
-        make = fwd_config if kernel == "_diff_attn_fwd" else config
-        work += [(launch, make(*c), "sm_90a", case, False) for c in configs]
+        work += [(launch, config(*c, tma=False if kernel in TMA_KERNELS else None), "sm_90a", case, False)
+                 for c in configs]
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 

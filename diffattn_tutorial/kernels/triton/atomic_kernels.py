@@ -22,21 +22,23 @@ from diffattn_tutorial.kernels.triton.flash_kernels import (
     _dot,
     _load_mask_tile,
     _probs_t,
+    _query_tile,
     _query_tile_bounds,
     _score_grad,
+    _tile_descriptors,
 )
 
 
 @triton.jit
-def _kq_map_step(dk, k, Q, qt_off, qt_mask, LSE, DELTA, DQ, dqt_off, dpt, mvals, visible, key_ok, rows, row_ok, lam,
-                 qk_scale, DIAG: tl.constexpr, MAP2: tl.constexpr, MASK_KIND: tl.constexpr,
+def _kq_map_step(dk, k, Q, start_m, qt_off, qt_mask, LSE, DELTA, DQ, dqt_off, dpt, mvals, visible, key_ok, rows, row_ok,
+                 lam, qk_scale, TMA: tl.constexpr, DIAG: tl.constexpr, MAP2: tl.constexpr, MASK_KIND: tl.constexpr,
                  MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One map of one query tile against the key tile ``k``: ``dS^T`` from the recomputed ``P^T`` and the shared
     ``dP^T``, then ``dK += dS^T q`` (returned) and ``dQ += dS k`` added into the float32 sums ``DQ`` with atomics
     (other key tiles add to the same rows), computed transposed, ``dQ^T = k^T dS^T`` ``(d, BLOCK_M)``: a matrix
     product of ``d >= 64`` rows runs on Hopper's ``wgmma``, one of ``BLOCK_M`` (16 or 32) rows would not. Keys past ``Nk`` (``key_ok``) are zeroed in ``dS``: their ``k`` rows are
     0, but ``P`` there is not, and an infinite ``P`` times 0 would be NaN."""
-    pt, qt = _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale, DIAG=DIAG,
+    pt, qt = _probs_t(k, Q, start_m, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale, TMA=TMA, DIAG=DIAG,
                       MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     dst = tl.where(key_ok[:, None], _score_grad(pt, dpt, delta[None, :], lam[None, :], MAP2=MAP2), 0.0)
@@ -48,14 +50,15 @@ def _kq_map_step(dk, k, Q, qt_off, qt_mask, LSE, DELTA, DQ, dqt_off, dpt, mvals,
 
 @triton.jit
 def _bwd_kq_loop(dk1, dk2, k1, k2, v,  # dK accumulators and the key tile's k1, k2 (BLOCK_N x d), v (BLOCK_N x 2d)
-                 Q1, DOh, LSEh, DELTAh, LAMh, MASKh, DQ1,  # this head's query map 1 / ... / dQ sums of map 1
+                 Q1, Q2, DOh, LSEh, DELTAh, LAMh, MASKh, DQ1,  # this head's query maps / ... / dQ sums of map 1
                  start_n, lo, hi, Nq, Nk, qk_scale,
-                 stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn, stride_aqh, stride_aqm,
+                 stride_qm, stride_gm, stride_lm, stride_mm, stride_mn, stride_aqh, stride_aqm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  DIAG: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DK_MAPS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Query tiles ``[lo, hi)`` against one key tile, transposed as in :func:`_bwd_kv_loop`: ``dP^T = v dO^T``
-    once for both maps, then per map in ``DK_MAPS`` :func:`_kq_map_step`."""
+    once for both maps, then per map in ``DK_MAPS`` :func:`_kq_map_step`. ``TMA``: ``Q1``, ``Q2``, ``DOh`` are
+    tensor descriptors."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_nl = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_nl
@@ -72,7 +75,8 @@ def _bwd_kq_loop(dk1, dk2, k1, k2, v,  # dK accumulators and the key tile's k1, 
         rows = start_m + offs_mb
         row_ok = rows < Nq
         qt_mask = row_ok[None, :] & d_ok[:, None]
-        do = tl.load(DOh + m64 * stride_gm + do_off, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        do, Qt1, Qt2 = _query_tile(Q1, Q2, DOh, start_m, do_off, row_ok[:, None] & dv_ok[None, :], stride_qm,
+                                   stride_gm, TMA=TMA)
         lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
         mvals = _load_mask_tile(MASKh + m64 * stride_mm, offs_mb[None, :], offs_nl[:, None], row_ok[None, :],
                                 key_ok[:, None], stride_mm, stride_mn, MASK_KIND=MASK_KIND)
@@ -81,14 +85,14 @@ def _bwd_kq_loop(dk1, dk2, k1, k2, v,  # dK accumulators and the key tile's k1, 
             visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
         dpt = _dot(v, tl.trans(do), None, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)  # dP^T, shared by both maps
         if DK_MAPS == MAPS_1 or DK_MAPS == MAPS_BOTH:
-            dk1 = _kq_map_step(dk1, k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, DELTAh, DQ1 + m64 * stride_aqm,
-                               dqt_off, dpt, mvals, visible, key_ok, rows, row_ok, lam, qk_scale, DIAG=DIAG,
+            dk1 = _kq_map_step(dk1, k1, Qt1, start_m, qt_off, qt_mask, LSEh, DELTAh, DQ1 + m64 * stride_aqm,
+                               dqt_off, dpt, mvals, visible, key_ok, rows, row_ok, lam, qk_scale, TMA=TMA, DIAG=DIAG,
                                MAP2=False, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION,
                                UPCAST=UPCAST)
         if DK_MAPS == MAPS_2 or DK_MAPS == MAPS_BOTH:
-            dk2 = _kq_map_step(dk2, k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, DELTAh + Nq,
+            dk2 = _kq_map_step(dk2, k2, Qt2, start_m, qt_off, qt_mask, LSEh + Nq, DELTAh + Nq,
                                DQ1 + stride_aqh + m64 * stride_aqm, dqt_off, dpt, mvals, visible, key_ok,
-                               rows, row_ok, lam, qk_scale, DIAG=DIAG, MAP2=True, MASK_KIND=MASK_KIND,
+                               rows, row_ok, lam, qk_scale, TMA=TMA, DIAG=DIAG, MAP2=True, MASK_KIND=MASK_KIND,
                                MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     return dk1, dk2
 
@@ -107,12 +111,13 @@ def _diff_attn_bwd_dkdq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DQACC,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
                         DK_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """The atomic plans' dK launch (FlashAttention-2's backward): one program per key tile of one (batch, KV
     group), as :func:`_diff_attn_bwd_dkdv`, computing dK of the maps in ``DK_MAPS`` and, from the same ``dS``
     tiles, each query row's ``dQ`` share, added with float32 atomics into ``DQACC`` ``(B, 2H, Nq, d)`` (zeros
     before; the host scales it by ``sm_scale`` into dQ). This replaces the dQ launches, which recompute the
-    scores and ``dP`` a second time. dV is the ``DV_OUT`` launch of :func:`_diff_attn_bwd_dkdv`."""
+    scores and ``dP`` a second time. dV is the ``DV_OUT`` launch of :func:`_diff_attn_bwd_dkdv`. ``TMA``: the query
+    and dO tiles arrive by tensor descriptor."""
     n_n = tl.cdiv(Nk, BLOCK_N)
     pid = tl.program_id(0)
     off_bg = pid // n_n
@@ -143,20 +148,24 @@ def _diff_attn_bwd_dkdq(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DQACC,
         LAMh = LAM + b64 * stride_lb + h64 * stride_lh
         MASKh = MASK + b64 * stride_mb + h64 * stride_mh + n64 * stride_mn
         DQ1 = DQACC + b64 * stride_aqb + (2 * h64) * stride_aqh
+        Q1s, Q2s, DOs = Q1, Q1 + stride_qh, DOh  # where the loops read q1, q2, dO: pointers, or descriptors
+        if TMA:
+            Q1s, Q2s, DOs = _tile_descriptors(Q1, DOh, stride_qh, stride_qm, stride_gm, Nq, HEAD_DIM=HEAD_DIM,
+                                              BLOCK=BLOCK_M, BLOCK_D=BLOCK_D)
         if CAUSAL:  # the query tiles [lo, mid) cross the diagonal
             dk1, dk2 = _bwd_kq_loop(
-                dk1, dk2, k1, k2, v, Q1, DOh, LSE + bh * 2 * Nq, DELTA + bh * 2 * Nq, LAMh, MASKh, DQ1, start_n,
-                lo=lo, hi=mid, Nq=Nq, Nk=Nk, qk_scale=qk_scale, stride_qh=stride_qh, stride_qm=stride_qm,
+                dk1, dk2, k1, k2, v, Q1s, Q2s, DOs, LSE + bh * 2 * Nq, DELTA + bh * 2 * Nq, LAMh, MASKh, DQ1,
+                start_n, lo=lo, hi=mid, Nq=Nq, Nk=Nk, qk_scale=qk_scale, stride_qm=stride_qm,
                 stride_gm=stride_gm, stride_lm=stride_lm, stride_mm=stride_mm, stride_mn=stride_mn,
                 stride_aqh=stride_aqh, stride_aqm=stride_aqm, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                HEAD_DIM=HEAD_DIM, DIAG=True, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DK_MAPS=DK_MAPS,
+                HEAD_DIM=HEAD_DIM, DIAG=True, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DK_MAPS=DK_MAPS, TMA=TMA,
                 DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         dk1, dk2 = _bwd_kq_loop(
-            dk1, dk2, k1, k2, v, Q1, DOh, LSE + bh * 2 * Nq, DELTA + bh * 2 * Nq, LAMh, MASKh, DQ1, start_n,
-            lo=mid, hi=Nq, Nq=Nq, Nk=Nk, qk_scale=qk_scale, stride_qh=stride_qh, stride_qm=stride_qm,
+            dk1, dk2, k1, k2, v, Q1s, Q2s, DOs, LSE + bh * 2 * Nq, DELTA + bh * 2 * Nq, LAMh, MASKh, DQ1, start_n,
+            lo=mid, hi=Nq, Nq=Nq, Nk=Nk, qk_scale=qk_scale, stride_qm=stride_qm,
             stride_gm=stride_gm, stride_lm=stride_lm, stride_mm=stride_mm, stride_mn=stride_mn,
             stride_aqh=stride_aqh, stride_aqm=stride_aqm, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            HEAD_DIM=HEAD_DIM, DIAG=False, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DK_MAPS=DK_MAPS,
+            HEAD_DIM=HEAD_DIM, DIAG=False, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DK_MAPS=DK_MAPS, TMA=TMA,
             DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     dk_off = offs_n[:, None] * stride_dkn + offs_d[None, :]

@@ -7,7 +7,8 @@ compute capability. Each variant (a *form*: ``fused``/``map`` forward, ``dkdv``/
 ``dkdq``/``dkdq_map``, ``dq``/``dq_map``, see :func:`form`) has a short list of configurations per head dim, one table per architecture
 (``_CONFIGS_16BIT`` Hopper, ``_CONFIGS_AMPERE`` sm_80/86/89, ``_CONFIGS_TURING`` sm_75, ``_CONFIGS_FP32``); the first
 entry is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins, the others are what the autotuner may pick (on sm_90a the
-forward's lists end with TMA twins, :data:`TMA_TWINS`: the same tiles read by tensor descriptor). Every entry is
+lists of the forward and the dK kernels end with TMA twins, :data:`TMA_TWINS`: the same tiles read by tensor
+descriptor). Every entry is
 checked by :mod:`~diffattn_tutorial.kernels.triton.aot` to compile for its targets without register spills, within
 their shared memory and on their matrix instructions (``diffattn_tutorial/recorded/compile_facts.json``).
 """
@@ -75,19 +76,23 @@ def train_head_dim_limit(capability: int) -> int:
     return 64 if capability < 80 else MAX_HEAD_DIM
 
 
-def config(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
-    """A backward kernel's configuration: tile rows ``BLOCK_M`` (queries) and ``BLOCK_N`` (keys), warps, stages."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+TMA_KERNELS = ("_diff_attn_fwd", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq")
+"""The kernels with a ``TMA`` switch: the forward reads its k and v tiles, the dK kernels their q and dO tiles, by
+tensor descriptor (Hopper's copy engine) where a configuration says ``TMA=True`` (:data:`TMA_TWINS`)."""
 
 
-def fwd_config(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> triton.Config:
-    """A forward configuration: :func:`config`'s and ``TMA``, whether the key tiles arrive by tensor descriptor
-    (Hopper's copy engine, sm_90a tables only; the host offers such entries only for inputs whose base and strides
-    are multiples of 16 bytes, ``flash_diff.tma_ok``)."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma}, num_warps=warps, num_stages=stages)
+def config(bm: int, bn: int, warps: int, stages: int, tma: Optional[bool] = None) -> triton.Config:
+    """A configuration: tile rows ``BLOCK_M`` (queries) and ``BLOCK_N`` (keys), warps, stages, and for the
+    kernels of :data:`TMA_KERNELS` ``TMA`` (``None``: not set; :func:`autotune_configs` sets it ``False``)."""
+    switches = {} if tma is None else {"TMA": tma}
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **switches}, num_warps=warps, num_stages=stages)
 
 
-_cfg, _fwd = config, fwd_config  # short names for the tables below
+def _twin(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return config(bm, bn, warps, stages, tma=True)
+
+
+_cfg = config  # the short name the tables below use
 
 
 # (kernel, form) -> padded head dim -> configs, first = the pinned one. Each entry compiles for sm_90a
@@ -96,35 +101,36 @@ _cfg, _fwd = config, fwd_config  # short names for the tables below
 # diffattn_tutorial/recorded/compile_facts.json).
 _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "fused"): {
-        16: [_fwd(128, 64, 8, 2), _fwd(64, 64, 4, 3)],
-        32: [_fwd(128, 32, 8, 3), _fwd(64, 64, 4, 3)],
+        16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)],
+        32: [_cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3)],
         # 64x64 w4 s3: the H100 probe's faster shape (MEASURED_SPILLS), then its TMA twin (TMA_TWINS) in the place
         # of 128x32 w8 s3, the probe's 20% slower former first entry
-        64: [_fwd(64, 64, 4, 3), _fwd(64, 64, 4, 3, tma=True)],
+        64: [_cfg(64, 64, 4, 3), _twin(64, 64, 4, 3)],
     },
     ("_diff_attn_fwd", "map"): {
         # the probe's faster 128x128 w8 s2 for calls without a mask only (UNMASKED_ONLY)
-        128: [_fwd(128, 64, 8, 2), _fwd(128, 128, 8, 2), _fwd(128, 64, 8, 2, tma=True), _fwd(128, 128, 8, 2, tma=True)],
+        128: [_cfg(128, 64, 8, 2), _cfg(128, 128, 8, 2), _twin(128, 64, 8, 2), _twin(128, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dkdv"): {
         16: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
         32: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
     },
+    # the dK kernels' TMA twins (q and dO tiles by descriptor) last, of the pinned entry (TMA_TWINS)
     ("_diff_attn_bwd_dkdv", "dv"): {
-        64: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        128: [_cfg(16, 128, 8, 2)],
+        64: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2), _twin(32, 128, 8, 2)],
+        128: [_cfg(16, 128, 8, 2), _twin(16, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dk"): {
-        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _twin(32, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dk_map"): {
-        128: [_cfg(32, 128, 8, 3)],
+        128: [_cfg(32, 128, 8, 3), _twin(32, 128, 8, 3)],
     },
     ("_diff_attn_bwd_dkdq", "dkdq"): {  # the dk shapes (unmeasured: the atomic plans wait for a GPU session)
-        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+        64: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _twin(32, 128, 8, 2)],
     },
     ("_diff_attn_bwd_dkdq", "dkdq_map"): {
-        128: [_cfg(32, 128, 8, 3)],
+        128: [_cfg(32, 128, 8, 3), _twin(32, 128, 8, 3)],
     },
     ("_diff_attn_bwd_dq", "dq"): {
         16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
@@ -159,17 +165,17 @@ UNMASKED_ONLY: dict[tuple[str, str, int, str], str] = {
 }
 """Table entries the autotuner may pick only for calls without a mask (``MASK_KIND`` none): ``(kernel, form, padded
 head dim, config) -> why``. Never first in their list, so the pinned configuration runs every variant."""
-TMA_TWINS = ("the sm_90a forward entries with TMA=True: the same tile as an entry before them, its k and v tiles "
-             "loaded by tensor descriptor (Hopper's copy engine) instead of per-thread pointers. In every case the "
-             "compile facts hold (training, inference, the heaviest variant's inference) they use no more registers "
-             "and spill no more than their pointer entry (tests/test_triton_compile.py checks it), so they share its "
-             "MEASURED_SPILLS and UNMASKED_ONLY entries; their speed is unmeasured. Never first in a list, so only "
-             "the autotuner, timing both on the GPU, picks one, and only for inputs whose base and strides are "
-             "multiples of 16 bytes (launch.tma_ok)")
-"""Why the sm_90a forward lists end with TMA twins (``TMA`` in a configuration's kwargs, :func:`fwd_config`)."""
+TMA_TWINS = ("the sm_90a entries with TMA=True (the forward's and the dK kernels', TMA_KERNELS): the same tile as an "
+             "entry before them, the tiles its loop walks (the forward's k and v, the dK kernels' q and dO) loaded by "
+             "tensor descriptor (Hopper's copy engine) instead of per-thread pointers. In every case the compile "
+             "facts hold they use no more registers and spill no more than their pointer entry "
+             "(tests/test_triton_compile.py checks it), so they share its MEASURED_SPILLS and UNMASKED_ONLY "
+             "entries; their speed is unmeasured. Never first in a list, so only the autotuner, timing both on the "
+             "GPU, picks one, and only for inputs whose base and strides are multiples of 16 bytes (launch.tma_ok)")
+"""Why the sm_90a lists of :data:`TMA_KERNELS` end with TMA twins (``TMA=True`` in a configuration's kwargs)."""
 
 # float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only, any plan
-_FP32_FWD, _FP32_KV, _FP32_Q = [_fwd(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
+_FP32_FWD, _FP32_KV, _FP32_Q = [_cfg(32, 16, 4, 2)], [_cfg(16, 16, 4, 2)], [_cfg(32, 16, 4, 2)]
 _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     **{("_diff_attn_fwd", form): {d: _FP32_FWD for d in (16, 32, 64, 128)} for form in ("fused", "map")},
     **{(kernel, form): {d: _FP32_KV for d in (16, 32, 64, 128)} for kernel, form in (
@@ -181,10 +187,10 @@ _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
 # dim, smaller tiles; each entry clean on all three targets (their ptxas allocate registers differently)
 _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "map"): {
-        16: [_fwd(64, 64, 4, 2), _fwd(128, 64, 8, 2)],
-        32: [_fwd(128, 64, 8, 2), _fwd(64, 32, 4, 2)],
-        64: [_fwd(64, 64, 4, 2), _fwd(128, 32, 8, 2)],
-        128: [_fwd(64, 64, 8, 2)],
+        16: [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2)],
+        32: [_cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
+        64: [_cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2)],
+        128: [_cfg(64, 64, 8, 2)],
     },
     ("_diff_attn_bwd_dkdv", "dv"): {
         16: [_cfg(32, 64, 4, 2), _cfg(32, 128, 8, 2)],
@@ -212,10 +218,10 @@ _CONFIGS_AMPERE: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
 # (:func:`train_head_dim_limit`): its dK launch spilled 200-5000 B in every shape tried (16x16 to 32x32, 4-16 warps).
 _CONFIGS_TURING: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_fwd", "map"): {
-        16: [_fwd(64, 32, 8, 1), _fwd(32, 32, 8, 1)],
-        32: [_fwd(64, 32, 8, 1), _fwd(32, 32, 8, 1)],
-        64: [_fwd(32, 32, 8, 1), _fwd(64, 16, 8, 1)],
-        128: [_fwd(32, 16, 8, 1), _fwd(16, 16, 4, 1)],
+        16: [_cfg(64, 32, 8, 1), _cfg(32, 32, 8, 1)],
+        32: [_cfg(64, 32, 8, 1), _cfg(32, 32, 8, 1)],
+        64: [_cfg(32, 32, 8, 1), _cfg(64, 16, 8, 1)],
+        128: [_cfg(32, 16, 8, 1), _cfg(16, 16, 4, 1)],
     },
     ("_diff_attn_bwd_dkdv", "dv"): {
         16: [_cfg(16, 64, 8, 1), _cfg(32, 32, 8, 1)],
@@ -259,8 +265,8 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
                      tma: Optional[bool] = False) -> list[triton.Config]:
     """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``) on
     a GPU of compute ``capability`` (90 and up: the Hopper table; 80-89: Ampere and Ada; below 80: Turing); the
-    first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins. ``tma`` (the forward's): ``False`` the pointer entries
-    only, ``True`` the TMA twins only (none: an empty list), ``None`` both."""
+    first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins. ``tma``: ``False`` the pointer entries only, ``True``
+    the TMA twins only (none: an empty list), ``None`` both (:data:`TMA_TWINS`)."""
     if name == "_diff_attn_bwd_preprocess":
         return [triton.Config({}, num_warps=4, num_stages=1)]
     if dtype == torch.float32:
@@ -270,10 +276,14 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     variant = form(name, consts)
     configs = [c for c in table.get((name, variant), {}).get(consts["BLOCK_D"], [])
                if (consts.get("MASK_KIND") == MASK_NONE or (name, variant, consts["BLOCK_D"], shape(c)) not in UNMASKED_ONLY)
-               and (tma is None or bool(c.kwargs.get("TMA")) == tma)]
-    if name == "_diff_attn_fwd":
-        return configs or ([] if tma else [_fwd(64, 32, 4, 2)])
-    return configs or [_cfg(64, 32, 4, 2)]
+               and (tma is None or bool(c.kwargs.get("TMA")) == tma)] or ([] if tma else [_cfg(64, 32, 4, 2)])
+    if name in TMA_KERNELS:  # their switch is always passed: False where an entry does not set it
+        return [c if "TMA" in c.kwargs else config(*_numbers(c), tma=False) for c in configs]
+    return configs
+
+
+def _numbers(c: triton.Config) -> tuple[int, int, int, int]:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
 def shape(c: triton.Config) -> str:
@@ -298,4 +308,4 @@ def autotune_enabled() -> bool:
 
 
 __all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
-           "UNMASKED_ONLY", "TMA_TWINS", "config", "fwd_config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+           "UNMASKED_ONLY", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]

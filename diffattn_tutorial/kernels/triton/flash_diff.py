@@ -19,8 +19,8 @@ forward kernel scans its scores and accumulators and sets a flag, and a careful 
 the flag is set recomputes, all on the device (no pass of the host's, no synchronisation). It runs the operators :data:`FORWARD_OP` and :data:`BACKWARD_OP` (one node
 under ``torch.compile``), which refuse mismatched shapes, dtypes, devices and layouts themselves
 (:func:`check_op_inputs`). On a CUDA GPU the tile sizes are autotuned over the tables of
-:mod:`~diffattn_tutorial.kernels.triton.configs` (on Hopper also whether the forward reads k and v by tensor
-descriptor, ``configs.TMA_TWINS``, where :func:`tma_ok` holds); on a CPU the kernels run in Triton's interpreter when
+:mod:`~diffattn_tutorial.kernels.triton.configs` (on Hopper also whether the forward's k and v, the backward's q
+and dO, arrive by tensor descriptor, ``configs.TMA_TWINS``, where :func:`tma_ok` holds); on a CPU the kernels run in Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before triton is first imported (exact but slow: for learning and tests).
 """
 
@@ -39,6 +39,7 @@ from diffattn_tutorial.kernels.triton import atomic_kernels, dq_kernels, flash_k
 from diffattn_tutorial.kernels.triton.configs import (
     MAX_HEAD_DIM,
     PLANS,
+    TMA_KERNELS,
     autotune_configs,
     autotune_enabled,
     form,
@@ -116,8 +117,9 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
     blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
     the autotuner over :func:`autotune_configs`. The forward's careful launch (``CAREFUL``) always takes the
     pinned configuration: it runs only where the scan found a non-finite value, so there is nothing to tune.
-    ``tma`` (the forward's, from :func:`_tma_choice`): which of the table's entries it may take, pointer loads
-    (``False``), tensor descriptors (``True``) or either (``None``, the autotuner's choice)."""
+    ``tma`` (from :func:`_tma_choice`; for the kernels of ``configs.TMA_KERNELS``): which of the table's entries it
+    may take, pointer loads (``False``), tensor descriptors (``True``) or either (``None``, the autotuner's)."""
+    tma = tma if name in TMA_KERNELS else False
     configs = autotune_configs(name, consts, dtype, capability, tma=tma)
     if not configs and not interpret and blocks is None:  # tma=True where the table has no TMA twin
         raise ValueError(f"tma=True: no TMA configuration in the tables for this call ({dtype}, padded head dim "
@@ -134,7 +136,7 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
         return
     if interpret or blocks is not None:
         bm, bn = blocks or (INTERPRETER_BLOCK, INTERPRETER_BLOCK)
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, **({"TMA": bool(tma)} if name == "_diff_attn_fwd" else {})}
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, **({"TMA": bool(tma)} if name in TMA_KERNELS else {})}
         same = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == (bm, bn)]
         opts = {} if interpret else {"num_warps": same[0].num_warps if same else 4,
                                      "num_stages": same[0].num_stages if same else 2}
@@ -148,21 +150,24 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
     launch.call(fn[grid], workspace=tma is not False and not interpret, **args, **consts, **kw)
 
 
-def _tma_choice(tma: Optional[bool], k: Tensor, v: Tensor, capability: int, interpret: bool) -> Optional[bool]:
-    """The forward's ``tma`` for :func:`_launch` from the caller's: ``None`` (default) offers the sm_90a table's TMA
-    twins to the autotuner where :func:`tma_ok` holds, on a GPU (``False`` in the interpreter: the pinned entry);
-    ``True`` forces them and refuses, naming the fix, what they cannot read."""
+def _tma_choice(tma: Optional[bool], capability: int, interpret: bool, **tensors: Tensor) -> Optional[bool]:
+    """``tma`` for :func:`_launch` from the caller's, for launches that read ``tensors`` by descriptor (the forward
+    k and v, the backward q and dO): ``None`` (default) offers the sm_90a table's TMA twins to the autotuner where
+    :func:`tma_ok` holds, on a GPU (``False`` in the interpreter: the pinned entry); ``True`` forces them and
+    refuses, naming the fix, what they cannot read."""
     if tma is False:
         return False
     if tma is None:
-        return None if capability >= 90 and not interpret and tma_ok(k, v) else False
+        return None if capability >= 90 and not interpret and tma_ok(*tensors.values()) else False
+    names = " and ".join(tensors)
     if capability < 90 and not interpret:
-        raise ValueError(f"tma=True reads k and v with Hopper's copy engine (TMA), which this GPU (compute capability "
+        raise ValueError(f"tma=True reads {names} with Hopper's copy engine (TMA), which this GPU (compute capability "
                          f"{capability / 10:.1f}) does not have; pass tma=None")
-    if not tma_ok(k, v):
-        raise ValueError("tma=True needs k and v with 16-byte aligned base addresses and strides (the copy engine's "
-                         f"rule) and at least one key; got k strides {tuple(k.stride())}, v strides {tuple(v.stride())} "
-                         f"of {k.dtype}: pass k.contiguous() and v.contiguous(), or tma=None (pointer loads then)")
+    if not tma_ok(*tensors.values()):
+        got = ", ".join(f"{n} strides {tuple(t.stride())}" for n, t in tensors.items())
+        raise ValueError(f"tma=True needs {names} with 16-byte aligned base addresses and strides (the copy engine's "
+                         f"rule) and nothing empty; got {got}: pass "
+                         f"{' and '.join(n + '.contiguous()' for n in tensors)}, or tma=None (pointer loads then)")
     return True
 
 
@@ -473,7 +478,7 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
-    tma = _tma_choice(tma, k, v, cap, interpret and not launch.capturing())  # a recording is as on a GPU
+    tma = _tma_choice(tma, cap, interpret and not launch.capturing(), k=k, v=v)  # a recording is as on a GPU
     lam4 = _lam4(lam, B, H, Nq)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     out = _alloc(B, H, Nq, 2 * d, like=q)
@@ -513,12 +518,13 @@ def _wanted(needs: list[bool]) -> tuple[bool, bool, bool]:
 @torch.library.custom_op(BACKWARD_OP, mutates_args=())
 def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
                     out: Tensor, o2: Tensor, lse: Tensor, flag: Tensor, causal: bool, scale: float, blocks: list[int], plan: str,
-                    needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    needs: list[bool], tma: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward kernels: ``(dq, dk, dv, delta)``, each of dq, dk, dv a dense buffer of its input's shape where
     ``needs`` (three flags: dq, dk, dv) asks for it (dk and dv come together, :func:`_wanted`), else empty;
     ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows).
     Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse``, ``flag`` not shaped as it
-    made them. Where ``flag`` is set (the forward met a NaN or an infinity) every gradient is NaN."""
+    made them. Where ``flag`` is set (the forward met a NaN or an infinity) every gradient is NaN. ``tma``: the dK
+    launches' q and dO loads, as the forward's k and v (:func:`_tma_choice`)."""
     _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
     check_same(BACKWARD_OP, q, torch.int32, flag=flag)
     check_shapes(BACKWARD_OP, {"flag": ("1",)}, dict(flag=flag))
@@ -529,6 +535,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
     dout = _dout_for_kernels(dout)
+    tma = _tma_choice(tma, cap, interpret and not launch.capturing(), q=q, dout=dout)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
     dq, dk, dv = (_grad_buffer(t, runs) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
@@ -551,18 +558,18 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         _launch("_diff_attn_bwd_dkdv", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
                 dict(common, DK=dk, DV=dv, FLAG=flag, **_strides(dk, "dk", "bhn"), **_strides(dv, "dv", "bhn"),
                      Hkv=Hkv),
-                dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap)
+                dict(consts, DV_OUT=dv_out, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap, tma)
     for dq_maps in the_plan.dq_maps if needs[0] else ():
         _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
                 dict(common, DQ=dq, **_strides(dq, "dq", "bhm")), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks),
                 interpret, q.dtype, cap)
     if the_plan.kq_maps and (needs[0] or needs[1]):
-        _dk_and_atomic_dq(the_plan, common, consts, q, k, dq, dk, needs, blocks, interpret, cap)
+        _dk_and_atomic_dq(the_plan, common, consts, q, k, dq, dk, needs, blocks, interpret, cap, tma)
     return dq, dk, dv, delta
 
 
 def _dk_and_atomic_dq(the_plan, common: dict, consts: dict, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor,
-                      needs: list[bool], blocks: list[int], interpret: bool, cap: int) -> None:
+                      needs: list[bool], blocks: list[int], interpret: bool, cap: int, tma: Optional[bool]) -> None:
     """An atomic plan's dK launches, which add dQ into float32 sums (zeros first: every key tile adds to them),
     then dQ = the sums times the scale, in q's dtype (one pass over dQ). ``dk`` is empty where neither dK nor dV is
     asked for (they come together, :func:`_wanted`): the launches write dK to a scratch buffer then."""
@@ -573,13 +580,13 @@ def _dk_and_atomic_dq(the_plan, common: dict, consts: dict, q: Tensor, k: Tensor
         _launch("_diff_attn_bwd_dkdq", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
                 dict(common, DK=dk_out, DQACC=dq_sums, **_strides(dk_out, "dk", "bhn"),
                      **_strides(dq_sums, "aq", "bhm"), Hkv=Hkv),
-                dict(consts, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap)
+                dict(consts, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap, tma)
     if needs[0]:
         dq.copy_(dq_sums.mul_(common["sm_scale"]))
 
 
 @triton_backward.register_fake
-def _(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, causal, scale, blocks, plan, needs):
+def _(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, causal, scale, blocks, plan, needs, tma=None):
     _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
     B, H2, Nq, _ = q.shape
     grads = (t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
@@ -587,10 +594,10 @@ def _(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, causal, scale, blocks, 
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, lam, attn_mask, causal, scale, blocks, plan, _store_o2, _tma = inputs
+    q, k, v, lam, attn_mask, causal, scale, blocks, plan, _store_o2, tma = inputs
     out, o2, lse, flag = output
     ctx.save_for_backward(q, k, v, lam, attn_mask, out, o2, lse, flag)
-    ctx.setup = (causal, scale, blocks, plan)
+    ctx.setup, ctx.tma = (causal, scale, blocks, plan), tma
     ctx.set_materialize_grads(False)  # o2, lse and flag get no gradient: autograd would fill an o2-sized zeros
 
 
@@ -600,7 +607,7 @@ def _backward(ctx, dout, _do2, _dlse, _dflag):
     if dout is None:  # out itself took no part in the loss
         return (None,) * 11
     dq, dk, dv, delta = triton_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, *ctx.setup,
-                                        list(need[:3]))
+                                        list(need[:3]), ctx.tma)
     dlam = None
     if need[3]:
         # out = o1 - lam * o2, so dlam = -(dO . o2) per row, summed over the dims lam broadcast over
@@ -627,7 +634,8 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     ``blocks=(BLOCK_M, BLOCK_N)`` fixes the tile sizes (default: autotuned on a GPU, 16 x 16 in the
     interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim). ``tma``: how
     the forward reads k and v on Hopper, by tensor descriptor (``True``), by pointers (``False``) or as the
-    autotuner times faster (``None``, where :func:`tma_ok` holds; pointers in the interpreter).
+    autotuner times faster (``None``, where :func:`tma_ok` holds; pointers in the interpreter); the backward's
+    dK launches read q and dO the same way.
     Checks its inputs, then runs the operator :data:`FORWARD_OP` (its backward :data:`BACKWARD_OP`), so a call
     compiles (``torch.compile(fullgraph=True)``) as one node. Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """

@@ -213,7 +213,7 @@ def _fwd_kv_loop(acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2,  
     """Key/value tiles ``[lo, hi)``. ``TWO_MAPS``: both online-softmax streams from one load of each tile
     (the fused form); otherwise only stream 1. ``EDGE``: tiles may cross ``Nk`` or the causal diagonal.
     ``CAREFUL``: v zeroed where not finite (a hidden key's NaN would reach its rows through ``0 * NaN``).
-    ``TMA``: ``K1``, ``K2``, ``V`` are tensor descriptors (:func:`_kv_descriptors`), not pointers."""
+    ``TMA``: ``K1``, ``K2``, ``V`` are tensor descriptors (:func:`_tile_descriptors`), not pointers."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
     offs_n, offs_dv, kt_off, d_ok, dv_ok = _key_tile_offsets(stride_kn, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
@@ -254,18 +254,18 @@ def _fwd_kv_loop(acc1, m1, l1, chk1, acc2, m2, l2, chk2, q1, q2, qbad1, qbad2,  
 
 
 @triton.jit
-def _kv_descriptors(K1, V, stride_kh, stride_kn, stride_vn, Nk, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """Tensor descriptors of one KV group's ``k1``, ``k2`` (``(Nk, d)`` each) and ``v`` (``(Nk, 2d)``), read a key
-    tile at a time by Hopper's copy engine (TMA) instead of per-thread pointer loads: no address registers, and
-    the engine fills rows past ``Nk`` and columns past the head dim with 0. The host passes them only where the
-    base and every stride but the last are multiples of 16 bytes (``flash_diff.tma_ok``)."""
-    kd1 = tl.make_tensor_descriptor(K1, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-    kd2 = tl.make_tensor_descriptor(K1 + stride_kh, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1],
-                                    block_shape=[BLOCK_N, BLOCK_D])
-    vd = tl.make_tensor_descriptor(V, shape=[Nk, 2 * HEAD_DIM], strides=[stride_vn, 1],
-                                   block_shape=[BLOCK_N, 2 * BLOCK_D])
-    return kd1, kd2, vd
+def _tile_descriptors(X1, Y, stride_xh, stride_xn, stride_yn, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """Tensor descriptors of one head's two maps at ``X1`` and ``X1 + stride_xh`` (``(N, d)`` each) and of the
+    ``(N, 2d)`` tensor at ``Y``, read ``BLOCK`` rows at a time by Hopper's copy engine (TMA) instead of per-thread
+    pointer loads: no address registers, and the engine fills rows past ``N`` and columns past the head dim with
+    0. The forward's are k1, k2 and v (key tiles), the dK kernels' q1, q2 and dO (query tiles). The host passes
+    them only where the base and every stride but the last are multiples of 16 bytes (``launch.tma_ok``)."""
+    xd1 = tl.make_tensor_descriptor(X1, shape=[N, HEAD_DIM], strides=[stride_xn, 1], block_shape=[BLOCK, BLOCK_D])
+    xd2 = tl.make_tensor_descriptor(X1 + stride_xh, shape=[N, HEAD_DIM], strides=[stride_xn, 1],
+                                    block_shape=[BLOCK, BLOCK_D])
+    yd = tl.make_tensor_descriptor(Y, shape=[N, 2 * HEAD_DIM], strides=[stride_yn, 1], block_shape=[BLOCK, 2 * BLOCK_D])
+    return xd1, xd2, yd
 
 
 @triton.jit
@@ -318,8 +318,8 @@ def _diff_attn_fwd(Q, K, V, LAM, MASK, OUT, O2, LSE, FLAG,
         MASKm = MASK + b64 * stride_mb + h64 * stride_mh + m64 * stride_mm
         K1s, K2s, Vs = K1, K1 + stride_kh, Vg  # where the loops read k1, k2, v: pointers, or descriptors
         if TMA:
-            K1s, K2s, Vs = _kv_descriptors(K1, Vg, stride_kh, stride_kn, stride_vn, Nk, HEAD_DIM=HEAD_DIM,
-                                           BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            K1s, K2s, Vs = _tile_descriptors(K1, Vg, stride_kh, stride_kn, stride_vn, Nk, HEAD_DIM=HEAD_DIM,
+                                             BLOCK=BLOCK_N, BLOCK_D=BLOCK_D)
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -451,15 +451,20 @@ def _diff_attn_bwd_preprocess(OUT, O2, DO, LAM, DELTA, FLAG,
 
 
 @triton.jit
-def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale, DIAG: tl.constexpr,
-             MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _probs_t(k, Q, start_m, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale, TMA: tl.constexpr,
+             DIAG: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             UPCAST: tl.constexpr):
     """One map's probabilities for one query tile against the key tile ``k``, recomputed and transposed,
     ``(BLOCK_N, BLOCK_M)``: ``P^T = 2^(k q^T qk_scale - lse)`` from the saved base-2 log-sum-exp (``LSE`` of this
     map; rows past ``Nq`` load ``+inf``, so their P is 0). On diagonal tiles (``DIAG``) the entries outside
     ``visible``, one tile for both maps, become 0 after the exponential (hiding the scores before it, as the
     other kernels do with :func:`_visible`, costs the heaviest dK variants register spills: compile facts).
-    Returns ``(p^T, q^T)``: the dK product reuses q^T."""
-    qt = tl.load(Q + qt_off, mask=qt_mask, other=0.0)
+    Returns ``(p^T, q^T)``: the dK product reuses q^T. ``Q`` points at the query tile, or (``TMA``) is the map's
+    tensor descriptor, read at row ``start_m`` (rows past ``Nq``, columns past the head dim: 0, as masked)."""
+    if TMA:
+        qt = tl.trans(Q.load([start_m, 0]))
+    else:
+        qt = tl.load(Q + qt_off, mask=qt_mask, other=0.0)
     st = _scores(k, qt, mvals, 0, 0, 0, 0, qk_scale, EDGE=False, CAUSAL=False, MASK_KIND=MASK_KIND,
                  MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     pt = tl.math.exp2(st - tl.load(LSE + rows, mask=row_ok, other=float("inf"))[None, :])
@@ -469,15 +474,31 @@ def _probs_t(k, Q, qt_off, qt_mask, LSE, mvals, visible, rows, row_ok, qk_scale,
 
 
 @triton.jit
+def _query_tile(Q1, Q2, DOh, start_m, do_off, do_mask, stride_qm, stride_gm, TMA: tl.constexpr):
+    """For the dK kernels' loops, one query tile: its ``dO`` tile, loaded, and where :func:`_probs_t` reads its
+    ``q1`` and ``q2`` tiles: pointers moved to row ``start_m``, or (``TMA``) the maps' descriptors themselves."""
+    if TMA:
+        do = DOh.load([start_m, 0])
+        Qt1, Qt2 = Q1, Q2
+    else:
+        m64 = tl.cast(start_m, tl.int64)
+        do = tl.load(DOh + m64 * stride_gm + do_off, mask=do_mask, other=0.0)
+        Qt1, Qt2 = Q1 + m64 * stride_qm, Q2 + m64 * stride_qm
+    return do, Qt1, Qt2
+
+
+@triton.jit
 def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1, k2 (BLOCK_N x d), v (BLOCK_N x 2d)
-                 Q1, DOh, LSEh, DELTAh, LAMh, MASKh,  # this head's query map 1 / dO / statistics / lambda / mask
+                 Q1, Q2, DOh, LSEh, DELTAh, LAMh, MASKh,  # this head's query maps / dO / statistics / lambda / mask
                  start_n, lo, hi, Nq, Nk, qk_scale,
-                 stride_qh, stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
+                 stride_qm, stride_gm, stride_lm, stride_mm, stride_mn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  DIAG: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
-                 DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Query tiles ``[lo, hi)`` against one key tile, everything transposed (rows are keys). ``DIAG``: the
-    tiles cross the causal diagonal (mask them). Rows past ``Nq`` load ``lse = +inf``, so their P is 0."""
+    tiles cross the causal diagonal (mask them). Rows past ``Nq`` load ``lse = +inf``, so their P is 0.
+    ``TMA``: ``Q1``, ``Q2``, ``DOh`` are tensor descriptors (:func:`_tile_descriptors`), not pointers."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_nl = tl.arange(0, BLOCK_N)  # key rows inside the tile (MASKh already points at key start_n)
     offs_n = start_n + offs_nl
@@ -496,7 +517,8 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
         rows = start_m + offs_mb
         row_ok = rows < Nq
         qt_mask = row_ok[None, :] & d_ok[:, None]
-        do = tl.load(DOh + m64 * stride_gm + do_off, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        do, Qt1, Qt2 = _query_tile(Q1, Q2, DOh, start_m, do_off, row_ok[:, None] & dv_ok[None, :], stride_qm,
+                                   stride_gm, TMA=TMA)
         lam = tl.load(LAMh + rows * stride_lm, mask=row_ok, other=0.0).to(tl.float32)
         mvals = _load_mask_tile(MASKh + m64 * stride_mm, offs_mb[None, :], offs_nl[:, None], row_ok[None, :],
                                 offs_n[:, None] < Nk, stride_mm, stride_mn, MASK_KIND=MASK_KIND)
@@ -505,12 +527,12 @@ def _bwd_kv_loop(dk1, dk2, dv, k1, k2, v,  # accumulators and the key tile's k1,
             visible = offs_n[:, None] <= rows[None, :] + (Nk - Nq)
         # recompute the maps, transposed: (BLOCK_N, BLOCK_M); map 2's upstream gradient is -lam dO
         if NEED1:
-            p1t, q1t = _probs_t(k1, Q1 + m64 * stride_qm, qt_off, qt_mask, LSEh, mvals, visible, rows, row_ok, qk_scale,
-                                DIAG=DIAG, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN, DOT_PRECISION=DOT_PRECISION,
-                                UPCAST=UPCAST)
+            p1t, q1t = _probs_t(k1, Qt1, start_m, qt_off, qt_mask, LSEh, mvals, visible, rows, row_ok, qk_scale,
+                                TMA=TMA, DIAG=DIAG, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN,
+                                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         if NEED2:
-            p2t, q2t = _probs_t(k2, Q1 + stride_qh + m64 * stride_qm, qt_off, qt_mask, LSEh + Nq, mvals, visible, rows,
-                                row_ok, qk_scale, DIAG=DIAG, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN,
+            p2t, q2t = _probs_t(k2, Qt2, start_m, qt_off, qt_mask, LSEh + Nq, mvals, visible, rows, row_ok,
+                                qk_scale, TMA=TMA, DIAG=DIAG, MASK_KIND=MASK_KIND, MASK_MIN=MASK_MIN,
                                 DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
         if DV_OUT:  # dV += (P1 - lam P2)^T dO: the differential map, transposed
             dv = _dot((p1t - lam[None, :] * p2t).to(do.dtype), do, dv, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
@@ -542,11 +564,12 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV, FLAG,
                         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_MIN: tl.constexpr,
                         DV_OUT: tl.constexpr, DK_MAPS: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """One program: one key tile of one (batch, KV group); it sums over the ``GROUP`` differential heads that
     share the group, so each dK/dV row has one writer. ``DV_OUT``: accumulate dV; ``DK_MAPS``: dK of
     ``MAPS_1``, ``MAPS_2``, ``MAPS_BOTH`` or ``MAPS_NONE``. ``DK``, ``DV`` are written with their own strides: a
-    gradient buffer is dense even where k or v is a view with gaps, overlaps (``expand``) or a storage offset."""
+    gradient buffer is dense even where k or v is a view with gaps, overlaps (``expand``) or a storage offset.
+    ``TMA`` (a configuration's switch, sm_90a tables only): the query and dO tiles arrive by tensor descriptor."""
     BLOCK_DV: tl.constexpr = 2 * BLOCK_D
     n_n = tl.cdiv(Nk, BLOCK_N)
     pid = tl.program_id(0)
@@ -581,19 +604,25 @@ def _diff_attn_bwd_dkdv(Q, K, V, LAM, MASK, DO, LSE, DELTA, DK, DV, FLAG,
         MASKh = MASK + b64 * stride_mb + h64 * stride_mh + n64 * stride_mn
         LSEh = LSE + bh * 2 * Nq
         DELTAh = DELTA + bh * 2 * Nq
+        Q1s, Q2s, DOs = Q1, Q1 + stride_qh, DOh  # where the loops read q1, q2, dO: pointers, or descriptors
+        if TMA:
+            Q1s, Q2s, DOs = _tile_descriptors(Q1, DOh, stride_qh, stride_qm, stride_gm, Nq, HEAD_DIM=HEAD_DIM,
+                                              BLOCK=BLOCK_M, BLOCK_D=BLOCK_D)
         if CAUSAL:  # the query tiles [lo, mid) cross the diagonal
             dk1, dk2, dv = _bwd_kv_loop(
-                dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh, start_n, lo=lo, hi=mid, Nq=Nq, Nk=Nk,
-                qk_scale=qk_scale, stride_qh=stride_qh, stride_qm=stride_qm, stride_gm=stride_gm,
+                dk1, dk2, dv, k1, k2, v, Q1s, Q2s, DOs, LSEh, DELTAh, LAMh, MASKh, start_n, lo=lo, hi=mid, Nq=Nq,
+                Nk=Nk, qk_scale=qk_scale, stride_qm=stride_qm, stride_gm=stride_gm,
                 stride_lm=stride_lm, stride_mm=stride_mm, stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, DIAG=True, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
-                MASK_MIN=MASK_MIN, DV_OUT=DV_OUT, DK_MAPS=DK_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                MASK_MIN=MASK_MIN, DV_OUT=DV_OUT, DK_MAPS=DK_MAPS, TMA=TMA, DOT_PRECISION=DOT_PRECISION,
+                UPCAST=UPCAST)
         dk1, dk2, dv = _bwd_kv_loop(
-            dk1, dk2, dv, k1, k2, v, Q1, DOh, LSEh, DELTAh, LAMh, MASKh, start_n, lo=mid, hi=Nq, Nq=Nq, Nk=Nk,
-            qk_scale=qk_scale, stride_qh=stride_qh, stride_qm=stride_qm, stride_gm=stride_gm,
+            dk1, dk2, dv, k1, k2, v, Q1s, Q2s, DOs, LSEh, DELTAh, LAMh, MASKh, start_n, lo=mid, hi=Nq, Nq=Nq,
+            Nk=Nk, qk_scale=qk_scale, stride_qm=stride_qm, stride_gm=stride_gm,
             stride_lm=stride_lm, stride_mm=stride_mm, stride_mn=stride_mn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, DIAG=False, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND,
-            MASK_MIN=MASK_MIN, DV_OUT=DV_OUT, DK_MAPS=DK_MAPS, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+            MASK_MIN=MASK_MIN, DV_OUT=DV_OUT, DK_MAPS=DK_MAPS, TMA=TMA, DOT_PRECISION=DOT_PRECISION,
+            UPCAST=UPCAST)
 
     dk_off = offs_n[:, None] * stride_dkn + offs_d[None, :]
     DK1 = DK + b64 * stride_dkb + (2 * g64) * stride_dkh + n64 * stride_dkn
