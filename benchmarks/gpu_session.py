@@ -30,7 +30,8 @@ default ones and the machine's start fit 15 minutes of device time, :data:`DEVIC
    ``tests/test_triton_layouts.py``, forward and backward on every input layout;
 6. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
    norm-relative error, for masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
-7. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128) and checks the picked configurations;
+7. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128, the default plans and their atomic twins)
+   and checks the picked configurations' answers;
 8. ``sdpa`` (only when named): ``benchmarks/bench_sdpa.py`` (notebook 08's table);
 9. ``compile`` (only when named; it needs no GPU): ``python -m diffattn_tutorial.kernels.triton.aot --all`` with
    the Triton installed there (registers can differ between versions).
@@ -70,8 +71,9 @@ from diffattn_tutorial.measure.gpu import SESSION_SCHEMA as SCHEMA  # noqa: E402
 
 STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments after the python), in order of value:
 #   the new tables' numbers first (issue 51's goals are read from them), then the probe, then the GPU tests; the
-#   minutes are the recorded sessions' (2026-11-26: bench steps under a minute each, the probe 47 s without ncu,
-#   tests and tests16 about 2.5 and 1.5 min), rounded up
+#   minutes are the recorded sessions' (2026-11-26: bench steps about a minute each, the probe 47 s without ncu,
+#   tests and tests16 about 2.5 and 1.5 min, autotune 32-43 s), rounded up, with what was added since: the probe's
+#   four TMA twins (about 3 s each), the autotune step's atomic plans (twice its cases)
     "bench64": ("bench_triton at d = 64 with the new sm_90a table (N = 8192; 4096 below 40 GiB): the kernel through "
                 "diff_attention against every SDPA formulation and backend", 1,
                 ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "--out",
@@ -84,7 +86,7 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
                ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "128", "--modes", "fwd_bwd",
                 "--impls", "triton,triton_atomic,triton_tma,triton_pointers", "--out",
                 "{out}/results_triton_atomic.json"]),
-    "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 2,
+    "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 1,
               ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
     "tests": ("GPU tests: the CPU suite's cases compiled (the scan and the careful launch too), every input "
               "layout, grid and int32 limits; pinned, poisoned", 3,
@@ -92,7 +94,7 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
                "-k", "not autotuned_configs_at_8192 and not low_precision"]),
     "tests16": ("GPU tests: 16-bit / fp32 forward and gradients vs float64, d = 64 and 128", 2,
                 ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k", "low_precision"]),
-    "autotune": ("the autotuner's picks at N = 8192, checked", 1,
+    "autotune": ("the autotuner's picks at N = 8192, checked, for the default and the atomic plans", 2,
                  ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                   "autotuned_configs_at_8192"]),
     "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB): recorded on the H100 and the H200 already", 1,

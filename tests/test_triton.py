@@ -575,6 +575,34 @@ def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan):
     assert all(g.isnan().all() for g in grads), [g.isnan().float().mean().item() for g in grads]
 
 
+def test_a_kernel_that_adds_with_atomics_is_autotuned_with_its_sums_restored():
+    """The autotuner times each configuration by running it on the real arguments, several times: a kernel that
+    adds into a buffer (``tl.atomic_add``) would add each run's share. Every such kernel names its summed
+    arguments in ``flash_diff.ACCUMULATED``, and its autotuner restores them after each timed run."""
+    import inspect
+
+    from diffattn_tutorial.kernels.triton import flash_diff
+    from diffattn_tutorial.kernels.triton.configs import autotune_configs
+
+    def source(fn, seen=()):  # a jit function's code and that of the jit functions it calls
+        text = inspect.getsource(fn.fn)
+        calls = [obj for name, obj in fn.fn.__globals__.items() if f"{name}(" in text and name not in seen
+                 and type(obj).__name__ in ("JITFunction", "InterpretedFunction")]
+        return text + "".join(source(c, (*seen, fn.fn.__name__, *(c.fn.__name__ for c in calls))) for c in calls)
+
+    adding = {name for name, fn in flash_diff.KERNELS.items() if "tl.atomic_add(" in source(fn)}
+    assert adding == set(flash_diff.ACCUMULATED) == {"_diff_attn_bwd_dkdq"}, adding
+    consts = {"BLOCK_D": 64, "DK_MAPS": 3, "MASK_KIND": 0}
+    before = set(flash_diff._tuned)
+    tuner = flash_diff._tuned_kernel("_diff_attn_bwd_dkdq", consts,
+                                     autotune_configs("_diff_attn_bwd_dkdq", consts, torch.bfloat16, 90, tma=None))
+    try:
+        assert tuner.restore_value == ["DQACC"] and len(tuner.configs) == 3
+    finally:
+        for key in set(flash_diff._tuned) - before:  # no tuner left behind for the other tests
+            del flash_diff._tuned[key]
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU only: limits of the grid and of int32 offsets, the autotuner's choices at N = 8192
 # ------------------------------------------------------------------------------------------------
@@ -607,13 +635,15 @@ def test_gpu_mask_offsets_past_2_31():
 
 
 @gpu
+@pytest.mark.parametrize("atomic", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_autotuned_configs_at_8192(d, monkeypatch):
+def test_gpu_autotuned_configs_at_8192(d, atomic, monkeypatch):
     """With autotuning on (as in the benchmarks), the configurations picked at N = 8192 compute the right
     answer, forward and backward, judged as :func:`test_low_precision_against_float64` judges: no worse than the
     naive backend in the same dtype. lambda is per token: a scalar lambda's gradient is one sum of 16384 rows'
-    terms of both signs, whose relative error is no measure of the kernel (an H200 gave 1.5% at d = 128). The
-    picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
+    terms of both signs, whose relative error is no measure of the kernel (an H200 gave 1.5% at d = 128).
+    ``atomic``: the atomic twin of the plan, whose dK kernel adds dQ with atomics while the autotuner times it
+    (``flash_diff.ACCUMULATED``). The picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
     import json
 
     from diffattn_tutorial.kernels.triton.flash_diff import chosen_configs
@@ -623,7 +653,12 @@ def test_gpu_autotuned_configs_at_8192(d, monkeypatch):
     monkeypatch.setenv("DIFFATTN_TRITON_AUTOTUNE", "1")
     q, k, v, lam = make(1, 2, 2, 8192, 8192, d, dtype=HALF, lam_kind="token", seed=d)
     g = torch.randn(1, 2, 8192, 2 * d, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=HALF)
-    out, grads = run("triton", q, k, v, lam, g)
+    if atomic:
+        from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
+
+        out, grads = run_plan(ATOMIC_TWINS[plan_for(d, CAPABILITY).name], q, k, v, lam, g)
+    else:
+        out, grads = run("triton", q, k, v, lam, g)
     low, low_grads = run("naive", q, k, v, lam, g)
     exact, exact_grads = run("naive", q.double(), k.double(), v.double(), lam.double(), g.double())
     for name, a, n, e in zip(("out", "dq", "dk", "dv", "dlam"), (out, *grads), (low, *low_grads),

@@ -132,6 +132,11 @@ def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can
     far = torch.ones(1, 2, 64, 129, dtype=torch.bfloat16)[..., :128]  # dO rows of 258 bytes
     assert not tma_ok(far)
     assert all("tma" not in c for cs in offered_backward(q, k, v, far).values() for c in cs)
+    # tma=True is the forward's to force: autograd chose dO's layout, so the backward reads by pointers then, and
+    # a launch with no twin (the fused plan's dK/dV at d = 64) takes its pointer entries instead of failing
+    assert offered_backward(q, k, v, far, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2", "16x128 w8 s2"]
+    assert offered_backward(q, k, v, dout, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2 tma"]
+    assert "tma" not in offered_backward(q, k, v, dout, tma=True, plan="fused")["_diff_attn_bwd_dkdv/dkdv"][0]
 
 
 def test_tma_true_is_refused_where_the_copy_engine_cannot_read_with_the_fix():
@@ -141,6 +146,9 @@ def test_tma_true_is_refused_where_the_copy_engine_cannot_read_with_the_fix():
     q, k, v, lam = make(1, 2, 1, 16, 16, 64, torch.bfloat16)
     with capture_launches(80), pytest.raises(ValueError, match="does not have; pass tma=None"):
         triton_diff_attention(q, k, v, lam, tma=True)
+    assert not tma_ok(k[:, :, :1].expand(k.shape))  # keys expanded along the sequence: rows 0 bytes apart
+    out = triton_diff_attention(q, k[:, :, :0], v[:, :, :0], lam, tma=True)  # no key: nothing read, no refusal
+    assert out.shape == (1, 2, 16, 128) and not out.any()
 
 
 def test_the_descriptor_workspace_is_set_for_the_launch_only():

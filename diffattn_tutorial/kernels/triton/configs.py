@@ -104,7 +104,7 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
         16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)],
         32: [_cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3)],
         # 64x64 w4 s3: the H100 probe's faster shape (MEASURED_SPILLS), then its TMA twin (TMA_TWINS) in the place
-        # of 128x32 w8 s3, the probe's 20% slower former first entry
+        # of 128x32 w8 s3, the probe's 20% slower former first entry (inputs the copy engine cannot read: 64x64 only)
         64: [_cfg(64, 64, 4, 3), _twin(64, 64, 4, 3)],
     },
     ("_diff_attn_fwd", "map"): {
@@ -167,11 +167,14 @@ UNMASKED_ONLY: dict[tuple[str, str, int, str], str] = {
 head dim, config) -> why``. Never first in their list, so the pinned configuration runs every variant."""
 TMA_TWINS = ("the sm_90a entries with TMA=True (the forward's and the dK kernels', TMA_KERNELS): the same tile as an "
              "entry before them, the tiles its loop walks (the forward's k and v, the dK kernels' q and dO) loaded by "
-             "tensor descriptor (Hopper's copy engine) instead of per-thread pointers. In every case the compile "
-             "facts hold they use no more registers and spill no more than their pointer entry "
-             "(tests/test_triton_compile.py checks it), so they share its MEASURED_SPILLS and UNMASKED_ONLY "
-             "entries; their speed is unmeasured. Never first in a list, so only the autotuner, timing both on the "
-             "GPU, picks one, and only for inputs whose base and strides are multiples of 16 bytes (launch.tma_ok)")
+             "tensor descriptor (Hopper's copy engine) instead of per-thread pointers. In the cases the record "
+             "compiles them (training at each head dim and the atomic plans, every configuration; the heaviest "
+             "variant's inference forward; not yet GQA, a causal or masked backward, fp16 or a careful launch) they "
+             "use no more registers and spill no more than their pointer entry (tests/test_triton_compile.py checks "
+             "it), so they share its MEASURED_SPILLS and UNMASKED_ONLY entries; their speed is unmeasured. Never "
+             "first in a list: by default only the autotuner, timing both on the GPU, picks one, and only for inputs "
+             "whose base and strides are multiples of 16 bytes (launch.tma_ok); tma=True forces them (the pinned "
+             "and careful launches then run the first twin)")
 """Why the sm_90a lists of :data:`TMA_KERNELS` end with TMA twins (``TMA=True`` in a configuration's kwargs)."""
 
 # float32: no tensor cores unless TF32 is allowed ("ieee" products are FMA loops), small tiles only, any plan

@@ -102,12 +102,19 @@ _tuned: dict[tuple, object] = {}
 _AUTOTUNE_KEYS = ("N_BUCKET", "GROUP", "HEAD_DIM", "CAUSAL", "MASK_KIND", "MASK_MIN")
 
 
-def _tuned_kernel(name: str, consts: dict, configs: list):
-    key = (name, form(name, consts), consts.get("BLOCK_D"), tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
-                                                                   c.kwargs.get("TMA"), c.num_warps, c.num_stages)
-                                                                  for c in configs))
+ACCUMULATED = {"_diff_attn_bwd_dkdq": ["DQACC"]}
+"""The arguments a kernel adds into (atomics) rather than writes: the autotuner, which runs each configuration
+several times on the real arguments to time it, restores them after each run, so only the final launch adds."""
+
+
+def _tuned_kernel(name: str, consts: dict, configs: list, offered: str = ""):
+    """The autotuner over ``configs`` for kernel ``name`` (one per variant, head dim, configuration list and
+    ``offered``, the TMA entries the caller's choice left: :func:`chosen_configs` reports each apart)."""
+    key = (name, form(name, consts), consts.get("BLOCK_D"), offered, tuple(
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs.get("TMA"), c.num_warps, c.num_stages) for c in configs))
     if key not in _tuned:
-        _tuned[key] = triton.autotune(configs, key=list(_AUTOTUNE_KEYS))(KERNELS[name])
+        _tuned[key] = triton.autotune(configs, key=list(_AUTOTUNE_KEYS), restore_value=ACCUMULATED.get(name))(
+            KERNELS[name])
     return _tuned[key]
 
 
@@ -117,14 +124,19 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
     blocks, ``blocks`` when given, the pinned first configuration (``DIFFATTN_TRITON_AUTOTUNE=0``), or
     the autotuner over :func:`autotune_configs`. The forward's careful launch (``CAREFUL``) always takes the
     pinned configuration: it runs only where the scan found a non-finite value, so there is nothing to tune.
-    ``tma`` (from :func:`_tma_choice`; for the kernels of ``configs.TMA_KERNELS``): which of the table's entries it
+    ``tma`` (from ``launch.tma_choice``; for the kernels of ``configs.TMA_KERNELS``): which of the table's entries it
     may take, pointer loads (``False``), tensor descriptors (``True``) or either (``None``, the autotuner's)."""
     tma = tma if name in TMA_KERNELS else False
     configs = autotune_configs(name, consts, dtype, capability, tma=tma)
-    if not configs and not interpret and blocks is None:  # tma=True where the table has no TMA twin
-        raise ValueError(f"tma=True: no TMA configuration in the tables for this call ({dtype}, padded head dim "
-                         f"{consts['BLOCK_D']}, compute capability {capability / 10:.1f}; configs.TMA_TWINS: sm_90a, "
-                         f"16-bit, head dims 64 and 128); pass tma=None, or blocks=(BLOCK_M, BLOCK_N)")
+    if not configs and (launch.capturing() or not interpret) and blocks is None:  # tma=True, and no twin here
+        if name == "_diff_attn_fwd":
+            raise ValueError(f"tma=True: no TMA configuration in the tables for this call ({dtype}, padded head dim "
+                             f"{consts['BLOCK_D']}, compute capability {capability / 10:.1f}; configs.TMA_TWINS: "
+                             f"sm_90a, 16-bit, head dims 64 and 128); pass tma=None, or blocks=(BLOCK_M, BLOCK_N)")
+        tma, configs = False, autotune_configs(name, consts, dtype, capability, tma=False)  # a backward launch
+    both = autotune_configs(name, consts, dtype, capability, tma=None)
+    offered = "" if tma is None or all(bool(c.kwargs.get("TMA")) == tma for c in both) else (
+        "/tma" if tma else "/pointers")
     if consts.get("CAREFUL"):
         configs = configs[:1]
     if launch.capturing():
@@ -145,38 +157,20 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
         c = configs[0]
         fn, grid, kw = kernel, (n_programs(c.kwargs),), {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
     else:
-        fn, grid, kw = _tuned_kernel(name, consts, configs), lambda meta: (n_programs(meta),), {}
+        fn, grid, kw = _tuned_kernel(name, consts, configs, offered), lambda meta: (n_programs(meta),), {}
     # the interpreter builds its descriptors without a workspace
     launch.call(fn[grid], workspace=tma is not False and not interpret, **args, **consts, **kw)
 
 
-def _tma_choice(tma: Optional[bool], capability: int, interpret: bool, **tensors: Tensor) -> Optional[bool]:
-    """``tma`` for :func:`_launch` from the caller's, for launches that read ``tensors`` by descriptor (the forward
-    k and v, the backward q and dO): ``None`` (default) offers the sm_90a table's TMA twins to the autotuner where
-    :func:`tma_ok` holds, on a GPU (``False`` in the interpreter: the pinned entry); ``True`` forces them and
-    refuses, naming the fix, what they cannot read."""
-    if tma is False:
-        return False
-    if tma is None:
-        return None if capability >= 90 and not interpret and tma_ok(*tensors.values()) else False
-    names = " and ".join(tensors)
-    if capability < 90 and not interpret:
-        raise ValueError(f"tma=True reads {names} with Hopper's copy engine (TMA), which this GPU (compute capability "
-                         f"{capability / 10:.1f}) does not have; pass tma=None")
-    if not tma_ok(*tensors.values()):
-        got = ", ".join(f"{n} strides {tuple(t.stride())}" for n, t in tensors.items())
-        raise ValueError(f"tma=True needs {names} with 16-byte aligned base addresses and strides (the copy engine's "
-                         f"rule) and nothing empty; got {got}: pass "
-                         f"{' and '.join(n + '.contiguous()' for n in tensors)}, or tma=None (pointer loads then)")
-    return True
-
-
 def chosen_configs() -> dict[str, dict]:
-    """What the autotuner picked so far, per kernel variant and key: ``{"fwd/fused/d64": {key: config}}``."""
-    picked = {}
-    for (name, variant, block_d, _), tuner in _tuned.items():
+    """What the autotuner picked so far, per kernel variant and key: ``{"_diff_attn_fwd/fused/d64": {key:
+    config}}``; ``.../d64/tma`` and ``.../d64/pointers`` where the caller's ``tma`` left only the TMA twins or only
+    the pointer entries of a list that has both (``configs.TMA_TWINS``)."""
+    picked: dict[str, dict] = {}
+    for (name, variant, block_d, offered, _), tuner in _tuned.items():
         cache = getattr(tuner, "cache", {})
-        picked[f"{name}/{variant}/d{block_d}"] = {str(k): str(c) for k, c in cache.items()}
+        picked.setdefault(f"{name}/{variant}/d{block_d}{offered}", {}).update(
+            {str(k): str(c) for k, c in cache.items()})
     return picked
 
 
@@ -471,14 +465,14 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     the backward, else empty), ``lse`` the two maps' base-2 log-sum-exps ``(B, H, 2, Nq)`` float32 and ``flag``
     ``(1,)`` int32, 1 where the kernels' scan met a NaN or an infinity (then the careful launches have made exactly
     the rows that read one NaN, and the backward makes every gradient NaN). Refuses inputs the kernels cannot read
-    safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts). ``tma``: :func:`_tma_choice`."""
+    safely (:func:`check_op_inputs`: shapes, dtypes, devices, layouts). ``tma``: ``launch.tma_choice``."""
     _check_forward(q, k, v, lam, attn_mask, scale, blocks, plan)
     if not launch.capturing():
         _check_mode(q.device)
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
-    tma = _tma_choice(tma, cap, interpret and not launch.capturing(), k=k, v=v)  # a recording is as on a GPU
+    tma = launch.tma_choice(tma, cap, interpret and not launch.capturing(), k=k, v=v)  # a recording is as on a GPU
     lam4 = _lam4(lam, B, H, Nq)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     out = _alloc(B, H, Nq, 2 * d, like=q)
@@ -524,7 +518,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows).
     Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse``, ``flag`` not shaped as it
     made them. Where ``flag`` is set (the forward met a NaN or an infinity) every gradient is NaN. ``tma``: the dK
-    launches' q and dO loads, as the forward's k and v (:func:`_tma_choice`)."""
+    launches' q and dO loads, as the forward's k and v (``launch.tma_choice``)."""
     _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
     check_same(BACKWARD_OP, q, torch.int32, flag=flag)
     check_shapes(BACKWARD_OP, {"flag": ("1",)}, dict(flag=flag))
@@ -535,7 +529,9 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
     dout = _dout_for_kernels(dout)
-    tma = _tma_choice(tma, cap, interpret and not launch.capturing(), q=q, dout=dout)
+    if tma and not tma_ok(q, dout):  # forced for the forward; dO's layout is autograd's: pointer loads here then
+        tma = False
+    tma = launch.tma_choice(tma, cap, interpret and not launch.capturing(), q=q, dout=dout)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
     runs = bool(out.numel() and Nk)  # else there is nothing to attend to: every gradient is 0
     dq, dk, dv = (_grad_buffer(t, runs) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))

@@ -150,12 +150,35 @@ def call(kernel: Callable, workspace: bool, **kwargs) -> None:
 
 
 def tma_ok(*tensors: Tensor) -> bool:
-    """Whether the forward may read these tensors (k, v) by tensor descriptor: the copy engine needs each base
-    address and every stride but the last (which is 1) to be a multiple of 16 bytes, and nothing empty."""
-    return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
+    """Whether a kernel may read these tensors (the forward's k and v, the dK kernels' q and dO) by tensor
+    descriptor: the copy engine needs each base address and every stride but the last (which is 1) to be a multiple
+    of 16 bytes, and rows that are rows (a row stride of 0, an expanded sequence, is left to the pointer loads)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) != 0) and
                all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def tma_choice(tma: Optional[bool], capability: int, interpret: bool, **tensors: Tensor) -> Optional[bool]:
+    """``tma`` for ``flash_diff._launch`` from the caller's, for launches that read ``tensors`` by descriptor (the forward
+    k and v, the backward q and dO): ``None`` (default) offers the sm_90a table's TMA twins to the autotuner where
+    :func:`tma_ok` holds, on a GPU (``False`` in the interpreter: the pinned entry); ``True`` forces them and
+    refuses, naming the fix, what they cannot read."""
+    if tma is False or any(t.numel() == 0 for t in tensors.values()):  # nothing to read by descriptor
+        return False
+    if tma is None:
+        return None if capability >= 90 and not interpret and tma_ok(*tensors.values()) else False
+    names = " and ".join(tensors)
+    if capability < 90 and not interpret:
+        raise ValueError(f"tma=True reads {names} with Hopper's copy engine (TMA), which this GPU (compute capability "
+                         f"{capability / 10:.1f}) does not have; pass tma=None")
+    if not tma_ok(*tensors.values()):
+        got = ", ".join(f"{n} strides {tuple(t.stride())}" for n, t in tensors.items())
+        raise ValueError(f"tma=True needs {names} with 16-byte aligned base addresses and strides (the copy engine's "
+                         f"rule; a contiguous tensor's rows are when the head dim is a multiple of 8 in 16-bit, of 4 in "
+                         f"float32); got {got}: pass {' and '.join(n + '.contiguous()' for n in tensors)} where the "
+                         f"head dim allows it, or tma=None (pointer loads then)")
+    return True
 
 
 __all__ = ["POISON_ENV", "MAX_TILE_ROWS", "Launch", "capture_launches", "capturing", "record", "capability",
            "interpret_mode", "dot_precision",
-           "strides", "poison", "alloc", "tile_step", "tile_offsets_fit", "tma_ok", "call", "descriptor_workspace"]
+           "strides", "poison", "alloc", "tile_step", "tile_offsets_fit", "tma_ok", "tma_choice", "call", "descriptor_workspace"]
