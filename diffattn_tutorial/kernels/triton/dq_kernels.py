@@ -4,9 +4,9 @@
 (the atomic plans replace it, :mod:`~diffattn_tutorial.kernels.triton.atomic_kernels`): one program per query tile
 of one (batch, differential head) walks the key tiles of its KV group in two loops (as the forward does: tiles that
 need no masking, then those that cross ``Nk`` or the causal diagonal), recomputes each map's probabilities from the
-saved log-sum-exps and adds ``dQ += dS k``; each dQ row has one writer. The helpers it shares with the other kernels
-are :mod:`~diffattn_tutorial.kernels.triton.flash_kernels`'; their names are part of the compile facts' cache keys
-(``aot_keys.kernel_source_hash``), so they keep them."""
+saved log-sum-exps and adds ``dQ += dS k``; each dQ row has one writer. Moved here from
+:mod:`~diffattn_tutorial.kernels.triton.flash_kernels` unchanged, with the names of the jit helpers it imports from
+there: a helper's name is part of each compile fact's cache key (``aot_keys.kernel_source_hash``)."""
 
 from __future__ import annotations
 
