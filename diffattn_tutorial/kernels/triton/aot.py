@@ -371,19 +371,19 @@ def all_cases(head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[str] = DTYP
 def record_cases(arch: str, head_dims: Sequence[int] = HEAD_DIMS) -> list[tuple[Case, bool]]:
     """What the record holds for ``arch``, what the checks need: in the target's first dtype (bf16; fp16 on sm_75),
     every autotune configuration of the training case at each head dim (forward, careful forward, backward), the
-    pinned inference forward, and on sm_90a also the pinned heaviest variant (causal, additive mask, per-token
-    lambda) at d = 64 and 128 and its inference forward in every configuration (the forward's TMA twins,
-    ``configs.TMA_TWINS``, beside their pointer entries), GQA 4:1 at d = 64, and the atomic plans (``configs.ATOMIC_TWINS``) at d = 64 and 128
-    (every configuration; d = 128 also pinned in the heaviest variant). fp16 beside bf16 and the heavy variants on every target were
+    pinned inference forward, and on sm_90a also the heaviest variant (causal, additive mask, per-token lambda) at
+    d = 64 and 128, training and inference, and GQA 4:1 at d = 64, in every configuration (the TMA twins,
+    ``configs.TMA_TWINS``, beside their pointer entries), and the atomic plans (``configs.ATOMIC_TWINS``) at d = 64 and 128
+    (every configuration; d = 128 also in the heaviest variant). fp16 beside bf16 and the heavy variants on every target were
     recorded until 2026-11-28 (about three hours on two cores) and showed no problem the plain case did not."""
     dt = ARCHS[arch].dtypes[0]
     cases = [c for d in head_dims for c in ((Case(d, dt), True), (Case(d, dt, grad=False), False))]
     if arch == "sm_90a":
-        cases += [(Case(d, dt, causal=True, mask="additive", lam="token", grad=grad), not grad) for d in (64, 128)
-                  for grad in (True, False) if d in head_dims] + [(Case(64, dt, group=4), False)] * (64 in head_dims)
+        cases += [(Case(d, dt, causal=True, mask="additive", lam="token", grad=grad), True) for d in (64, 128)
+                  for grad in (True, False) if d in head_dims] + [(Case(64, dt, group=4), True)] * (64 in head_dims)
         cases += [(Case(d, dt, plan=plan), True) for d, plan in ((64, "split_kv_atomic"), (128, "split_atomic"))
                   if d in head_dims]  # the atomic plans (chosen by name), their own table entries
-        cases += [(Case(128, dt, causal=True, mask="additive", lam="token", plan="split_atomic"), False)] * (
+        cases += [(Case(128, dt, causal=True, mask="additive", lam="token", plan="split_atomic"), True)] * (
             128 in head_dims)
     return cases
 
