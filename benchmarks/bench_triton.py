@@ -78,7 +78,8 @@ def _peak_mib(call: Callable[[], Tensor], device: torch.device) -> Optional[floa
 
 TRITON_VARIANTS = {"triton_atomic": "the atomic twin of the kernel's plan (configs.ATOMIC_TWINS), d = 33 to 128",
                    "triton_tma": "the kernel with its TMA twins only (configs.TMA_TWINS), sm_90a, d = 64 and 128",
-                   "triton_pointers": "the kernel with pointer loads only (no TMA twin)"}
+                   "triton_pointers": "the kernel with pointer loads only (no TMA twin)",
+                   "triton_fused": "the fused plan (dV and both dK in one launch, HOPPER.md's design 2), d <= 64"}
 """The Triton kernel's variants chosen by name, beside its default (``triton``, through ``diff_attention``)."""
 
 
@@ -86,13 +87,19 @@ def attention(impl: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: b
     """``diff_attention`` with backend ``impl``, or a variant of :data:`TRITON_VARIANTS`, called through
     ``triton_diff_attention`` (chosen by name only): ``triton_atomic``, the atomic twin of the plan the kernel
     would use (dQ added by the dK programs; head dims whose plan has no twin, d <= 32, are refused);
-    ``triton_tma`` / ``triton_pointers``, every launch that can read by tensor descriptor made to, or not to."""
+    ``triton_tma`` / ``triton_pointers``, every launch that can read by tensor descriptor made to, or not to;
+    ``triton_fused``, the fused plan (one dK/dV launch), which has table entries up to d = 64 (refused above)."""
     if impl not in TRITON_VARIANTS:
         return diff_attention(q, k, v, lam, causal=causal, backend=impl)
     from diffattn_tutorial.kernels.triton import launch
     from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
     from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
 
+    if impl == "triton_fused":
+        if q.shape[-1] > 64:
+            raise ValueError(f"d = {q.shape[-1]}: the fused plan has table entries up to d = 64 (its register need "
+                             "at d = 128 is notebook 09's lesson); triton_fused runs d <= 64")
+        return triton_diff_attention(q, k, v, lam, causal=causal, plan="fused")
     if impl != "triton_atomic":
         return triton_diff_attention(q, k, v, lam, causal=causal, tma=impl == "triton_tma")
 

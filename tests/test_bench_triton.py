@@ -86,6 +86,23 @@ def test_a_refusing_backend_is_a_result_not_a_crash():
     assert ms is None and out is None and status.startswith("refused"), status
 
 
+def test_the_kernels_variants_by_name_agree_or_are_refused_as_results(results):
+    """``TRITON_VARIANTS`` (the GPU session's ``atomic`` step): each runs through ``triton_diff_attention`` and
+    agrees with the kernel's default, or is a ``refused`` result naming what it runs (never an error): the fused
+    plan above d = 64, an atomic twin where the plan has none (d <= 32)."""
+    mod, _ = results
+    cpu = torch.device("cpu")
+    small = make_inputs(1, 2, 16, 16, dtype=torch.float32, device=cpu)
+    ref = mod.attention("triton", *small, True)
+    for impl in ("triton_fused", "triton_pointers"):
+        torch.testing.assert_close(mod.attention(impl, *small, True), ref)
+    refused = mod.measure("triton_atomic", "default", "fwd", True, small, device=cpu, reps=1)[3]
+    assert refused.startswith("refused") and "d = 33 to 128" in refused, refused
+    wide = make_inputs(1, 2, 4, 128, dtype=torch.float32, device=cpu)
+    refused = mod.measure("triton_fused", "default", "fwd", False, wide, device=cpu, reps=1)[3]
+    assert refused.startswith("refused") and "d <= 64" in refused, refused
+
+
 def test_shapes_keep_tokens_and_width():
     assert gpu_bench.shape_for(1024, 64, 16384, 2048) == (16, 16)
     assert gpu_bench.shape_for(16384, 128) == (1, 8)

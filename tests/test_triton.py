@@ -635,15 +635,15 @@ def test_gpu_mask_offsets_past_2_31():
 
 
 @gpu
-@pytest.mark.parametrize("atomic", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-def test_gpu_autotuned_configs_at_8192(d, atomic, monkeypatch):
+@pytest.mark.parametrize("d,plan", [(64, "auto"), (128, "auto"), (64, "atomic"), (128, "atomic"), (64, "fused")])
+def test_gpu_autotuned_configs_at_8192(d, plan, monkeypatch):
     """With autotuning on (as in the benchmarks), the configurations picked at N = 8192 compute the right
     answer, forward and backward, judged as :func:`test_low_precision_against_float64` judges: no worse than the
     naive backend in the same dtype. lambda is per token: a scalar lambda's gradient is one sum of 16384 rows'
     terms of both signs, whose relative error is no measure of the kernel (an H200 gave 1.5% at d = 128).
-    ``atomic``: the atomic twin of the plan, whose dK kernel adds dQ with atomics while the autotuner times it
-    (``flash_diff.ACCUMULATED``). The picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
+    ``plan``: the library's, its atomic twin (whose dK kernel adds dQ with atomics while the autotuner times it,
+    ``flash_diff.ACCUMULATED``), or the fused plan at d = 64 (chosen by name, HOPPER.md's design 2). The picks are
+    printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
     import json
 
     from diffattn_tutorial.kernels.triton.flash_diff import chosen_configs
@@ -653,10 +653,12 @@ def test_gpu_autotuned_configs_at_8192(d, atomic, monkeypatch):
     monkeypatch.setenv("DIFFATTN_TRITON_AUTOTUNE", "1")
     q, k, v, lam = make(1, 2, 2, 8192, 8192, d, dtype=HALF, lam_kind="token", seed=d)
     g = torch.randn(1, 2, 8192, 2 * d, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=HALF)
-    if atomic:
+    if plan == "atomic":
         from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
 
         out, grads = run_plan(ATOMIC_TWINS[plan_for(d, CAPABILITY).name], q, k, v, lam, g)
+    elif plan == "fused":
+        out, grads = run_plan("fused", q, k, v, lam, g)
     else:
         out, grads = run("triton", q, k, v, lam, g)
     low, low_grads = run("naive", q, k, v, lam, g)

@@ -191,6 +191,41 @@ def test_an_unmasked_only_entry_is_offered_without_a_mask_and_never_pinned():
         assert label in listed[1:], (kernel, variant, d, label, listed)
 
 
+def test_a_non_causal_only_entry_is_offered_to_calls_that_are_not_causal_and_never_pinned():
+    """``configs.NON_CAUSAL_ONLY``: the fused plan's dK/dV tile 32x128 w8 s2 at d = 64 (it spills when causal with a
+    per-token lambda, whose kind is no constexpr) is offered without causal masking and without a mask only
+    (it is in ``UNMASKED_ONLY`` too); every other call gets the pinned 16x128 w8 s1, clean in every variant."""
+    import torch
+
+    from diffattn_tutorial.kernels.triton import configs
+    from diffattn_tutorial.kernels.triton.flags import MAPS_BOTH, MASK_ADD, MASK_NONE
+
+    def offered(causal, mask_kind):
+        consts = {"DV_OUT": True, "DK_MAPS": MAPS_BOTH, "BLOCK_D": 64, "CAUSAL": causal, "MASK_KIND": mask_kind}
+        return [configs.shape(c) for c in configs.autotune_configs("_diff_attn_bwd_dkdv", consts, torch.bfloat16)]
+
+    assert offered(False, MASK_NONE) == ["16x128 w8 s1", "32x128 w8 s2"]
+    assert offered(True, MASK_NONE) == offered(False, MASK_ADD) == offered(True, MASK_ADD) == ["16x128 w8 s1"]
+    tables = configs.config_tables()
+    for kernel, variant, d, label in configs.NON_CAUSAL_ONLY:
+        assert label in [configs.shape(c) for c in tables["hopper"][(kernel, variant)][d]][1:], (kernel, d, label)
+
+
+def test_every_entry_kept_from_a_variant_is_recorded_failing_in_it():
+    """Each entry of ``configs.UNMASKED_ONLY`` (``NON_CAUSAL_ONLY``) is recorded compiled in a variant with a mask
+    (causal) with a problem there (spills, or more shared memory than sm_90a has): ``aot_cases.EXCLUSIONS``, so the
+    tables' reasons are evidence, not a note; and every recorded exclusion shows a problem."""
+    from diffattn_tutorial.kernels.triton import configs
+
+    excluded = tc.excluded_facts()
+    assert excluded and all(f.problems() and f.arch == "sm_90a" for f in excluded)
+    for table, needs in ((configs.UNMASKED_ONLY, "mask="), (configs.NON_CAUSAL_ONLY, "causal")):
+        for kernel, variant, d, label in table:
+            rows = [f for f in excluded if (f.kernel, f.form.split("/")[0], f.head_dim, f.shape) == (kernel, variant, d, label)
+                    and needs in f.case]
+            assert rows, (kernel, variant, d, label, needs)
+
+
 def test_a_kernel_change_recompiles_only_that_kernel():
     """The record's cache key (``aot.fact_key``) follows each kernel's own source closure: the forward's and the
     dQ kernel's differ, a jit helper only the forward calls is in the forward's, and a configuration or target

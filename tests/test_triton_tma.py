@@ -121,7 +121,7 @@ def test_the_autotuner_is_offered_the_twins_on_hopper_for_aligned_inputs_only():
     assert all("tma" not in c for c in offered(q20, k20, v20)[0][1])
 
 
-def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can_read():
+def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can_read(monkeypatch):
     q, k, v, _ = make(1, 2, 1, 64, 64, 64, torch.bfloat16)
     dout = torch.ones(1, 2, 64, 128, dtype=torch.bfloat16)
     assert offered_backward(q, k, v, dout) == {
@@ -133,10 +133,15 @@ def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can
     assert not tma_ok(far)
     assert all("tma" not in c for cs in offered_backward(q, k, v, far).values() for c in cs)
     # tma=True is the forward's to force: autograd chose dO's layout, so the backward reads by pointers then, and
-    # a launch with no twin (the fused plan's dK/dV at d = 64) takes its pointer entries instead of failing
+    # a launch with no twin (the fused plan's dK/dV at d = 32) takes its pointer entries instead of failing
     assert offered_backward(q, k, v, far, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2", "16x128 w8 s2"]
     assert offered_backward(q, k, v, dout, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2 tma"]
-    assert "tma" not in offered_backward(q, k, v, dout, tma=True, plan="fused")["_diff_attn_bwd_dkdv/dkdv"][0]
+    assert offered_backward(q, k, v, dout, tma=True, plan="fused")["_diff_attn_bwd_dkdv/dkdv"] == [
+        "16x128 w8 s1 tma", "32x128 w8 s2 tma"]
+    fused = configs.config_tables()["hopper"][("_diff_attn_bwd_dkdv", "dkdv")]
+    monkeypatch.setitem(fused, 64, [c for c in fused[64] if not c.kwargs.get("TMA")])  # a table without twins
+    assert offered_backward(q, k, v, dout, tma=True, plan="fused")["_diff_attn_bwd_dkdv/dkdv"] == [
+        "16x128 w8 s1", "32x128 w8 s2"]
 
 
 def test_tma_true_is_refused_where_the_copy_engine_cannot_read_with_the_fix():

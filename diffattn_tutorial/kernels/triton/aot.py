@@ -6,7 +6,8 @@ every launch the library makes (:func:`launches_for`, from the real host code, s
 are a run's), compiles each configuration its autotuner may pick for each target of :data:`ARCHS` (T4 sm_75, A100
 sm_80, RTX 30xx sm_86, L4 and RTX 40xx sm_89, H100 sm_90a) and records per compile (:class:`Facts`): registers,
 spills, shared memory, the matrix instructions in the PTX (``wgmma`` or ``mma.sync``; FMA loops on sm_75), and
-``dup``, how many times a product is computed redundantly (warpgroups over the same rows, read from the TTGIR).
+``dup``, how many times a product is computed redundantly (warpgroups over the same rows, read from the TTGIR);
+which cases each run compiles is :mod:`~diffattn_tutorial.kernels.triton.aot_cases`'s.
 :meth:`Facts.problems` turns them into failures: a compile error, a spill, a limit exceeded, a 16-bit dot off the
 tensor cores, a product computed twice.
 
@@ -35,6 +36,19 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from diffattn_tutorial.kernels.triton.aot_cases import (  # noqa: F401 (the cases, named here too)
+    DTYPES,
+    EXCLUSIONS,
+    HEAD_DIMS,
+    LESSONS,
+    Case,
+    all_cases,
+    case_on,
+    decode_cases,
+    plan_work,
+    record_cases,
+    subset_cases,
+)
 from diffattn_tutorial.kernels.triton.aot_keys import (  # noqa: F401 (the targets and hashes, named here too)
     ARCHS,
     DECODE_GROUPS,
@@ -47,9 +61,6 @@ from diffattn_tutorial.kernels.triton.aot_keys import (  # noqa: F401 (the targe
     source_hash,
 )
 
-HEAD_DIMS = (16, 32, 64, 128)
-"""Every padded head dim the kernels support (d = 1..128 is padded to the next of these)."""
-DTYPES = ("bfloat16", "float16")
 SCHEMA = "diffattn-tutorial/compile_facts/1"
 FACTS_NAME = "compile_facts"
 """The full run's file in :mod:`diffattn_tutorial.recorded` (``recorded.load(FACTS_NAME)``)."""
@@ -57,30 +68,6 @@ FACTS_FILE = Path(__file__).resolve().parents[2] / "recorded" / f"{FACTS_NAME}.j
 DECODE_FACTS_NAME = "compile_facts_decode"
 """The decode kernels' file (``--decode --write``), under its own :func:`decode_source_hash`."""
 DECODE_FACTS_FILE = FACTS_FILE.with_name(f"{DECODE_FACTS_NAME}.json")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One workload; the host code decides which launches it makes (forward and backward)."""
-
-    head_dim: int
-    dtype: str = "bfloat16"
-    causal: bool = False
-    mask: str = "none"  # "none", "bool" or "additive"
-    group: int = 1  # GQA: differential heads per KV group
-    lam: str = "scalar"  # "scalar" or "token"
-    grad: bool = True  # training (forward stores o2, backward launches) or inference (forward only)
-    plan: str = "auto"  # the library's plan for the head dim, or "fused" / "split" to compare
-    decode: bool = False  # the split-K decode kernels (one query token over a KV cache) instead
-
-    @property
-    def label(self) -> str:
-        if self.decode:
-            return f"d{self.head_dim} {self.dtype} decode{' gqa' + str(self.group) if self.group > 1 else ''}"
-        return (f"d{self.head_dim} {self.dtype}{' causal' if self.causal else ''}"
-                f"{'' if self.mask == 'none' else ' mask=' + self.mask}{' gqa' + str(self.group) if self.group > 1 else ''}"
-                f"{' lam=token' if self.lam == 'token' else ''}{'' if self.grad else ' inference'}"
-                f"{'' if self.plan == 'auto' else ' plan=' + self.plan}")
 
 
 @dataclasses.dataclass
@@ -182,6 +169,14 @@ def recorded_facts(name: str = FACTS_NAME) -> tuple[dict, list[Facts], list[Fact
     data = recorded.load(name)
     header = {**data["recorded"], "schema": data["schema"], "cases": data["cases"]}
     return header, [Facts.from_row(r) for r in data["facts"]], [Facts.from_row(r) for r in data["lessons"]]
+
+
+def excluded_facts() -> list[Facts]:
+    """The recorded compiles of :data:`EXCLUSIONS`: each sm_90a entry the table keeps from a variant
+    (``configs.UNMASKED_ONLY``, ``configs.NON_CAUSAL_ONLY``), compiled in that variant, with its problems."""
+    from diffattn_tutorial import recorded
+
+    return [Facts.from_row(r) for r in recorded.load(FACTS_NAME).get("excluded", [])]
 
 
 def _interpreted() -> bool:
@@ -354,79 +349,6 @@ def compile_one(launch, config, arch: str, case: Case, pinned: bool) -> Facts:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def all_cases(head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[str] = DTYPES) -> list[tuple[Case, bool]]:
-    """``(case, every_config)`` for the full check: per dtype and head dim, every autotune configuration of
-    the plain training case, of the heaviest variant (causal, additive mask, per-token lambda) and of the
-    inference forward; the pinned configuration of the other variants whose code differs (a bool mask,
-    GQA 4:1 with its dK/dV loop over heads)."""
-    cases = []
-    for dt in dtypes:
-        for d in head_dims:
-            cases += [(Case(d, dt), True), (Case(d, dt, causal=True, mask="additive", lam="token"), True),
-                      (Case(d, dt, grad=False), True), (Case(d, dt, mask="bool"), False),
-                      (Case(d, dt, group=4), False)]
-    return cases
-
-
-def record_cases(arch: str, head_dims: Sequence[int] = HEAD_DIMS) -> list[tuple[Case, bool]]:
-    """What the record holds for ``arch``, what the checks need: in the target's first dtype (bf16; fp16 on sm_75),
-    every autotune configuration of the training case at each head dim (forward, careful forward, backward), the
-    pinned inference forward, and on sm_90a also the heaviest variant (causal, additive mask, per-token lambda) at
-    d = 64 and 128, training and inference, and GQA 4:1 at d = 64, in every configuration (the TMA twins,
-    ``configs.TMA_TWINS``, beside their pointer entries), and the atomic plans (``configs.ATOMIC_TWINS``) at d = 64 and 128
-    (every configuration; d = 128 also in the heaviest variant). fp16 beside bf16 and the heavy variants on every target were
-    recorded until 2026-11-28 (about three hours on two cores) and showed no problem the plain case did not."""
-    dt = ARCHS[arch].dtypes[0]
-    cases = [c for d in head_dims for c in ((Case(d, dt), True), (Case(d, dt, grad=False), False))]
-    if arch == "sm_90a":
-        cases += [(Case(d, dt, causal=True, mask="additive", lam="token", grad=grad), True) for d in (64, 128)
-                  for grad in (True, False) if d in head_dims] + [(Case(64, dt, group=4), True)] * (64 in head_dims)
-        cases += [(Case(d, dt, plan=plan), True) for d, plan in ((64, "split_kv_atomic"), (128, "split_atomic"))
-                  if d in head_dims]  # the atomic plans (chosen by name), their own table entries
-        cases += [(Case(128, dt, causal=True, mask="additive", lam="token", plan="split_atomic"), True)] * (
-            128 in head_dims)
-    return cases
-
-
-def subset_cases(arch: str = "sm_90a") -> list[tuple[Case, bool]]:
-    """The representative subset the test suite compiles for ``arch``: the pinned configuration of every launch of
-    the plain training case at d = 64 and d = 128 in the target's first dtype (bf16; on sm_75 fp16, and d = 128
-    as inference, see :func:`case_on`)."""
-    dtype = ARCHS[arch].dtypes[0]
-    return [(Case(64, dtype), False), (Case(128, dtype), False)]
-
-
-def decode_cases(head_dims: Sequence[int] = DECODE_HEAD_DIMS, dtypes: Sequence[str] = DTYPES) -> list[tuple[Case, bool]]:
-    """``(case, every_config)`` for the decode kernels (one launch configuration each) per dtype, head dim, group."""
-    return [(Case(d, dt, causal=True, group=g, grad=False, decode=True), False)
-            for dt in dtypes for d in head_dims for g in DECODE_GROUPS]
-
-
-def case_on(case: Case, arch: str) -> Optional[Case]:
-    """``case`` as the library runs it on ``arch``: None where its dtype does not run there (bf16 on sm_75), its
-    inference forward where the head dim is past the target's training limit (d = 128 on sm_75)."""
-    target = ARCHS[arch]
-    if case.dtype != "float32" and case.dtype not in target.dtypes:
-        return None
-    if case.grad and case.head_dim > target.train_head_dim:
-        return dataclasses.replace(case, grad=False)
-    return case
-
-
-def plan_work(cases: Iterable[tuple[Case, bool]], archs: Sequence[str],
-              every_config: Optional[bool] = None) -> list[tuple[Case, bool, str]]:
-    """``(case, every_config, arch)`` for each target and each case that runs there (:func:`case_on`);
-    ``every_config`` overrides each case's own choice between every configuration and the pinned one."""
-    cases = list(cases)
-    out = []
-    for arch in archs:  # each architecture has its own plans and autotune tables
-        for case, every in cases:
-            on = case_on(case, arch)
-            if on is not None:
-                out.append((on, every if every_config is None else every_config, arch))
-    return out
-
-
 def _work(planned: Iterable[tuple[Case, bool, str]]):
     """``(launch, config, arch, case, pinned)`` for every distinct compile (same kernel, constexprs, argument
     specialisation and configuration compiled once per target, under the first case that needs it)."""
@@ -446,19 +368,13 @@ def _work(planned: Iterable[tuple[Case, bool, str]]):
                 yield launch, config, arch, case, i == 0
 
 
-LESSONS = [  # (case, kernel, configs): what the fused plan would meet at d = 128 (notebook 09), not checked
-    (Case(128, grad=False, plan="fused"), "_diff_attn_fwd", [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)]),
-    (Case(128, plan="fused"), "_diff_attn_bwd_dkdv", [(32, 128, 8, 2), (16, 64, 4, 2)]),
-    (Case(128, plan="fused"), "_diff_attn_bwd_dq", [(128, 32, 8, 2), (64, 32, 4, 2)]),
-]
-
-
-def lesson_facts(jobs: int = 1) -> list[Facts]:
-    """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128."""
+def lesson_facts(jobs: int = 1, items: Sequence = LESSONS) -> list[Facts]:
+    """Compile the configurations of :data:`LESSONS` for sm_90a: why the library splits the maps at d = 128 (or
+    of ``items``, such as :data:`EXCLUSIONS`)."""
     from diffattn_tutorial.kernels.triton.configs import TMA_KERNELS, config
 
     work = []
-    for case, kernel, configs in LESSONS:
+    for case, kernel, configs in items:
         launch = next(x for x in launches_for(case) if x.name == kernel)
         work += [(launch, config(*c, tma=False if kernel in TMA_KERNELS else None), "sm_90a", case, False)
                  for c in configs]
@@ -578,7 +494,7 @@ def merge_runs(old: Optional[dict], new: dict) -> dict:
                          "command": " && ".join(r["command"] for r in runs if r.get("command"))},
             "cases": [c for c in old["cases"] if c.split(":")[0] in kept_archs] + new["cases"],
             "facts": [f for f in old["facts"] if f["arch"] in kept_archs] + new["facts"],
-            "lessons": new["lessons"] or old["lessons"]}
+            "lessons": new["lessons"] or old["lessons"], "excluded": new["excluded"] or old.get("excluded", [])}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -595,7 +511,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--decode", action="store_true", help="the decode kernels' cases (decode_cases) instead; with "
                                                           f"--write, into {DECODE_FACTS_FILE.name}")
     ap.add_argument("--lessons", action="store_true", help="also compile the fused plan at d = 128 (notebook 09's "
-                                                           "counter-examples; implied by --all with sm_90a)")
+                                                           "counter-examples) and EXCLUSIONS; implied by --all with "
+                                                           "sm_90a")
     ap.add_argument("--write", type=Path, nargs="?", const=FACTS_FILE, default=None,
                     help=f"write the facts file (default {FACTS_FILE.relative_to(FACTS_FILE.parents[2])}); with "
                          f"--archs, only those targets' facts are replaced (same source and Triton)")
@@ -644,7 +561,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     facts = _run_here(planned, jobs, progress, cache)
     with_lessons = not args.decode and (args.lessons or (args.all and "sm_90a" in archs))
     lessons = lesson_facts(jobs) if with_lessons and not args.spec else []
-    for f in lessons:
+    excluded = lesson_facts(jobs, EXCLUSIONS) if with_lessons and not args.spec else []
+    for f in lessons + excluded:
         progress(f)
     bad = [f for f in facts if f.problems()]
     result = {"schema": SCHEMA, "recorded": {**_versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
@@ -655,7 +573,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                                    *(sys.argv[1:] if argv is None else argv)])},
               "cases": [f"{a}: {c.label}" + (" (every config)" if e else "") for c, e, a in planned],
               "facts": [f.row() for f in facts],
-              "lessons": [{**f.row(), "problems": f.problems()} for f in lessons]}
+              "lessons": [{**f.row(), "problems": f.problems()} for f in lessons],
+              "excluded": [{**f.row(), "problems": f.problems()} for f in excluded]}
     if args.json:
         text = json.dumps(result, indent=1)
         if args.json == "-":

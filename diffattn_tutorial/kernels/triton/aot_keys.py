@@ -103,6 +103,7 @@ def source_hash() -> str:
     h.update(repr(sorted((k, getattr(flags, k)) for k in flags.__all__)).encode())  # the variant flags' values
     h.update(repr(sorted(configs.MEASURED_SPILLS)).encode())
     h.update(repr(sorted(configs.UNMASKED_ONLY)).encode())
+    h.update(repr(sorted(configs.NON_CAUSAL_ONLY)).encode())
     for table in configs.config_tables().values():
         h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
                  .encode())

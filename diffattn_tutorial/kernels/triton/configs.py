@@ -43,7 +43,8 @@ class Plan:
 
 
 PLANS = {
-    # d <= 32: one launch per kernel, both maps per program
+    # d <= 32: one launch per kernel, both maps per program; at d = 64 on sm_90a by name only (HOPPER.md's design 2:
+    # dV and both dK in one launch, 16-row query tiles) until a GPU session records that it beats split_kv
     "fused": Plan("fused", (MAPS_BOTH,), ((True, MAPS_BOTH),), (MAPS_BOTH,)),
     # d = 64: dK1, dK2 (4d float32 per key row with dV) do not fit next to the score tiles: dV and dK apart
     "split_kv": Plan("split_kv", (MAPS_BOTH,), ((True, MAPS_NONE), (False, MAPS_BOTH)), (MAPS_BOTH,)),
@@ -114,6 +115,11 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_bwd_dkdv", "dkdv"): {
         16: [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
         32: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+        # the fused plan at d = 64 (chosen by name): dV, dK1 and dK2 of 128 keys in float32 take most registers;
+        # 16x128 w8 s1 is pinned, clean in every variant recorded (with 2 stages a causal call with a per-token
+        # lambda spills 8-12 B: aot_cases.EXCLUSIONS), 32x128 w8 s2 only without a mask and not causal (NON_CAUSAL_ONLY,
+        # UNMASKED_ONLY), then their twins; all unmeasured
+        64: [_cfg(16, 128, 8, 1), _cfg(32, 128, 8, 2), _twin(16, 128, 8, 1), _twin(32, 128, 8, 2)],
     },
     # the dK kernels' TMA twins (q and dO tiles by descriptor) last, of the pinned entry (TMA_TWINS)
     ("_diff_attn_bwd_dkdv", "dv"): {
@@ -161,17 +167,30 @@ UNMASKED_ONLY: dict[tuple[str, str, int, str], str] = {
         "timed 1.25x faster than 128x64 w8 s2 on the H100 probe of 2026-11-26 (recorded/gpu_session_nvidia-h100-"
         "80gb-hbm3.json, before the in-kernel NaN scan); with a mask tile beside it, the heaviest variant (causal, "
         "additive mask, per-token lambda) needs 262144 B of shared memory, over sm_90a's 232448 "
-        "(recorded/compile_facts.json, 2026-11-28)",
+        "(recorded/compile_facts.json, its excluded rows: aot_cases.EXCLUSIONS)",
+    ("_diff_attn_bwd_dkdv", "dkdv", 64, "32x128 w8 s2"):
+        "the fused plan's dK/dV launch at d = 64 spills 36 B with an additive mask (recorded/compile_facts.json, "
+        "its excluded rows: aot_cases.EXCLUSIONS), so masked calls keep the pinned 16x128 w8 s1 (also NON_CAUSAL_ONLY)",
 }
 """Table entries the autotuner may pick only for calls without a mask (``MASK_KIND`` none): ``(kernel, form, padded
 head dim, config) -> why``. Never first in their list, so the pinned configuration runs every variant."""
+NON_CAUSAL_ONLY: dict[tuple[str, str, int, str], str] = {
+    ("_diff_attn_bwd_dkdv", "dkdv", 64, "32x128 w8 s2"):
+        "the fused plan's dK/dV launch at d = 64 spills 24-32 B when causal with a per-token lambda, 152-220 B in the "
+        "heaviest variant (causal, additive mask, per-token lambda; recorded/compile_facts.json, its excluded rows: "
+        "aot_cases.EXCLUSIONS), none in the plain and GQA 4:1 cases the record compiles; the lambda's kind is "
+        "no constexpr, so every causal call is left to the pinned 16x128 w8 s1",
+}
+"""Table entries the autotuner may pick only for calls that are not causal (``CAUSAL`` false), as
+:data:`UNMASKED_ONLY` for masks: ``(kernel, form, padded head dim, config) -> why``; never first in their list."""
 TMA_TWINS = ("the sm_90a entries with TMA=True (the forward's and the dK kernels', TMA_KERNELS): the same tile as an "
              "entry before them, the tiles its loop walks (the forward's k and v, the dK kernels' q and dO) loaded by "
              "tensor descriptor (Hopper's copy engine) instead of per-thread pointers. In the cases the record "
-             "compiles them (training at each head dim, the heaviest variant's training and inference, GQA 4:1 and "
-             "the atomic plans, every configuration; not yet fp16 or a careful launch) they spill no more than their "
-             "pointer entry (tests/test_triton_compile.py checks it; most use fewer registers, three more, "
-             "kernels/triton/HOPPER.md), so they share its MEASURED_SPILLS and UNMASKED_ONLY entries; their speed is unmeasured. Never "
+             "compiles them (training at each head dim, the heaviest variant's training and inference, GQA 4:1, "
+             "the atomic plans and the fused plan at d = 64, every configuration; not yet fp16 or a careful launch) "
+             "they spill no more than their pointer entry (tests/test_triton_compile.py checks it; most use fewer "
+             "registers, five more, kernels/triton/HOPPER.md), so they share its MEASURED_SPILLS, UNMASKED_ONLY and "
+             "NON_CAUSAL_ONLY entries; their speed is unmeasured. Never "
              "first in a list: by default only the autotuner, timing both on the GPU, picks one, and only for inputs "
              "whose base and strides are multiples of 16 bytes (launch.tma_ok); tma=True forces them (the pinned "
              "and careful launches then run the first twin)")
@@ -278,11 +297,18 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
         table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
     variant = form(name, consts)
     configs = [c for c in table.get((name, variant), {}).get(consts["BLOCK_D"], [])
-               if (consts.get("MASK_KIND") == MASK_NONE or (name, variant, consts["BLOCK_D"], shape(c)) not in UNMASKED_ONLY)
+               if _offered((name, variant, consts["BLOCK_D"], shape(c)), consts)
                and (tma is None or bool(c.kwargs.get("TMA")) == tma)] or ([] if tma else [_cfg(64, 32, 4, 2)])
     if name in TMA_KERNELS:  # their switch is always passed: False where an entry does not set it
         return [c if "TMA" in c.kwargs else config(*_numbers(c), tma=False) for c in configs]
     return configs
+
+
+def _offered(key, consts: dict) -> bool:
+    """Whether the entry ``(kernel, form, padded head dim, shape)`` is offered to a launch with ``consts``: not one
+    of :data:`UNMASKED_ONLY` with a mask, nor of :data:`NON_CAUSAL_ONLY` when causal."""
+    masked = consts.get("MASK_KIND", MASK_NONE) != MASK_NONE
+    return not (masked and key in UNMASKED_ONLY) and not (consts.get("CAUSAL") and key in NON_CAUSAL_ONLY)
 
 
 def _numbers(c: triton.Config) -> tuple[int, int, int, int]:
@@ -311,4 +337,4 @@ def autotune_enabled() -> bool:
 
 
 __all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
-           "UNMASKED_ONLY", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
