@@ -79,7 +79,9 @@ def _peak_mib(call: Callable[[], Tensor], device: torch.device) -> Optional[floa
 TRITON_VARIANTS = {"triton_atomic": "the atomic twin of the kernel's plan (configs.ATOMIC_TWINS), d = 33 to 128",
                    "triton_tma": "the kernel with its TMA twins only (configs.TMA_TWINS), sm_90a, d = 64 and 128",
                    "triton_pointers": "the kernel with pointer loads only (no TMA twin)",
-                   "triton_fused": "the fused plan (dV and both dK in one launch, HOPPER.md's design 2), d <= 64"}
+                   "triton_fused": "the fused plan (dV and both dK in one launch, HOPPER.md's design 2), sm_90a, d <= 64",
+                   "triton_fused_atomic": "dV, dK and dQ in one launch (plan fused_atomic), sm_90a, d <= 64, neither "
+                                          "causal nor additively masked"}
 """The Triton kernel's variants chosen by name, beside its default (``triton``, through ``diff_attention``)."""
 
 
@@ -88,18 +90,21 @@ def attention(impl: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: b
     ``triton_diff_attention`` (chosen by name only): ``triton_atomic``, the atomic twin of the plan the kernel
     would use (dQ added by the dK programs; head dims whose plan has no twin, d <= 32, are refused);
     ``triton_tma`` / ``triton_pointers``, every launch that can read by tensor descriptor made to, or not to;
-    ``triton_fused``, the fused plan (one dK/dV launch), which has table entries up to d = 64 (refused above)."""
+    ``triton_fused`` / ``triton_fused_atomic``, the fused plan (one dK/dV launch) or its atomic form (one launch
+    for every gradient), which have table entries up to d = 64 (refused above; the atomic form refuses causal
+    calls itself)."""
     if impl not in TRITON_VARIANTS:
         return diff_attention(q, k, v, lam, causal=causal, backend=impl)
     from diffattn_tutorial.kernels.triton import launch
     from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
     from diffattn_tutorial.kernels.triton.flash_diff import triton_diff_attention
 
-    if impl == "triton_fused":
-        if q.shape[-1] > 64:
-            raise ValueError(f"d = {q.shape[-1]}: the fused plan has table entries up to d = 64 (its register need "
-                             "at d = 128 is notebook 09's lesson); triton_fused runs d <= 64")
-        return triton_diff_attention(q, k, v, lam, causal=causal, plan="fused")
+    if impl in ("triton_fused", "triton_fused_atomic"):
+        if q.shape[-1] > 64 or launch.capability(q.device) < 90:
+            raise ValueError(f"d = {q.shape[-1]}, compute capability {launch.capability(q.device) / 10:.1f}: the "
+                             f"fused plan has table entries up to d = 64 on sm_90a only (its register need at d = 128 "
+                             f"is notebook 09's lesson); {impl} runs d <= 64 on Hopper")
+        return triton_diff_attention(q, k, v, lam, causal=causal, plan=impl.removeprefix("triton_"))
     if impl != "triton_atomic":
         return triton_diff_attention(q, k, v, lam, causal=causal, tma=impl == "triton_tma")
 

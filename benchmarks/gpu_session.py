@@ -21,8 +21,8 @@ default ones and the machine's start fit 15 minutes of device time, :data:`DEVIC
    refused); time and peak memory;
 3. ``atomic``: the same benchmark, fwd+bwd at d = 64 and 128, the kernel with its default plan beside the atomic
    twin (``configs.ATOMIC_TWINS``: dQ added by the dK programs with float32 atomics), the fused plan at d = 64
-   (dV and both dK in one launch) and the TMA twins (``configs.TMA_TWINS``) forced on and off, into the session
-   file;
+   (dV and both dK in one launch) and its atomic form (every gradient from one launch; non-causal calls only) and
+   the TMA twins (``configs.TMA_TWINS``) forced on and off, into the session file;
 4. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
    forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs);
 5. ``tests``: ``pytest tests/test_triton.py`` on the GPU with every kernel pinned to its first configuration
@@ -32,7 +32,7 @@ default ones and the machine's start fit 15 minutes of device time, :data:`DEVIC
 6. ``tests16``: 16-bit (the dtypes the GPU has) and float32 forward and gradients against float64 by
    norm-relative error, for masks, Nq != Nk, GQA 4:1, scalar / per-head / per-token lambda, at d = 64 and 128;
 7. ``autotune``: the test that autotunes at N = 8192 (d = 64 and 128, the default plans and their atomic twins,
-   the fused plan at d = 64)
+   the fused plan and its atomic form at d = 64)
    and checks the picked configurations' answers;
 8. ``sdpa`` (only when named): ``benchmarks/bench_sdpa.py`` (notebook 08's table);
 9. ``compile`` (only when named; it needs no GPU): ``python -m diffattn_tutorial.kernels.triton.aot --all`` with
@@ -75,8 +75,8 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
 #   the new tables' numbers first (issue 51's goals are read from them), then the probe, then the GPU tests; the
 #   minutes are the recorded sessions' (2026-11-26: bench steps about a minute each, the probe 47 s without ncu,
 #   tests and tests16 about 2.5 and 1.5 min, autotune 32-43 s), rounded up, with what was added since: the probe's
-#   four TMA twins (about 3 s each), the autotune step's atomic plans and the fused plan at d = 64 (2.5 times its
-#   cases), the atomic step's fused plan (d = 64 only; refused at d = 128 in no time)
+#   four TMA twins (about 3 s each), the autotune step's atomic plans and the fused plans at d = 64 (3 times its
+#   cases), the atomic step's fused plans (d = 64 only, the atomic form non-causal only; refused in no time)
     "bench64": ("bench_triton at d = 64 with the new sm_90a table (N = 8192; 4096 below 40 GiB): the kernel through "
                 "diff_attention against every SDPA formulation and backend", 1,
                 ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "--out",
@@ -85,10 +85,10 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
                  ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "128", "--out",
                   "{out}/results_triton_part_d128.json"]),
     "atomic": ("the backward's atomic plans (dQ added by the dK programs), the fused plan at d = 64 (one dK/dV "
-               "launch) and the TMA twins forced on and off beside the default, fwd+bwd at d = 64 and 128, side by "
-               "side in one run (no SDPA: bench64/bench128 have it)", 1,
+               "launch) and its atomic form (one launch, non-causal), the TMA twins forced on and off, beside the "
+               "default, fwd+bwd at d = 64 and 128, side by side in one run (no SDPA: bench64/bench128 have it)", 1,
                ["benchmarks/bench_triton.py", "--lengths", "{n}", "--head-dims", "64", "128", "--modes", "fwd_bwd",
-                "--impls", "triton,triton_atomic,triton_tma,triton_pointers,triton_fused", "--out",
+                "--impls", "triton,triton_atomic,triton_tma,triton_pointers,triton_fused,triton_fused_atomic", "--out",
                 "{out}/results_triton_atomic.json"]),
     "probe": ("probe_triton: copy and matmul ceilings, the forward per plan and tile shape, ncu counters", 1,
               ["benchmarks/probe_triton.py", "--out", "{out}/probe_triton.json"]),
@@ -99,7 +99,7 @@ STEPS = {  # name: (what it runs, minutes on an H100, the command's arguments af
     "tests16": ("GPU tests: 16-bit / fp32 forward and gradients vs float64, d = 64 and 128", 2,
                 ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py", "-k", "low_precision"]),
     "autotune": ("the autotuner's picks at N = 8192, checked, for the default and the atomic plans and the fused "
-                 "plan at d = 64", 2,
+                 "plans at d = 64", 2,
                  ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_triton.py", "-k",
                   "autotuned_configs_at_8192"]),
     "sdpa": ("bench_sdpa, N = 8192 (4096 below 40 GiB): recorded on the H100 and the H200 already", 1,

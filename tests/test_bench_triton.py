@@ -89,15 +89,32 @@ def test_a_refusing_backend_is_a_result_not_a_crash():
 def test_the_kernels_variants_by_name_agree_or_are_refused_as_results(results):
     """``TRITON_VARIANTS`` (the GPU session's ``atomic`` step): each runs through ``triton_diff_attention`` and
     agrees with the kernel's default, or is a ``refused`` result naming what it runs (never an error): the fused
-    plan above d = 64, an atomic twin where the plan has none (d <= 32)."""
+    plans above d = 64, the fused atomic plan causal, an atomic twin where the plan has none (d <= 32)."""
     mod, _ = results
     cpu = torch.device("cpu")
     small = make_inputs(1, 2, 16, 16, dtype=torch.float32, device=cpu)
-    ref = mod.attention("triton", *small, True)
-    for impl in ("triton_fused", "triton_pointers"):
-        torch.testing.assert_close(mod.attention(impl, *small, True), ref)
+    for causal, impls in ((True, ("triton_fused", "triton_pointers")), (False, ("triton_fused_atomic",))):
+        ref = mod.attention("triton", *small, causal)
+        for impl in impls:
+            torch.testing.assert_close(mod.attention(impl, *small, causal), ref)
     refused = mod.measure("triton_atomic", "default", "fwd", True, small, device=cpu, reps=1)[3]
     assert refused.startswith("refused") and "d = 33 to 128" in refused, refused
+    refused = mod.measure("triton_fused_atomic", "default", "fwd", True, small, device=cpu, reps=1)[3]
+    assert refused.startswith("refused") and "neither causal" in refused, refused
+    from diffattn_tutorial.kernels.triton.configs import form
+    from diffattn_tutorial.kernels.triton.flash_diff import capture_launches
+
+    d64 = make_inputs(1, 2, 16, 64, dtype=torch.float32, device=cpu)  # where the default plan is split_kv
+    grads = {}
+    for impl, dk_launches in (("triton", ["dv", "dk"]), ("triton_fused", ["dkdv"]), ("triton_fused_atomic", [])):
+        with capture_launches() as launches:
+            mod.attention(impl, *(t.clone().requires_grad_() for t in d64), False).sum().backward()
+        assert [form(x.name, x.consts) for x in launches if x.name == "_diff_attn_bwd_dkdv"] == dk_launches, impl
+        ins = [t.clone().requires_grad_() for t in d64]
+        grads[impl] = torch.autograd.grad(mod.attention(impl, *ins, False).square().sum(), ins)
+    for impl in ("triton_fused", "triton_fused_atomic"):
+        for a, b in zip(grads[impl], grads["triton"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     wide = make_inputs(1, 2, 4, 128, dtype=torch.float32, device=cpu)
     refused = mod.measure("triton_fused", "default", "fwd", False, wide, device=cpu, reps=1)[3]
     assert refused.startswith("refused") and "d <= 64" in refused, refused

@@ -5,8 +5,8 @@ masks and fully masked rows.
 On a CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be in the environment
 before ``triton`` is first imported (Triton decorates its own library functions at import), which
 ``tests/conftest.py`` sets for the whole session. With a CUDA GPU the same kernels are compiled, and the
-GPU-only tests at the end check float16/bfloat16 at realistic head dims (both plans: fused at d = 64, split
-maps at d = 128) against a float64 reference by norm-relative error.
+GPU-only tests at the end check float16/bfloat16 at realistic head dims (the library's plans: both maps per
+forward program at d = 64, split maps at d = 128) against a float64 reference by norm-relative error.
 
 Every buffer the kernels write is filled with NaN first (``DIFFATTN_TRITON_POISON=1``), so a tile no program
 writes fails the test instead of reading as 0. On a GPU the kernels run with their pinned configuration
@@ -263,6 +263,26 @@ def test_both_plans_match_naive(plan, B, H, Hkv, Nq, Nk, d, causal, lam_kind, ma
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=5e-5, msg="forward")
     for name, a, b in zip(("dq", "dk", "dv", "dlam"), grads, ref_grads):
         torch.testing.assert_close(a.reshape(b.shape), b, rtol=1e-4, atol=5e-5, msg=name)
+
+
+def test_the_fused_atomic_plan_matches_naive_where_it_runs_and_refuses_the_rest_with_the_fix():
+    """``fused_atomic`` (dV, dK and dQ from one launch) gives naive's answer for calls neither causal nor with an
+    additive mask (MQA with ragged tiles and a per-token lambda; GQA with a bool mask and Nq < Nk), and refuses
+    causal calls and additive masks naming the plans that run them."""
+    for B, H, Hkv, Nq, Nk, d, lam_kind, mask_kind in ((2, 2, 1, 37, 50, 24, "token", None),
+                                                      (1, 4, 2, 21, 40, 16, "batch_head", "bool")):
+        q, k, v, lam = make(B, H, Hkv, Nq, Nk, d, lam_kind=lam_kind, seed=Nq * Nk)
+        mask = None if mask_kind is None else make_mask(mask_kind, B, Nq, Nk, torch.float32)
+        g = torch.randn(B, H, Nq, 2 * d, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        out, grads = run_plan("fused_atomic", q, k, v, lam, g, attn_mask=mask)
+        ref_out, ref_grads = run("naive", q, k, v, lam, g, attn_mask=mask)
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=5e-5, msg="forward")
+        for name, a, b in zip(("dq", "dk", "dv", "dlam"), grads, ref_grads):
+            torch.testing.assert_close(a.reshape(b.shape), b, rtol=1e-4, atol=5e-5, msg=name)
+    q, k, v, lam = make(1, 2, 1, 8, 8, 16, seed=1)
+    for kw in ({"causal": True}, {"attn_mask": torch.zeros(1, 1, 8, 8, device=DEVICE)}):
+        with pytest.raises(ValueError, match="plan='split_kv_atomic' or 'fused'"):
+            triton_diff_attention(q, k, v, lam, plan="fused_atomic", **kw)
 
 
 def test_finfo_min_additive_mask_counts_as_masked():
@@ -552,17 +572,18 @@ def test_an_upstream_gradient_with_rows_far_apart_is_copied_not_refused():
     assert strides == {32}, strides
 
 
-@pytest.mark.parametrize("plan", ["split_kv_atomic", "split_atomic"])
-def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan):
-    """The atomic twins launch the forward, the preprocess, dV, then dK with dQ (``_diff_attn_bwd_dkdq``): no dQ
-    launch recomputes the scores. They refuse deterministic mode (the sums' order varies). A call that read a NaN
-    still gives NaN gradients, every one: the forward's flag reaches every dS through delta, so every dQ share the
-    dK programs add is NaN."""
+@pytest.mark.parametrize("plan,launches", [("split_kv_atomic", ["_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq"]),
+                                            ("split_atomic", ["_diff_attn_bwd_dkdv"] + ["_diff_attn_bwd_dkdq"] * 2),
+                                            ("fused_atomic", ["_diff_attn_bwd_dkdq"])])
+def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan, launches):
+    """The atomic twins launch the forward, the preprocess, dV, then dK with dQ (``_diff_attn_bwd_dkdq``); the
+    fused one dV, dK and dQ in one launch: no dQ launch recomputes the scores. They refuse deterministic mode (the
+    sums' order varies). A call that read a NaN still gives NaN gradients, every one: the forward's flag reaches
+    every dS through delta, so every dQ share the dK programs add is NaN, and the launch that writes dV adds it."""
     q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
-    with capture_launches() as launches:
+    with capture_launches() as captured:
         triton_diff_attention(*(t.requires_grad_() for t in (q, k, v, lam)), plan=plan).sum().backward()
-    names = [x.name for x in launches]
-    assert "_diff_attn_bwd_dq" not in names and names.count("_diff_attn_bwd_dkdq") == (1 if plan == "split_kv_atomic" else 2)
+    assert [x.name for x in captured if x.name.startswith("_diff_attn_bwd_d")] == launches
     q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
     torch.use_deterministic_algorithms(True)
     try:  # the sums' order is the programs': refused where the caller asked for bitwise reproducible results
@@ -635,15 +656,16 @@ def test_gpu_mask_offsets_past_2_31():
 
 
 @gpu
-@pytest.mark.parametrize("d,plan", [(64, "auto"), (128, "auto"), (64, "atomic"), (128, "atomic"), (64, "fused")])
+@pytest.mark.parametrize("d,plan", [(64, "auto"), (128, "auto"), (64, "atomic"), (128, "atomic"), (64, "fused"),
+                                    (64, "fused_atomic")])
 def test_gpu_autotuned_configs_at_8192(d, plan, monkeypatch):
     """With autotuning on (as in the benchmarks), the configurations picked at N = 8192 compute the right
     answer, forward and backward, judged as :func:`test_low_precision_against_float64` judges: no worse than the
     naive backend in the same dtype. lambda is per token: a scalar lambda's gradient is one sum of 16384 rows'
     terms of both signs, whose relative error is no measure of the kernel (an H200 gave 1.5% at d = 128).
     ``plan``: the library's, its atomic twin (whose dK kernel adds dQ with atomics while the autotuner times it,
-    ``flash_diff.ACCUMULATED``), or the fused plan at d = 64 (chosen by name, HOPPER.md's design 2). The picks are
-    printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
+    ``flash_diff.ACCUMULATED``), or at d = 64 the fused plan or its atomic form (chosen by name, HOPPER.md's
+    designs 1 and 2). The picks are printed (and written to $DIFFATTN_CHOSEN_CONFIGS if set)."""
     import json
 
     from diffattn_tutorial.kernels.triton.flash_diff import chosen_configs
@@ -657,8 +679,8 @@ def test_gpu_autotuned_configs_at_8192(d, plan, monkeypatch):
         from diffattn_tutorial.kernels.triton.configs import ATOMIC_TWINS, plan_for
 
         out, grads = run_plan(ATOMIC_TWINS[plan_for(d, CAPABILITY).name], q, k, v, lam, g)
-    elif plan == "fused":
-        out, grads = run_plan("fused", q, k, v, lam, g)
+    elif plan in ("fused", "fused_atomic"):
+        out, grads = run_plan(plan, q, k, v, lam, g)
     else:
         out, grads = run("triton", q, k, v, lam, g)
     low, low_grads = run("naive", q, k, v, lam, g)
@@ -669,7 +691,9 @@ def test_gpu_autotuned_configs_at_8192(d, plan, monkeypatch):
         err, err_naive = rel_err(a, e), rel_err(n, e)
         assert err <= max(2 * err_naive, REL_FLOOR[HALF]) and err <= REL_CAP[HALF], (name, err, err_naive)
     picked = chosen_configs()
-    assert any(f"d{d}" in key and cfgs for key, cfgs in picked.items()), picked
+    backward = {"auto": "_diff_attn_bwd_dq" if d == 64 else "_diff_attn_bwd_dq/dq_map", "atomic": "_diff_attn_bwd_dkdq",
+                "fused": "_diff_attn_bwd_dkdv/dkdv", "fused_atomic": "_diff_attn_bwd_dkdq/dkdvdq"}[plan]
+    assert any(key.startswith(backward) and f"/d{d}" in key and cfgs for key, cfgs in picked.items()), (backward, picked)
     print(json.dumps(picked, indent=1))
     if os.environ.get("DIFFATTN_CHOSEN_CONFIGS"):
         path = os.environ["DIFFATTN_CHOSEN_CONFIGS"]

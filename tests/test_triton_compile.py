@@ -11,7 +11,7 @@ sm_90a every 16-bit dot on ``wgmma`` and none computed twice, on sm_80-89 every 
 * ``test_recorded_facts_cover_every_config_and_are_current`` checks the full run,
   ``diffattn_tutorial/recorded/compile_facts.json`` (``aot.record_cases``: every autotune configuration of each
   target's table in its first dtype at every head dim, the careful launch and the inference forward pinned, on
-  sm_90a the heaviest variant and GQA pinned: ``python -m diffattn_tutorial.kernels.triton.aot --all --jobs 2
+  sm_90a the heaviest variant, GQA 4:1 and the plans chosen by name in every configuration: ``python -m diffattn_tutorial.kernels.triton.aot --all --jobs 2
   --write``, which reuses every row whose ``aot.fact_key`` is unchanged), against the kernels' current source, so a
   kernel or table change without a new run fails here;
 * the decode kernels (``kernels/triton/decode.py``) have their own record,
@@ -155,6 +155,10 @@ def test_recorded_facts_cover_every_config_and_are_current():
     assert not bad, bad
     assert lessons and all(f.head_dim == 128 for f in lessons)
     assert rec["archs"] == list(tc.ARCHS), "a target is missing: python -m diffattn_tutorial.kernels.triton.aot --all --archs ..."
+    planned = [p for a in tc.ARCHS for p in tc.plan_work(tc.record_cases(a), [a])]  # the record's scope, as today
+    assert sorted(rec["cases"]) == sorted(f"{a}: {c.label}" + (" (every config)" if e else "") for c, e, a in planned), (
+        "aot_cases.record_cases changed since the record was written; run python -m "
+        "diffattn_tutorial.kernels.triton.aot --all --jobs 8 --write")
     seen = {(f.arch, f.dtype, f.kernel, f.form, f.head_dim, f.config) for f in facts}
     for arch in tc.ARCHS:  # every configuration the autotuner may pick, as the host code launches them, in the
         dtype = tc.ARCHS[arch].dtypes[0]  # target's first dtype (the record's scope: aot.record_cases)
@@ -194,7 +198,8 @@ def test_an_unmasked_only_entry_is_offered_without_a_mask_and_never_pinned():
 def test_a_non_causal_only_entry_is_offered_to_calls_that_are_not_causal_and_never_pinned():
     """``configs.NON_CAUSAL_ONLY``: the fused plan's dK/dV tile 32x128 w8 s2 at d = 64 (it spills when causal with a
     per-token lambda, whose kind is no constexpr) is offered without causal masking and without a mask only
-    (it is in ``UNMASKED_ONLY`` too); every other call gets the pinned 16x128 w8 s1, clean in every variant."""
+    (it is in ``UNMASKED_ONLY`` too), its TMA twin likewise; every other call gets the pinned 16x128 w8 s1, clean
+    in every recorded variant."""
     import torch
 
     from diffattn_tutorial.kernels.triton import configs
@@ -206,6 +211,10 @@ def test_a_non_causal_only_entry_is_offered_to_calls_that_are_not_causal_and_nev
 
     assert offered(False, MASK_NONE) == ["16x128 w8 s1", "32x128 w8 s2"]
     assert offered(True, MASK_NONE) == offered(False, MASK_ADD) == offered(True, MASK_ADD) == ["16x128 w8 s1"]
+    for causal, mask_kind in ((True, MASK_NONE), (False, MASK_ADD)):  # a twin is filtered as its pointer entry
+        consts = {"DV_OUT": True, "DK_MAPS": MAPS_BOTH, "BLOCK_D": 64, "CAUSAL": causal, "MASK_KIND": mask_kind}
+        assert [configs.label(c) for c in configs.autotune_configs("_diff_attn_bwd_dkdv", consts, torch.bfloat16,
+                                                                   tma=None)] == ["16x128 w8 s1", "16x128 w8 s1 tma"]
     tables = configs.config_tables()
     for kernel, variant, d, label in configs.NON_CAUSAL_ONLY:
         assert label in [configs.shape(c) for c in tables["hopper"][(kernel, variant)][d]][1:], (kernel, d, label)
@@ -214,16 +223,44 @@ def test_a_non_causal_only_entry_is_offered_to_calls_that_are_not_causal_and_nev
 def test_every_entry_kept_from_a_variant_is_recorded_failing_in_it():
     """Each entry of ``configs.UNMASKED_ONLY`` (``NON_CAUSAL_ONLY``) is recorded compiled in a variant with a mask
     (causal) with a problem there (spills, or more shared memory than sm_90a has): ``aot_cases.EXCLUSIONS``, so the
-    tables' reasons are evidence, not a note; and every recorded exclusion shows a problem."""
+    tables' reasons are evidence, not a note; and every recorded exclusion shows a problem, as do the calls the
+    ``fused_atomic`` plan refuses."""
     from diffattn_tutorial.kernels.triton import configs
 
     excluded = tc.excluded_facts()
     assert excluded and all(f.problems() and f.arch == "sm_90a" for f in excluded)
-    for table, needs in ((configs.UNMASKED_ONLY, "mask="), (configs.NON_CAUSAL_ONLY, "causal")):
-        for kernel, variant, d, label in table:
+    assert sorted((f.case, f.kernel, f.shape) for f in excluded) == sorted(  # the record's rows are EXCLUSIONS'
+        (case.label, kernel, f"{bm}x{bn} w{w} s{s}") for case, kernel, cs in tc.EXCLUSIONS for bm, bn, w, s in cs)
+    for table, alone in ((configs.UNMASKED_ONLY, lambda c: "mask=" in c and "causal" not in c),
+                         (configs.NON_CAUSAL_ONLY, lambda c: "causal" in c and "mask=" not in c)):
+        for kernel, variant, d, label in table:  # failing in that variant alone, not only in the heaviest
             rows = [f for f in excluded if (f.kernel, f.form.split("/")[0], f.head_dim, f.shape) == (kernel, variant, d, label)
-                    and needs in f.case]
-            assert rows, (kernel, variant, d, label, needs)
+                    and alone(f.case)]
+            assert rows, (kernel, variant, d, label)
+    # a plan that refuses causal calls and additive masks (flash_diff._check_plan) is recorded failing there too
+    for name in (n for n, p in configs.PLANS.items() if p.kq_dv):
+        for needs in ("causal", "mask=additive"):
+            assert any(f"plan={name}" in f.case and needs in f.case for f in excluded), (name, needs)
+
+
+def test_a_run_over_some_targets_keeps_the_others_and_the_lists_it_did_not_compile():
+    """``aot.merge_runs``: a run over sm_80 replaces sm_80's facts and keeps sm_90a's (same source and Triton);
+    the lessons and the excluded rows (compiled only with sm_90a) come from the old record when the run has none,
+    also from a record written before the excluded rows existed; another source hash starts afresh."""
+    def run(archs, facts, lessons=(), excluded=(), source="s1"):
+        rec = {"archs": archs, "date": "d", "wall_s": 1.0, "jobs": 2, "command": "c", "source_hash": source,
+               "triton": "3.9.0"}
+        return {"schema": tc.SCHEMA, "recorded": rec, "cases": [f"{a}: x" for a in archs],
+                "facts": [{"arch": a, "n": n} for a, n in facts], "lessons": list(lessons), "excluded": list(excluded)}
+
+    old = run(["sm_90a", "sm_80"], [("sm_90a", 1), ("sm_80", 2)], lessons=[{"l": 1}], excluded=[{"e": 1}])
+    merged = tc.merge_runs(old, run(["sm_80"], [("sm_80", 3)]))
+    assert merged["facts"] == [{"arch": "sm_90a", "n": 1}, {"arch": "sm_80", "n": 3}]
+    assert merged["lessons"] == [{"l": 1}] and merged["excluded"] == [{"e": 1}]
+    del old["excluded"]  # a record from before 2026-11-29
+    assert tc.merge_runs(old, run(["sm_80"], [("sm_80", 3)]))["excluded"] == []
+    fresh = tc.merge_runs(old, run(["sm_80"], [("sm_80", 3)], source="s2"))
+    assert fresh["facts"] == [{"arch": "sm_80", "n": 3}] and fresh["lessons"] == []
 
 
 def test_a_kernel_change_recompiles_only_that_kernel():
@@ -247,7 +284,7 @@ def test_the_record_is_small_enough_to_redo_after_a_change():
     """Issue 51: re-recording must fit 15 minutes on two cores. At about 4 CPU seconds a compile (measured here:
     39 sm_90a compiles took 140 s of user time), the record's scope must stay under 450 compiles."""
     planned = [p for a in tc.ARCHS for p in tc.plan_work(tc.record_cases(a), [a])]
-    n = len(list(tc._work(planned)))
+    n = len(list(tc._work(planned))) + sum(len(cs) for *_, cs in (*tc.LESSONS, *tc.EXCLUSIONS))  # those: uncached
     print(n, "compiles")
     assert n <= 450, n
     for arch in tc.ARCHS:  # each target's autotune space stays small: at most two configurations per entry, and

@@ -52,6 +52,7 @@ CASES = [  # B, H, Hkv, Nq, Nk, d, causal, mask, dtype, plan
     (1, 4, 2, 50, 21, 64, True, "bool", torch.float32, "auto"),  # causal, Nq > Nk, GQA, a mask: split_kv
     (1, 2, 2, 29, 45, 128, False, None, torch.bfloat16, "auto"),  # split: one map per launch, 16-bit
     (1, 4, 2, 37, 29, 64, True, None, torch.float32, "split_kv_atomic"),  # the dK kernel that adds dQ
+    (1, 4, 2, 29, 37, 64, False, "bool", torch.float32, "fused_atomic"),  # ... and writes dV
 ]
 
 
@@ -133,7 +134,7 @@ def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can
     assert not tma_ok(far)
     assert all("tma" not in c for cs in offered_backward(q, k, v, far).values() for c in cs)
     # tma=True is the forward's to force: autograd chose dO's layout, so the backward reads by pointers then, and
-    # a launch with no twin (the fused plan's dK/dV at d = 32) takes its pointer entries instead of failing
+    # a launch with no twin (below: a table without them) takes its pointer entries instead of failing
     assert offered_backward(q, k, v, far, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2", "16x128 w8 s2"]
     assert offered_backward(q, k, v, dout, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2 tma"]
     assert offered_backward(q, k, v, dout, tma=True, plan="fused")["_diff_attn_bwd_dkdv/dkdv"] == [

@@ -494,7 +494,7 @@ def merge_runs(old: Optional[dict], new: dict) -> dict:
                          "command": " && ".join(r["command"] for r in runs if r.get("command"))},
             "cases": [c for c in old["cases"] if c.split(":")[0] in kept_archs] + new["cases"],
             "facts": [f for f in old["facts"] if f["arch"] in kept_archs] + new["facts"],
-            "lessons": new["lessons"] or old["lessons"], "excluded": new["excluded"] or old.get("excluded", [])}
+            "lessons": new["lessons"] or old["lessons"], "excluded": new.get("excluded") or old.get("excluded", [])}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -4,7 +4,7 @@ A :class:`Plan` splits the work of one attention call into launches: which maps 
 computes (the flags of :mod:`~diffattn_tutorial.kernels.triton.flags`). Fewer maps per program means fewer float32
 accumulators in registers, at the price of a second launch; :func:`plan_for` picks the plan by padded head dim and
 compute capability. Each variant (a *form*: ``fused``/``map`` forward, ``dkdv``/``dv``/``dk``/``dk_map``,
-``dkdq``/``dkdq_map``, ``dq``/``dq_map``, see :func:`form`) has a short list of configurations per head dim, one table per architecture
+``dkdq``/``dkdq_map``/``dkdvdq``, ``dq``/``dq_map``, see :func:`form`) has a short list of configurations per head dim, one table per architecture
 (``_CONFIGS_16BIT`` Hopper, ``_CONFIGS_AMPERE`` sm_80/86/89, ``_CONFIGS_TURING`` sm_75, ``_CONFIGS_FP32``); the first
 entry is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins, the others are what the autotuner may pick (on sm_90a the
 lists of the forward and the dK kernels end with TMA twins, :data:`TMA_TWINS`: the same tiles read by tensor
@@ -40,6 +40,7 @@ class Plan:
     kv_parts: tuple[tuple[bool, int], ...]  # dK/dV launches, each (DV_OUT, DK_MAPS)
     dq_maps: tuple[int, ...]  # dQ launches, each its DQ_MAPS flag
     kq_maps: tuple[int, ...] = ()  # dK launches that also add dQ by float32 atomics, each its DK_MAPS flag
+    kq_dv: bool = False  # the (one, both maps') dK + dQ launch accumulates dV too: every gradient from one launch
 
 
 PLANS = {
@@ -56,6 +57,9 @@ PLANS = {
     # sums then depend on the order the programs run: not reproducible bit for bit (refused in deterministic mode)
     "split_kv_atomic": Plan("split_kv_atomic", (MAPS_BOTH,), ((True, MAPS_NONE),), (), (MAPS_BOTH,)),
     "split_atomic": Plan("split_atomic", (MAPS_2, MAPS_1), ((True, MAPS_NONE),), (), (MAPS_1, MAPS_2)),
+    # both at once at d = 64 (HOPPER.md's designs 1 and 2): one launch computes dV, dK1, dK2 and adds dQ, the
+    # minimum matrix work; by name only, sm_90a entries only, unmeasured
+    "fused_atomic": Plan("fused_atomic", (MAPS_BOTH,), (), (), (MAPS_BOTH,), kq_dv=True),
 }
 ATOMIC_TWINS = {"split_kv": "split_kv_atomic", "split": "split_atomic"}
 """Each plan with a dQ launch that has an atomic twin: the same forward and dV launches, dQ added by the dK ones."""
@@ -117,7 +121,7 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
         32: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
         # the fused plan at d = 64 (chosen by name): dV, dK1 and dK2 of 128 keys in float32 take most registers;
         # 16x128 w8 s1 is pinned, clean in every variant recorded (with 2 stages a causal call with a per-token
-        # lambda spills 8-12 B: aot_cases.EXCLUSIONS), 32x128 w8 s2 only without a mask and not causal (NON_CAUSAL_ONLY,
+        # lambda spills 8 B: aot_cases.EXCLUSIONS), 32x128 w8 s2 only without a mask and not causal (NON_CAUSAL_ONLY,
         # UNMASKED_ONLY), then their twins; all unmeasured
         64: [_cfg(16, 128, 8, 1), _cfg(32, 128, 8, 2), _twin(16, 128, 8, 1), _twin(32, 128, 8, 2)],
     },
@@ -137,6 +141,9 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     },
     ("_diff_attn_bwd_dkdq", "dkdq_map"): {
         128: [_cfg(32, 128, 8, 3), _twin(32, 128, 8, 3)],
+    },
+    ("_diff_attn_bwd_dkdq", "dkdvdq"): {  # plan fused_atomic (by name; calls neither causal nor additively masked):
+        64: [_cfg(16, 128, 8, 2)],  # clean at 16 rows, 2 stages; its twin spills (unmeasured either way)
     },
     ("_diff_attn_bwd_dq", "dq"): {
         16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
@@ -165,21 +172,22 @@ MEASURED_SPILLS: dict[tuple[str, str, int, str], str] = {
 UNMASKED_ONLY: dict[tuple[str, str, int, str], str] = {
     ("_diff_attn_fwd", "map", 128, "128x128 w8 s2"):
         "timed 1.25x faster than 128x64 w8 s2 on the H100 probe of 2026-11-26 (recorded/gpu_session_nvidia-h100-"
-        "80gb-hbm3.json, before the in-kernel NaN scan); with a mask tile beside it, the heaviest variant (causal, "
-        "additive mask, per-token lambda) needs 262144 B of shared memory, over sm_90a's 232448 "
-        "(recorded/compile_facts.json, its excluded rows: aot_cases.EXCLUSIONS)",
+        "80gb-hbm3.json, before the in-kernel NaN scan); with an additive mask tile beside it, the launch needs "
+        "262144 B of shared memory, over sm_90a's 232448 (recorded/compile_facts.json, its excluded rows: "
+        "aot_cases.EXCLUSIONS)",
     ("_diff_attn_bwd_dkdv", "dkdv", 64, "32x128 w8 s2"):
-        "the fused plan's dK/dV launch at d = 64 spills 36 B with an additive mask (recorded/compile_facts.json, "
-        "its excluded rows: aot_cases.EXCLUSIONS), so masked calls keep the pinned 16x128 w8 s1 (also NON_CAUSAL_ONLY)",
+        "the fused plan's dK/dV launch at d = 64 spills 36 B stored / 24 B loaded with an additive mask "
+        "(recorded/compile_facts.json, its excluded rows: aot_cases.EXCLUSIONS), so masked calls keep the pinned "
+        "16x128 w8 s1 (also NON_CAUSAL_ONLY)",
 }
 """Table entries the autotuner may pick only for calls without a mask (``MASK_KIND`` none): ``(kernel, form, padded
 head dim, config) -> why``. Never first in their list, so the pinned configuration runs every variant."""
 NON_CAUSAL_ONLY: dict[tuple[str, str, int, str], str] = {
     ("_diff_attn_bwd_dkdv", "dkdv", 64, "32x128 w8 s2"):
-        "the fused plan's dK/dV launch at d = 64 spills 24-32 B when causal with a per-token lambda, 152-220 B in the "
-        "heaviest variant (causal, additive mask, per-token lambda; recorded/compile_facts.json, its excluded rows: "
-        "aot_cases.EXCLUSIONS), none in the plain and GQA 4:1 cases the record compiles; the lambda's kind is "
-        "no constexpr, so every causal call is left to the pinned 16x128 w8 s1",
+        "the fused plan's dK/dV launch at d = 64 spills 24 B stored / 32 B loaded when causal with a per-token "
+        "lambda (recorded/compile_facts.json, its excluded rows: aot_cases.EXCLUSIONS), none in the plain, "
+        "per-token lambda and GQA 4:1 cases the record compiles; the lambda's kind is no constexpr, so every "
+        "causal call is left to the pinned 16x128 w8 s1",
 }
 """Table entries the autotuner may pick only for calls that are not causal (``CAUSAL`` false), as
 :data:`UNMASKED_ONLY` for masks: ``(kernel, form, padded head dim, config) -> why``; never first in their list."""
@@ -189,7 +197,7 @@ TMA_TWINS = ("the sm_90a entries with TMA=True (the forward's and the dK kernels
              "compiles them (training at each head dim, the heaviest variant's training and inference, GQA 4:1, "
              "the atomic plans and the fused plan at d = 64, every configuration; not yet fp16 or a careful launch) "
              "they spill no more than their pointer entry (tests/test_triton_compile.py checks it; most use fewer "
-             "registers, five more, kernels/triton/HOPPER.md), so they share its MEASURED_SPILLS, UNMASKED_ONLY and "
+             "registers, some more: kernels/triton/HOPPER.md names them), so they share its MEASURED_SPILLS, UNMASKED_ONLY and "
              "NON_CAUSAL_ONLY entries; their speed is unmeasured. Never "
              "first in a list: by default only the autotuner, timing both on the GPU, picks one, and only for inputs "
              "whose base and strides are multiples of 16 bytes (launch.tma_ok); tma=True forces them (the pinned "
@@ -202,7 +210,8 @@ _CONFIGS_FP32: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     **{("_diff_attn_fwd", form): {d: _FP32_FWD for d in (16, 32, 64, 128)} for form in ("fused", "map")},
     **{(kernel, form): {d: _FP32_KV for d in (16, 32, 64, 128)} for kernel, form in (
         ("_diff_attn_bwd_dkdv", "dkdv"), ("_diff_attn_bwd_dkdv", "dv"), ("_diff_attn_bwd_dkdv", "dk"),
-        ("_diff_attn_bwd_dkdv", "dk_map"), ("_diff_attn_bwd_dkdq", "dkdq"), ("_diff_attn_bwd_dkdq", "dkdq_map"))},
+        ("_diff_attn_bwd_dkdv", "dk_map"), ("_diff_attn_bwd_dkdq", "dkdq"), ("_diff_attn_bwd_dkdq", "dkdq_map"),
+        ("_diff_attn_bwd_dkdq", "dkdvdq"))},
     **{("_diff_attn_bwd_dq", form): {**{d: _FP32_Q for d in (16, 32, 64)}, 128: _FP32_KV} for form in ("dq", "dq_map")},
 }
 # Ampere and Ada (sm_80, sm_86, sm_89: mma.sync, both operands in registers): one map per program at every head
@@ -267,7 +276,8 @@ AMPERE_PLANS: dict[int, str] = {16: "split", 32: "split", 64: "split", 128: "spl
 def form(name: str, consts: dict) -> str:
     """A short name for the kernel variant the constexprs select (the autotune lists are per variant): ``fused``
     (forward, both maps) or ``map`` (one map); ``dkdv`` (dV and both maps' dK), ``dv``, ``dk`` (both maps) or
-    ``dk_map`` (one map); ``dkdq`` (both maps' dK and dQ by atomics) or ``dkdq_map`` (one map); ``dq`` (both maps)
+    ``dk_map`` (one map); ``dkdq`` (both maps' dK and dQ by atomics), ``dkdq_map`` (one map) or ``dkdvdq`` (dV
+    too); ``dq`` (both maps)
     or ``dq_map`` (one map); ``pre`` (the backward's preprocess)."""
     if name == "_diff_attn_fwd":
         return "fused" if consts["MAPS"] == MAPS_BOTH else "map"
@@ -277,6 +287,8 @@ def form(name: str, consts: dict) -> str:
             return "dv"
         return ("dkdv" if dv else "dk") if dk == MAPS_BOTH else "dk_map"
     if name == "_diff_attn_bwd_dkdq":
+        if consts.get("DV_OUT"):
+            return "dkdvdq"
         return "dkdq" if consts["DK_MAPS"] == MAPS_BOTH else "dkdq_map"
     if name == "_diff_attn_bwd_dq":
         return "dq" if consts["DQ_MAPS"] == MAPS_BOTH else "dq_map"
@@ -306,9 +318,10 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
 
 def _offered(key, consts: dict) -> bool:
     """Whether the entry ``(kernel, form, padded head dim, shape)`` is offered to a launch with ``consts``: not one
-    of :data:`UNMASKED_ONLY` with a mask, nor of :data:`NON_CAUSAL_ONLY` when causal."""
-    masked = consts.get("MASK_KIND", MASK_NONE) != MASK_NONE
-    return not (masked and key in UNMASKED_ONLY) and not (consts.get("CAUSAL") and key in NON_CAUSAL_ONLY)
+    of :data:`UNMASKED_ONLY` with a mask, nor of :data:`NON_CAUSAL_ONLY` when causal (a launch whose ``consts``
+    do not say counts as masked, causal)."""
+    masked = consts.get("MASK_KIND") != MASK_NONE
+    return not (masked and key in UNMASKED_ONLY) and not (consts.get("CAUSAL", True) and key in NON_CAUSAL_ONLY)
 
 
 def _numbers(c: triton.Config) -> tuple[int, int, int, int]:
@@ -316,8 +329,9 @@ def _numbers(c: triton.Config) -> tuple[int, int, int, int]:
 
 
 def shape(c: triton.Config) -> str:
-    """A configuration's tile, warps and stages, ``"128x64 w8 s2"``: the key of :data:`MEASURED_SPILLS` and
-    :data:`UNMASKED_ONLY`, which a TMA twin shares with its pointer entry (:data:`TMA_TWINS`)."""
+    """A configuration's tile, warps and stages, ``"128x64 w8 s2"``: the key of :data:`MEASURED_SPILLS`,
+    :data:`UNMASKED_ONLY` and :data:`NON_CAUSAL_ONLY`, which a TMA twin shares with its pointer entry
+    (:data:`TMA_TWINS`)."""
     return f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
 
 

@@ -559,24 +559,27 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
         _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
                 dict(common, DQ=dq, **_strides(dq, "dq", "bhm")), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks),
                 interpret, q.dtype, cap)
-    if the_plan.kq_maps and (needs[0] or needs[1]):
-        _dk_and_atomic_dq(the_plan, common, consts, q, k, dq, dk, needs, blocks, interpret, cap, tma)
+    if the_plan.kq_maps and (needs[0] or needs[1] or (the_plan.kq_dv and needs[2])):
+        _dk_and_atomic_dq(the_plan, common, consts, q, k, v, dq, dk, dv, flag, needs, blocks, interpret, cap, tma)
     return dq, dk, dv, delta
 
 
-def _dk_and_atomic_dq(the_plan, common: dict, consts: dict, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor,
-                      needs: list[bool], blocks: list[int], interpret: bool, cap: int, tma: Optional[bool]) -> None:
+def _dk_and_atomic_dq(the_plan, common: dict, consts: dict, q: Tensor, k: Tensor, v: Tensor, dq: Tensor, dk: Tensor,
+                      dv: Tensor, flag: Tensor, needs: list[bool], blocks: list[int], interpret: bool, cap: int,
+                      tma: Optional[bool]) -> None:
     """An atomic plan's dK launches, which add dQ into float32 sums (zeros first: every key tile adds to them),
-    then dQ = the sums times the scale, in q's dtype (one pass over dQ). ``dk`` is empty where neither dK nor dV is
-    asked for (they come together, :func:`_wanted`): the launches write dK to a scratch buffer then."""
+    then dQ = the sums times the scale, in q's dtype (one pass over dQ); with ``kq_dv`` they write dV too. ``dk``
+    and ``dv`` are empty where neither dK nor dV is asked for (they come together, :func:`_wanted`): the launches
+    write them to scratch buffers then (dV's stand-in is dK's where the launches do not write dV)."""
     B, Nk, Hkv = q.shape[0], k.shape[2], k.shape[1] // 2
     dq_sums = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # (B, 2H, Nq, d)
     dk_out = dk if dk.numel() == k.numel() else _alloc(*k.shape, like=k)
+    dv_out = (dv if dv.numel() == v.numel() else _alloc(*v.shape, like=v)) if the_plan.kq_dv else dk_out
     for dk_maps in the_plan.kq_maps:
         _launch("_diff_attn_bwd_dkdq", lambda meta: triton.cdiv(Nk, meta["BLOCK_N"]) * B * Hkv,
-                dict(common, DK=dk_out, DQACC=dq_sums, **_strides(dk_out, "dk", "bhn"),
-                     **_strides(dq_sums, "aq", "bhm"), Hkv=Hkv),
-                dict(consts, DK_MAPS=dk_maps), _blocks(blocks), interpret, q.dtype, cap, tma)
+                dict(common, DK=dk_out, DQACC=dq_sums, DV=dv_out, FLAG=flag, **_strides(dk_out, "dk", "bhn"),
+                     **_strides(dq_sums, "aq", "bhm"), **_strides(dv_out, "dv", "bhn"), Hkv=Hkv),
+                dict(consts, DK_MAPS=dk_maps, DV_OUT=the_plan.kq_dv), _blocks(blocks), interpret, q.dtype, cap, tma)
     if needs[0]:
         dq.copy_(dq_sums.mul_(common["sm_scale"]))
 
@@ -616,6 +619,23 @@ def _backward(ctx, dout, _do2, _dlse, _dflag):
 triton_forward.register_autograd(_backward, setup_context=_save)
 
 
+def _check_plan(plan: str, causal: bool, attn_mask: Optional[Tensor]) -> None:
+    """A plan by name: known; an atomic one not in deterministic mode; ``fused_atomic`` (one launch for every
+    gradient) neither causal nor with an additive mask, where it needs more registers than sm_90a has (the compile
+    facts' excluded rows, which capture its launches there: :func:`capture_launches` lets them through)."""
+    if plan not in ("auto", *PLANS):
+        raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
+    if PLANS.get(plan, PLANS["fused"]).kq_maps and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(f"plan={plan!r} adds dQ with atomics, in whatever order the programs run, so its dQ is not "
+                           f"reproducible bit for bit, and torch.use_deterministic_algorithms(True) is set; use "
+                           f"plan='auto' (the same result from its own dQ launch)")
+    additive = attn_mask is not None and attn_mask.dtype != torch.bool
+    if PLANS.get(plan, PLANS["fused"]).kq_dv and (causal or additive) and not launch.capturing():
+        raise ValueError(f"plan={plan!r} runs calls that are neither causal nor given an additive mask (its one "
+                         f"launch spills there on sm_90a: recorded/compile_facts.json, excluded rows); use "
+                         f"plan='split_kv_atomic' or 'fused'")
+
+
 def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: bool = False,
                           attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
                           blocks: Optional[tuple[int, int]] = None, plan: str = "auto",
@@ -652,12 +672,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
         raise ValueError("backend='triton' gives no gradient for attn_mask (the kernels never form the N x N "
                          "score gradient); pass attn_mask.detach() if the mask is not learned, or use "
                          "backend='naive' for a learned additive bias")
-    if plan not in ("auto", *PLANS):
-        raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
-    if PLANS.get(plan, PLANS["fused"]).kq_maps and torch.are_deterministic_algorithms_enabled():
-        raise RuntimeError(f"plan={plan!r} adds dQ with atomics, in whatever order the programs run, so its dQ is not "
-                           f"reproducible bit for bit, and torch.use_deterministic_algorithms(True) is set; use "
-                           f"plan='auto' (the same result from its own dQ launch)")
+    _check_plan(plan, causal, attn_mask)
     block_d = max(16, triton.next_power_of_2(d))
     cap = launch.capability(q.device)
     _check_target(q, k, v, lam, block_d, cap)
