@@ -80,8 +80,8 @@ TRITON_VARIANTS = {"triton_atomic": "the atomic twin of the kernel's plan (confi
                    "triton_tma": "the kernel with its TMA twins only (configs.TMA_TWINS), sm_90a, d = 64 and 128",
                    "triton_pointers": "the kernel with pointer loads only (no TMA twin)",
                    "triton_fused": "the fused plan (dV and both dK in one launch, HOPPER.md's design 2), sm_90a, d <= 64",
-                   "triton_fused_atomic": "dV, dK and dQ in one launch (plan fused_atomic), sm_90a, d <= 64, neither "
-                                          "causal nor additively masked"}
+                   "triton_fused_atomic": "dV, dK and dQ in one launch (plan fused_atomic), sm_90a, d = 64, neither "
+                                          "causal nor masked"}
 """The Triton kernel's variants chosen by name, beside its default (``triton``, through ``diff_attention``)."""
 
 

@@ -21,7 +21,7 @@ default ones and the machine's start fit 15 minutes of device time, :data:`DEVIC
    refused); time and peak memory;
 3. ``atomic``: the same benchmark, fwd+bwd at d = 64 and 128, the kernel with its default plan beside the atomic
    twin (``configs.ATOMIC_TWINS``: dQ added by the dK programs with float32 atomics), the fused plan at d = 64
-   (dV and both dK in one launch) and its atomic form (every gradient from one launch; non-causal calls only) and
+   (dV and both dK in one launch) and its atomic form (every gradient from one launch; non-causal calls only), and
    the TMA twins (``configs.TMA_TWINS``) forced on and off, into the session file;
 4. ``probe``: ``benchmarks/probe_triton.py``: where the forward loses its time (the copy and matmul ceilings, the
    forward per plan and tile shape, Nsight Compute's counters where ``ncu`` runs);

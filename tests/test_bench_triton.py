@@ -89,7 +89,8 @@ def test_a_refusing_backend_is_a_result_not_a_crash():
 def test_the_kernels_variants_by_name_agree_or_are_refused_as_results(results):
     """``TRITON_VARIANTS`` (the GPU session's ``atomic`` step): each runs through ``triton_diff_attention`` and
     agrees with the kernel's default, or is a ``refused`` result naming what it runs (never an error): the fused
-    plans above d = 64, the fused atomic plan causal, an atomic twin where the plan has none (d <= 32)."""
+    plans above d = 64 or below sm_90, the fused atomic plan training causal, an atomic twin where the plan has none
+    (d <= 32)."""
     mod, _ = results
     cpu = torch.device("cpu")
     small = make_inputs(1, 2, 16, 16, dtype=torch.float32, device=cpu)
@@ -99,8 +100,9 @@ def test_the_kernels_variants_by_name_agree_or_are_refused_as_results(results):
             torch.testing.assert_close(mod.attention(impl, *small, causal), ref)
     refused = mod.measure("triton_atomic", "default", "fwd", True, small, device=cpu, reps=1)[3]
     assert refused.startswith("refused") and "d = 33 to 128" in refused, refused
-    refused = mod.measure("triton_fused_atomic", "default", "fwd", True, small, device=cpu, reps=1)[3]
-    assert refused.startswith("refused") and "neither causal" in refused, refused
+    refused = mod.measure("triton_fused_atomic", "default", "fwd_bwd", True, small, device=cpu, reps=1)[3]
+    assert refused.startswith("refused") and "neither causal" in refused, refused  # training; its forward runs
+    assert mod.measure("triton_fused_atomic", "default", "fwd", True, small, device=cpu, reps=1)[3] == "ok"
     from diffattn_tutorial.kernels.triton.configs import form
     from diffattn_tutorial.kernels.triton.flash_diff import capture_launches
 
@@ -115,6 +117,10 @@ def test_the_kernels_variants_by_name_agree_or_are_refused_as_results(results):
     for impl in ("triton_fused", "triton_fused_atomic"):
         for a, b in zip(grads[impl], grads["triton"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match="d <= 64 on Hopper"):  # no table entries past d = 64 ...
+            mod.attention(impl, *make_inputs(1, 2, 4, 128, dtype=torch.float32, device=cpu), False)
+        with capture_launches(80), pytest.raises(ValueError, match="compute capability 8.0"):  # ... or below sm_90
+            mod.attention(impl, *d64, False)
     wide = make_inputs(1, 2, 4, 128, dtype=torch.float32, device=cpu)
     refused = mod.measure("triton_fused", "default", "fwd", False, wide, device=cpu, reps=1)[3]
     assert refused.startswith("refused") and "d <= 64" in refused, refused

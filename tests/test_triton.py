@@ -266,23 +266,31 @@ def test_both_plans_match_naive(plan, B, H, Hkv, Nq, Nk, d, causal, lam_kind, ma
 
 
 def test_the_fused_atomic_plan_matches_naive_where_it_runs_and_refuses_the_rest_with_the_fix():
-    """``fused_atomic`` (dV, dK and dQ from one launch) gives naive's answer for calls neither causal nor with an
-    additive mask (MQA with ragged tiles and a per-token lambda; GQA with a bool mask and Nq < Nk), and refuses
-    causal calls and additive masks naming the plans that run them."""
-    for B, H, Hkv, Nq, Nk, d, lam_kind, mask_kind in ((2, 2, 1, 37, 50, 24, "token", None),
-                                                      (1, 4, 2, 21, 40, 16, "batch_head", "bool")):
+    """``fused_atomic`` (dV, dK and dQ from one launch) gives naive's answer for training calls neither causal nor
+    masked (MQA with ragged tiles and a per-token lambda; GQA with Nq < Nk), also where only some inputs need a
+    gradient (only v: the launch runs for dV alone; only q), and refuses causal and masked training calls (bool
+    or additive) naming the plans that run them; without a backward (inference) it runs them."""
+    for B, H, Hkv, Nq, Nk, d, lam_kind in ((2, 2, 1, 37, 50, 24, "token"), (1, 4, 2, 21, 40, 16, "batch_head")):
         q, k, v, lam = make(B, H, Hkv, Nq, Nk, d, lam_kind=lam_kind, seed=Nq * Nk)
-        mask = None if mask_kind is None else make_mask(mask_kind, B, Nq, Nk, torch.float32)
         g = torch.randn(B, H, Nq, 2 * d, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-        out, grads = run_plan("fused_atomic", q, k, v, lam, g, attn_mask=mask)
-        ref_out, ref_grads = run("naive", q, k, v, lam, g, attn_mask=mask)
+        out, grads = run_plan("fused_atomic", q, k, v, lam, g)
+        ref_out, ref_grads = run("naive", q, k, v, lam, g)
         torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=5e-5, msg="forward")
         for name, a, b in zip(("dq", "dk", "dv", "dlam"), grads, ref_grads):
             torch.testing.assert_close(a.reshape(b.shape), b, rtol=1e-4, atol=5e-5, msg=name)
+        for only in (2, 0):  # only v, only q requires grad
+            ins = [t.detach().clone().requires_grad_(i == only) for i, t in enumerate((q, k, v, lam))]
+            grad, = torch.autograd.grad((triton_diff_attention(*ins, plan="fused_atomic") * g).sum(), ins[only])
+            torch.testing.assert_close(grad.reshape(ref_grads[only].shape), ref_grads[only], rtol=1e-4, atol=5e-5)
     q, k, v, lam = make(1, 2, 1, 8, 8, 16, seed=1)
-    for kw in ({"causal": True}, {"attn_mask": torch.zeros(1, 1, 8, 8, device=DEVICE)}):
+    masks = ({"causal": True}, {"attn_mask": torch.zeros(1, 1, 8, 8, device=DEVICE)},
+             {"attn_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool, device=DEVICE)})
+    for kw in masks:
         with pytest.raises(ValueError, match="plan='split_kv_atomic' or 'fused'"):
-            triton_diff_attention(q, k, v, lam, plan="fused_atomic", **kw)
+            triton_diff_attention(q, k, v, lam.requires_grad_(), plan="fused_atomic", **kw)
+        with torch.no_grad():
+            torch.testing.assert_close(triton_diff_attention(q, k, v, lam, plan="fused_atomic", **kw),
+                                       triton_diff_attention(q, k, v, lam, plan="fused", **kw))
 
 
 def test_finfo_min_additive_mask_counts_as_masked():
@@ -584,7 +592,7 @@ def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan, launch
     with capture_launches() as captured:
         triton_diff_attention(*(t.requires_grad_() for t in (q, k, v, lam)), plan=plan).sum().backward()
     assert [x.name for x in captured if x.name.startswith("_diff_attn_bwd_d")] == launches
-    q, k, v, lam = make(1, 2, 1, 20, 20, 16, seed=8)
+    q, k, v, lam = make(2, 2, 1, 20, 20, 16, seed=8)  # two batches: a NaN in one reaches the other by the flag only
     torch.use_deterministic_algorithms(True)
     try:  # the sums' order is the programs': refused where the caller asked for bitwise reproducible results
         with pytest.raises(RuntimeError, match="use plan='auto'"):
@@ -592,7 +600,7 @@ def test_atomic_plans_launch_no_dq_kernel_and_keep_the_nan_contract(plan, launch
     finally:
         torch.use_deterministic_algorithms(False)
     q[0, 0, 3, 5] = float("nan")
-    _, grads = run_plan(plan, q, k, v, lam, torch.ones(1, 2, 20, 32, device=DEVICE))
+    _, grads = run_plan(plan, q, k, v, lam, torch.ones(2, 2, 20, 32, device=DEVICE))
     assert all(g.isnan().all() for g in grads), [g.isnan().float().mean().item() for g in grads]
 
 

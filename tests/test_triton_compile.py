@@ -257,6 +257,9 @@ def test_a_run_over_some_targets_keeps_the_others_and_the_lists_it_did_not_compi
     merged = tc.merge_runs(old, run(["sm_80"], [("sm_80", 3)]))
     assert merged["facts"] == [{"arch": "sm_90a", "n": 1}, {"arch": "sm_80", "n": 3}]
     assert merged["lessons"] == [{"l": 1}] and merged["excluded"] == [{"e": 1}]
+    partial = run(["sm_80"], [("sm_80", 3)])
+    del partial["excluded"]  # a run that built no excluded list
+    assert tc.merge_runs(old, partial)["excluded"] == [{"e": 1}]
     del old["excluded"]  # a record from before 2026-11-29
     assert tc.merge_runs(old, run(["sm_80"], [("sm_80", 3)]))["excluded"] == []
     fresh = tc.merge_runs(old, run(["sm_80"], [("sm_80", 3)], source="s2"))

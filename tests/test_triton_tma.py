@@ -52,7 +52,7 @@ CASES = [  # B, H, Hkv, Nq, Nk, d, causal, mask, dtype, plan
     (1, 4, 2, 50, 21, 64, True, "bool", torch.float32, "auto"),  # causal, Nq > Nk, GQA, a mask: split_kv
     (1, 2, 2, 29, 45, 128, False, None, torch.bfloat16, "auto"),  # split: one map per launch, 16-bit
     (1, 4, 2, 37, 29, 64, True, None, torch.float32, "split_kv_atomic"),  # the dK kernel that adds dQ
-    (1, 4, 2, 29, 37, 64, False, "bool", torch.float32, "fused_atomic"),  # ... and writes dV
+    (1, 4, 2, 29, 37, 64, False, None, torch.float32, "fused_atomic"),  # ... and writes dV
 ]
 
 

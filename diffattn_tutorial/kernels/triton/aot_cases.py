@@ -138,7 +138,9 @@ EXCLUSIONS = [  # (case, kernel, configs): entries the sm_90a table keeps from a
     # with 1 stage
     (Case(64, mask="additive", plan="fused"), "_diff_attn_bwd_dkdv", [(32, 128, 8, 2)]),
     (Case(64, causal=True, lam="token", plan="fused"), "_diff_attn_bwd_dkdv", [(32, 128, 8, 2), (16, 128, 8, 2)]),
-    # the fused atomic plan's one launch (its table entry) where the plan refuses calls: causal, an additive mask
+    # the fused atomic plan's one launch (its table entry) where the plan refuses calls: causal, masked
+    # (configs.plan_refusal), a bool mask spilling in GQA
     (Case(64, causal=True, plan="fused_atomic"), "_diff_attn_bwd_dkdq", [(16, 128, 8, 2)]),
     (Case(64, mask="additive", plan="fused_atomic"), "_diff_attn_bwd_dkdq", [(16, 128, 8, 2)]),
+    (Case(64, mask="bool", group=4, plan="fused_atomic"), "_diff_attn_bwd_dkdq", [(16, 128, 8, 2)]),
 ]

@@ -75,6 +75,24 @@ def plan_for(block_d: int, capability: int = 90) -> Plan:
     return PLANS["split" if block_d >= 128 else ("split_kv" if block_d >= 64 else "fused")]
 
 
+def plan_refusal(plan: Plan, *, causal: bool, masked: bool, training: bool, block_d: int, dtype: torch.dtype,
+                 capability: int, compiled: bool) -> Optional[str]:
+    """Why ``plan``, chosen by name, does not run a call (None: it does). ``fused_atomic`` (``kq_dv``: one backward
+    launch for every gradient) has one table entry, 16-bit at padded head dim 64 on sm_90a, clean only for calls
+    neither causal nor masked (the compile facts' excluded rows: it spills causal, with an additive mask, with a
+    bool mask in GQA): its training calls are refused outside that, and on a GPU (``compiled``) in 16 bits at
+    another head dim or target; inference (its forward is ``fused``'s) and float32 (its own table) run."""
+    if not plan.kq_dv or not training:
+        return None
+    if causal or masked:
+        return ("it trains calls neither causal nor masked (its one launch spills on the others on sm_90a: "
+                "recorded/compile_facts.json, excluded rows)")
+    if compiled and dtype != torch.float32 and (block_d != 64 or capability < 90):
+        return (f"its one launch has a table entry at head dim 64 on compute capability 9.0+ only (here padded "
+                f"head dim {block_d}, {capability / 10:.1f})")
+    return None
+
+
 def train_head_dim_limit(capability: int) -> int:
     """The largest padded head dim whose backward runs on a GPU of compute ``capability``: 64 below sm_80 (see
     ``_CONFIGS_TURING``), else :data:`MAX_HEAD_DIM`."""
@@ -142,7 +160,7 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_bwd_dkdq", "dkdq_map"): {
         128: [_cfg(32, 128, 8, 3), _twin(32, 128, 8, 3)],
     },
-    ("_diff_attn_bwd_dkdq", "dkdvdq"): {  # plan fused_atomic (by name; calls neither causal nor additively masked):
+    ("_diff_attn_bwd_dkdq", "dkdvdq"): {  # plan fused_atomic (by name; training calls neither causal nor masked):
         64: [_cfg(16, 128, 8, 2)],  # clean at 16 rows, 2 stages; its twin spills (unmeasured either way)
     },
     ("_diff_attn_bwd_dq", "dq"): {
@@ -351,4 +369,4 @@ def autotune_enabled() -> bool:
 
 
 __all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
-           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "plan_refusal", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]

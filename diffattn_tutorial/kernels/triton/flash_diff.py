@@ -44,6 +44,7 @@ from diffattn_tutorial.kernels.triton.configs import (
     autotune_enabled,
     form,
     plan_for,
+    plan_refusal,
     train_head_dim_limit,
 )
 from diffattn_tutorial.kernels.triton.flags import MAPS_BOTH, MAPS_NONE, MASK_ADD, MASK_BOOL, MASK_NONE
@@ -164,11 +165,12 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
 
 def chosen_configs() -> dict[str, dict]:
     """What the autotuner picked so far, per kernel variant and key: ``{"_diff_attn_fwd/fused/d64": {key:
-    config}}``; ``.../d64/tma`` and ``.../d64/pointers`` where the caller's ``tma`` left only the TMA twins or only
-    the pointer entries of a list that has both (``configs.TMA_TWINS``)."""
+    config}}`` (``{"any": config}`` for a list of one); ``.../d64/tma`` and ``.../d64/pointers`` where the caller's
+    ``tma`` left only the TMA twins or only the pointer entries of a list that has both (``configs.TMA_TWINS``)."""
     picked: dict[str, dict] = {}
     for (name, variant, block_d, offered, _), tuner in _tuned.items():
-        cache = getattr(tuner, "cache", {})
+        cache = getattr(tuner, "cache", {}) or (  # Triton's autotuner keeps no cache over one configuration
+            {"any": tuner.configs[0]} if len(tuner.configs) == 1 else {})
         picked.setdefault(f"{name}/{variant}/d{block_d}{offered}", {}).update(
             {str(k): str(c) for k, c in cache.items()})
     return picked
@@ -619,21 +621,15 @@ def _backward(ctx, dout, _do2, _dlse, _dflag):
 triton_forward.register_autograd(_backward, setup_context=_save)
 
 
-def _check_plan(plan: str, causal: bool, attn_mask: Optional[Tensor]) -> None:
-    """A plan by name: known; an atomic one not in deterministic mode; ``fused_atomic`` (one launch for every
-    gradient) neither causal nor with an additive mask, where it needs more registers than sm_90a has (the compile
-    facts' excluded rows, which capture its launches there: :func:`capture_launches` lets them through)."""
+def _check_plan(plan: str) -> None:
+    """A plan by name: known; an atomic one not in deterministic mode (``configs.plan_refusal``: the calls a plan
+    refuses)."""
     if plan not in ("auto", *PLANS):
         raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
     if PLANS.get(plan, PLANS["fused"]).kq_maps and torch.are_deterministic_algorithms_enabled():
         raise RuntimeError(f"plan={plan!r} adds dQ with atomics, in whatever order the programs run, so its dQ is not "
                            f"reproducible bit for bit, and torch.use_deterministic_algorithms(True) is set; use "
                            f"plan='auto' (the same result from its own dQ launch)")
-    additive = attn_mask is not None and attn_mask.dtype != torch.bool
-    if PLANS.get(plan, PLANS["fused"]).kq_dv and (causal or additive) and not launch.capturing():
-        raise ValueError(f"plan={plan!r} runs calls that are neither causal nor given an additive mask (its one "
-                         f"launch spills there on sm_90a: recorded/compile_facts.json, excluded rows); use "
-                         f"plan='split_kv_atomic' or 'fused'")
 
 
 def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: bool = False,
@@ -672,16 +668,20 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
         raise ValueError("backend='triton' gives no gradient for attn_mask (the kernels never form the N x N "
                          "score gradient); pass attn_mask.detach() if the mask is not learned, or use "
                          "backend='naive' for a learned additive bias")
-    _check_plan(plan, causal, attn_mask)
+    _check_plan(plan)
     block_d = max(16, triton.next_power_of_2(d))
     cap = launch.capability(q.device)
     _check_target(q, k, v, lam, block_d, cap)
     the_plan = plan_for(block_d, cap) if plan == "auto" else PLANS[plan]
+    store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
+    why = plan_refusal(the_plan, causal=bool(causal), masked=attn_mask is not None, training=store_o2,
+                       block_d=block_d, dtype=q.dtype, capability=cap, compiled=not _interpret_mode())
+    if why and not launch.capturing():  # (the compile facts capture what it refuses, to record why)
+        raise ValueError(f"plan={plan!r}: {why}; use plan='split_kv_atomic' or 'fused'")
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
     lam = lam.to(device=q.device, dtype=q.dtype)
-    store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
     out, _o2, _lse, _flag = triton_forward(q, k, v, lam, attn_mask, bool(causal), scale, list(blocks or ()), the_plan.name,
                                     store_o2, tma)
     return out
