@@ -81,6 +81,7 @@ def _example(**kw) -> dict:
 @example(ex=_example(arg="attn_mask", change="dtype", dtype="float64"))  # an additive mask: valid
 @example(ex=_example(op="decode", arg="lengths", change="dtype", dtype="float64"))
 @example(ex=_example(arg="k", change="device"))  # meta: the fake implementation answers
+@example(ex=_example(op="backward", arg="flag", change="device"))  # ... and checks what the operator checks
 def test_a_changed_argument_is_refused_by_name_or_gives_naive_result(worker, ex):
     answer = worker.run(ex)
     assert answer["ok"], f"{ex}: {answer['msg']}"

@@ -377,10 +377,10 @@ def _check_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
 
 
 def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Optional[Tensor],
-                    out: Tensor, o2: Tensor, lse: Tensor, scale: float, blocks: list[int], plan: str,
+                    out: Tensor, o2: Tensor, lse: Tensor, flag: Tensor, scale: float, blocks: list[int], plan: str,
                     needs: list[bool]) -> dict[str, int]:
-    """The backward operator's checks: the forward's, and ``dout``, ``out``, ``o2``, ``lse`` as the forward (with
-    ``store_o2``) made them."""
+    """The backward operator's checks (its fake's too): the forward's, and ``dout``, ``out``, ``o2``, ``lse``,
+    ``flag`` as the forward (with ``store_o2``) made them."""
     op = BACKWARD_OP
     sizes = check_op_inputs(op, q, k, v, lam)
     _check_mask_arg(op, attn_mask, q, sizes)
@@ -388,9 +388,10 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     check_same(op, q, dout=dout, out=out)
     check_same(op, q, torch.float32, o2=o2, lse=lse)
+    check_same(op, q, torch.int32, flag=flag)
     outs = {"dout": ("B", "H", "Nq", "2d"), "out": ("B", "H", "Nq", "2d"), "o2": ("B", "H", "Nq", "2d"),
-            "lse": ("B", "H", "2", "Nq")}
-    check_shapes(op, outs, dict(dout=dout, out=out, o2=o2, lse=lse), sizes)
+            "lse": ("B", "H", "2", "Nq"), "flag": ("1",)}
+    check_shapes(op, outs, dict(dout=dout, out=out, o2=o2, lse=lse, flag=flag), sizes)
     if o2.stride() != out.stride() or (out.shape[-1] > 1 and out.stride(-1) != 1) or not lse.is_contiguous():
         raise ValueError(f"{op}: out, o2 and lse must be the forward operator's outputs (out and o2 with one dense "
                          f"layout, lse contiguous); got strides out {out.stride()}, o2 {o2.stride()}, lse "
@@ -521,9 +522,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse``, ``flag`` not shaped as it
     made them. Where ``flag`` is set (the forward met a NaN or an infinity) every gradient is NaN. ``tma``: the dK
     launches' q and dO loads, as the forward's k and v (``launch.tma_choice``)."""
-    _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
-    check_same(BACKWARD_OP, q, torch.int32, flag=flag)
-    check_shapes(BACKWARD_OP, {"flag": ("1",)}, dict(flag=flag))
+    _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, scale, blocks, plan, needs)
     if not launch.capturing():
         _check_mode(q.device)
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
@@ -588,7 +587,7 @@ def _dk_and_atomic_dq(the_plan, common: dict, consts: dict, q: Tensor, k: Tensor
 
 @triton_backward.register_fake
 def _(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, causal, scale, blocks, plan, needs, tma=None):
-    _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, scale, blocks, plan, needs)
+    _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, scale, blocks, plan, needs)
     B, H2, Nq, _ = q.shape
     grads = (t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip((q, k, v), _wanted(needs)))
     return (*grads, q.new_empty(B, H2 // 2, 2, Nq, dtype=torch.float32))
