@@ -69,7 +69,8 @@ def test_summary_table_merge_and_goals(results):
     other["config"]["head_dims"] = [32]
     merged = gpu_bench.merge_triton([r, other])
     assert len(merged["rows"]) == 2 * len(r["rows"]) and merged["config"]["head_dims"] == [16, 32]
-    assert [g["d"] for g in gpu_bench.goals(merged)] == [64, 128]  # no rows at N = 8192 here: nothing is met
+    assert [(g["d"], g["causal"]) for g in gpu_bench.goals(merged)] == [(64, False), (64, True), (128, False),
+                                                                        (128, True)]  # none at N = 8192: none met
     assert not any(any(g["met"].values()) for g in gpu_bench.goals(merged))
     elsewhere = json.loads(json.dumps(r))
     elsewhere["recorded"]["device"] = "another GPU"

@@ -441,10 +441,9 @@ def gpu_block(folder: Path = RECORDED) -> str:
         triton = folder / (name.replace("gpu_session", "bench_triton", 1) + ".json")
         if triton.exists():
             res = _load(triton)
-            verdicts = "; ".join(f"d = {g['d']}: " + ", ".join(f"{k} {'met' if ok else 'not met'}"
-                                                              for k, ok in g["met"].items())
-                                 for g in gpu.goals(res, n=max(res["config"]["lengths"])))
-            judged = all(g["judged"] for g in gpu.goals(res, n=max(res["config"]["lengths"])))
+            goals = gpu.goals(res, n=max(res["config"]["lengths"]))
+            verdicts = "; ".join(gpu.goal_verdict(g) for g in goals)
+            judged = all(g["judged"] for g in goals)
             parts.append(f"The fused kernel against the best SDPA formulation over every SDPA kernel (bf16, median ms, "
                          f"`{_rel(triton)}`):\n\n{gpu.triton_summary(res)}\n\nThe speed goals (`measure.gpu.GOALS`"
                          f"{'' if judged else f', judged on an {gpu.GOALS_DEVICE} only; informative here'}): "
