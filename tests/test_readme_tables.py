@@ -61,6 +61,35 @@ def test_the_gpu_block_shows_each_recorded_session_or_says_none_is(tmp_path, mon
     assert "best SDPA" not in block  # no bench_triton file beside it: no table
 
 
+def test_the_compile_facts_block_compares_the_triton_the_gpu_sessions_ran(tmp_path, monkeypatch):
+    """The sm_90a compiles of the GPU sessions' Triton against the record's, entry by entry; nothing when the
+    sessions ran the record's Triton; a sentence saying so when that version's compiles are not recorded."""
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+    from diffattn_tutorial.measure import gpu
+
+    session = {"schema": gpu.SESSION_SCHEMA, "recorded": {"device": "NVIDIA H100", "triton": "3.6.0"}, "steps": {}}
+    gpu.write_json(gpu.recorded_path("gpu_session", "NVIDIA H100", tmp_path), session)
+
+    def fact(m, regs, spill, arch="sm_90a", tma=False):
+        return {"kernel": "_k", "form": "map", "case": "d64 bfloat16", "arch": arch, "block_m": m, "block_n": 64,
+                "num_warps": 8, "num_stages": 2, "tma": tma, "regs": regs, "spill_stores": spill,
+                "spill_loads": spill}
+
+    ours = [fact(64, 200, 0), fact(128, 255, 24), fact(32, 100, 0), fact(64, 90, 0, arch="sm_80"),
+            fact(16, 80, 0)]
+    assert tables._other_triton(ours, "3.9.0", tmp_path) == (
+        "\nThe recorded GPU sessions ran Triton 3.6.0; no sm_90a compile with it is recorded.\n")
+    assert tables._other_triton(ours, "3.6.0", tmp_path) == ""  # the record is that Triton's own
+    theirs = {"recorded": {"triton": "3.6.0", "date": "d", "command": "c", "source_hash": "h"},
+              "facts": [fact(64, 255, 16), fact(128, 250, 0), fact(32, 100, 0), fact(64, 90, 8, tma=True)]}
+    (tmp_path / "compile_facts_sm90a_triton-3.6.0.json").write_text(json.dumps(theirs))
+    text = tables._other_triton(ours, "3.9.0", tmp_path)
+    assert "3 of the 4 sm_90a compiles above have a counterpart there" in text  # not sm_80's, not the unmatched one
+    assert "Registers per thread differ in 2 of them (-5 to +55); 1 spill there against 1 here" in text
+    assert "Clean here, spilling there (1): `_k` (map) 64x64 w8 s2 [d64 bfloat16] 16 B stored" in text
+    assert "Spilling here, clean there (1): `_k` (map) 128x64 w8 s2 [d64 bfloat16] 24 B stored here" in text
+
+
 def test_speedup_is_a_ratio_of_medians():
     # per-round ratios 4, 1, 1 have median 1; the medians 2 and 1 give 2: the project's definition is the second
     assert tables.speedup([4.0, 2.0, 1.0], [1.0, 2.0, 1.0]) == pytest.approx(2.0)

@@ -12,7 +12,9 @@ everything outside the markers is hand-written and left alone. The blocks and th
   and the multiply-adds of each formulation relative to naive's (``flops.formulation_flops``);
 * ``busy-cpu``: ``benchmarks/results_busy_cpu_<cpu>.json`` (``bench_busy_cpu.py``): training steps idle and loaded;
 * ``mutation``: ``diffattn_tutorial/recorded/mutation.json`` (``python tools/mutation.py --record``);
-* ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``kernels.triton.aot --write``), per target;
+* ``compile-facts``: ``diffattn_tutorial/recorded/compile_facts.json`` (``kernels.triton.aot --write``), per target,
+  and against it the sm_90a compiles of the Triton the recorded GPU sessions ran
+  (``compile_facts_sm90a_triton-<version>.json``, ``kernels.triton.aot --json`` under that Triton);
 * ``layout``: the Layout table, listing the library's modules, the benchmark scripts and the tools as they are;
 * ``needs``: which notebooks have GPU cells and which run Triton, read from the notebooks' own code cells;
 * ``gpu``: ``diffattn_tutorial/recorded/gpu_session_<device>.json`` and ``bench_triton_<device>.json``
@@ -278,7 +280,66 @@ def compile_facts_block() -> str:
         tma = sum(bool(f.get("tma_loads")) for f in rows)
         lines.append(f"| {arch} | {len(rows)} | {sum(bool(f.get('error')) for f in rows)} | {spills} "
                      f"| {max(f.get('regs') or 0 for f in rows)} | {instr_text} | {dup} | {tma} |")
-    return "\n".join(lines) + "\n" + _duplicated_products(facts)
+    return "\n".join(lines) + "\n" + _duplicated_products(facts) + _other_triton(facts, rec.get("triton"))
+
+
+def _by_launch(facts: list[dict]) -> dict[tuple, dict]:
+    """Compiles keyed by kernel, form, case, tile, warps, stages and TMA, and the launch's place among those alike
+    (a launch per map at d = 128 gives two of each; every run lists the launches in the same order)."""
+    seen: Counter = Counter()
+    out = {}
+    for f in facts:
+        key = (f["kernel"], f.get("form"), f["case"], f["block_m"], f["block_n"], f["num_warps"], f["num_stages"],
+               bool(f.get("tma")))
+        out[key + (seen[key],)] = f
+        seen[key] += 1
+    return out
+
+
+def _fact_name(f: dict) -> str:
+    return (f"`{f['kernel']}` ({f.get('form')}) {f['block_m']}x{f['block_n']} w{f['num_warps']} s{f['num_stages']}"
+            f"{' TMA' if f.get('tma') else ''} [{f['case']}]")
+
+
+def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED) -> str:
+    """One paragraph per Triton version the recorded GPU sessions ran, when the record is another's: its sm_90a
+    compiles (``compile_facts_sm90a_triton-<version>.json``) against the record's, matched by kernel, form, case,
+    tile, warps, stages and TMA; or the sentence that no such compile is recorded."""
+    from diffattn_tutorial.measure import gpu
+
+    ran = {d["recorded"].get("triton") for _, d in gpu.find_recorded("gpu_session", None, folder)}
+    versions = sorted(ran - {None, record_triton})
+    ours = _by_launch([f for f in facts if f["arch"] == "sm_90a"])
+    parts = []
+    for version in versions:
+        path = folder / f"compile_facts_sm90a_triton-{version}.json"
+        if not path.exists():
+            parts.append(f"The recorded GPU sessions ran Triton {version}; no sm_90a compile with it is recorded.")
+            continue
+        data = _load(path)
+        rec = data["recorded"]
+        theirs = _by_launch(data["facts"])
+        both = [k for k in ours if k in theirs]
+        regs = [theirs[k]["regs"] - ours[k]["regs"] for k in both]
+        spill = lambda f: bool(f.get("spill_stores") or f.get("spill_loads"))  # noqa: E731
+        newly = [theirs[k] for k in both if spill(theirs[k]) and not spill(ours[k])]
+        gone = [ours[k] for k in both if spill(ours[k]) and not spill(theirs[k])]
+        changed = sum(spill(theirs[k]) and spill(ours[k]) and theirs[k]["spill_stores"] != ours[k]["spill_stores"]
+                      for k in both)
+        parts.append(
+            f"The recorded GPU sessions ran Triton {version}. `{_rel(path)}` ({rec.get('date', NOT_RECORDED)}, "
+            f"{_command(rec)}, kernel source hash {rec.get('source_hash', NOT_RECORDED)} as Triton {version} computes "
+            f"it) compiles sm_90a's cases with it: {len(both)} of the {len(ours)} sm_90a compiles above have a "
+            f"counterpart there (the same launch: kernel, form, case, tile, warps, stages and TMA). Registers per thread differ "
+            f"in {sum(r != 0 for r in regs)} of them ({min(regs):+d} to {max(regs):+d}); "
+            f"{sum(spill(theirs[k]) for k in both)} spill there against {sum(spill(ours[k]) for k in both)} here. "
+            f"Clean here, spilling there ({len(newly)}): "
+            + ("; ".join(f"{_fact_name(f)} {f['spill_stores']} B stored" for f in newly) or "none")
+            + f". Spilling here, clean there ({len(gone)}): "
+            + ("; ".join(f"{_fact_name(f)} {f['spill_stores']} B stored here" for f in gone) or "none")
+            + f". Spilling in both, by a different amount: {changed}. A GPU session measures the code its own Triton "
+            f"compiles.")
+    return "".join(f"\n{p}\n" for p in parts)
 
 
 def _duplicated_products(facts: list[dict]) -> str:
