@@ -322,6 +322,24 @@ def test_tma_twins_use_the_copy_engine_and_spill_no_more_than_their_pointer_entr
         assert f.spill_stores <= p.spill_stores and f.spill_loads <= p.spill_loads, (f, p)
 
 
+def test_under_the_gpu_sessions_triton_some_tma_twin_spills_more_than_its_pointer_entry():
+    """Notebook 09 says so of the sm_90a compiles with the Triton the recorded GPU sessions ran
+    (``recorded/compile_facts_sm90a_triton-<version>.json``; the record's Triton holds the test above): the twins
+    paired with their pointer entries as above."""
+    from diffattn_tutorial import recorded
+    from diffattn_tutorial.measure import gpu
+
+    versions = {data["recorded"]["triton"] for _, data in gpu.find_recorded("gpu_session", None)}
+    assert versions, "no recorded GPU session"
+    for version in versions:
+        facts = recorded.load(f"compile_facts_sm90a_triton-{version}")["facts"]
+        shape = lambda f: (f["case"], f["kernel"], f["form"], f["block_m"], f["block_n"], f["num_warps"],  # noqa: E731
+                           f["num_stages"])
+        more = [f for i, f in enumerate(facts) if f.get("tma") and f["spill_stores"] > next(
+            g for g in reversed(facts[:i]) if not g.get("tma") and shape(g) == shape(f))["spill_stores"]]
+        assert more, f"no TMA twin spills more than its pointer entry under Triton {version}: notebook 09 says some do"
+
+
 @needs_nvidia
 def test_decode_launches_compile_clean_for_turing(pinned):
     """The decode kernels on a T4 at d = 128: 16-key tiles (:data:`~diffattn_tutorial.kernels.triton.decode.BLOCK_KEYS_TURING`;
