@@ -4,6 +4,7 @@
     python benchmarks/gpu_session.py --list               # the steps in order, their minutes, what each runs
     python benchmarks/gpu_session.py --step tests --out-dir DIR     # one step; its files go to DIR
     python benchmarks/gpu_session.py --collect DIR [DIR ...]        # merge the steps' files into the package
+    python benchmarks/gpu_session.py --deadline-s 540 --archive FILE.tar.gz   # one command, one file back
 
 It runs on any CUDA GPU the library targets (T4, RTX 30xx/40xx, L4, A100, H100) and records which one: every
 step's file carries the device name, compute capability, memory, driver, versions and date, and the results
@@ -45,6 +46,10 @@ and ``gpu_session_<device>.json`` (the steps, the test outcome, the autotuner's 
 checked), which notebooks 08 and 09 show from any folder (``diffattn_tutorial.measure.gpu.find_recorded``). Where
 each command has a time limit, run one step per command, all with the same ``--out-dir`` (or one folder each),
 on the same machine so the Triton cache carries over, then ``--collect`` the folders and commit the three files.
+Or run the default steps as one command inside its limit: ``--deadline-s S`` starts a step only while its expected
+minutes fit in what is left of S seconds (a later, cheaper step may still run; each step's time limit is cut to
+what is left), and ``--archive FILE.tar.gz`` packs the out-dir into one file to copy back; ``--collect`` takes that
+file as it takes a folder.
 The scripts import the package from this checkout (``PYTHONPATH`` is set for each step), so the GPU machine needs
 torch and triton only.
 """
@@ -59,6 +64,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -183,6 +189,45 @@ def run_step(name: str, out_dir: Path, timeout: int) -> dict:
     return record
 
 
+def run_steps(names: Sequence[str], out_dir: Path, step_timeout: int, deadline_s: Optional[float] = None,
+              clock=time.perf_counter) -> tuple[list[dict], list[str]]:
+    """Run ``names`` in order; with ``deadline_s``, skip a step whose expected minutes do not fit in what is left
+    and cut each step's time limit to it. Returns the steps' records and the names skipped."""
+    start, records, skipped = clock(), [], []
+    for name in names:
+        left = None if deadline_s is None else deadline_s - (clock() - start)
+        if left is not None and STEPS[name][1] * 60 > left:
+            print(f"[{name}] skipped: ~{STEPS[name][1]} min expected, {max(left, 0):.0f} s left of the deadline",
+                  flush=True)
+            skipped.append(name)
+            continue
+        records.append(run_step(name, out_dir, step_timeout if left is None else min(step_timeout, int(left))))
+    return records, skipped
+
+
+def archive(out_dir: Path, path: Path) -> Path:
+    """Pack the files of ``out_dir`` (the steps' records, logs and results) into ``path``, a .tar.gz."""
+    with tarfile.open(path, "w:gz") as tar:
+        for p in sorted(out_dir.iterdir()):
+            if p.is_file() and p.resolve() != path.resolve():
+                tar.add(p, arcname=p.name)
+    return path
+
+
+def _unpacked(paths: Sequence[Path]) -> list[Path]:
+    """Folders to collect from: each folder as it is, each .tar.gz (from ``--archive``) unpacked into a new one."""
+    dirs = []
+    for p in map(Path, paths):
+        if p.is_file() and p.name.endswith(".tar.gz"):
+            dest = Path(tempfile.mkdtemp(prefix="gpu_session_archive_"))
+            with tarfile.open(p) as tar:  # the archive's plain files, by their names alone, into dest
+                files = [m for m in tar.getmembers() if m.isfile() and Path(m.name).name == m.name]
+                tar.extractall(dest, members=files, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+            p = dest
+        dirs.append(p)
+    return dirs
+
+
 def _problems(facts: dict) -> list[str]:
     """One line per compile with a problem in a ``kernels.triton.aot --json`` file."""
     from diffattn_tutorial.kernels.triton.aot import Facts
@@ -194,7 +239,9 @@ def _problems(facts: dict) -> list[str]:
 
 def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
     """Merge the steps' files found in ``dirs`` into ``dest`` (default ``diffattn_tutorial/recorded/``): the
-    ``bench_triton`` and ``bench_sdpa`` results and ``gpu_session_<device>.json``."""
+    ``bench_triton`` and ``bench_sdpa`` results and ``gpu_session_<device>.json``; a ``.tar.gz`` from
+    ``--archive`` counts as the folder it packed."""
+    dirs = _unpacked(dirs)
     steps, triton_parts, sdpa_parts, picks = {}, [], [], {}
     for d in dirs:
         d = Path(d)
@@ -248,8 +295,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--step", choices=list(STEPS), action="append", help="run only this step (repeatable)")
     ap.add_argument("--out-dir", type=Path, default=None, help="where the steps write (default: a temporary folder)")
     ap.add_argument("--step-timeout", type=int, default=540, help="seconds per step (a 10-minute command fits one)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="seconds for all the steps: skip a step whose expected minutes do not fit what is left")
+    ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
+                    help="pack the out-dir's files into this one file after the steps")
     ap.add_argument("--collect", type=Path, nargs="+", default=None, metavar="DIR",
-                    help="merge the files of earlier steps in DIR... into diffattn_tutorial/recorded/")
+                    help="merge the files of earlier steps in DIR... (or --archive files) into "
+                         "diffattn_tutorial/recorded/")
     args = ap.parse_args(argv)
     if args.list:
         used = START_MINUTES
@@ -259,6 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             used += 0 if optional else minutes
             when = "only when named" if optional else f"done by ~{used} min"
             print(f"{name:<9} ~{minutes} min ({when})  {what}\n          python {' '.join(cmd)}")
+        print("as one command within a 10-minute limit, one file to copy back (then --collect FILE):\n"
+              "          python benchmarks/gpu_session.py --deadline-s 540 --out-dir DIR --archive DIR/gs.tar.gz")
         return 0
     if args.collect:
         collect(args.collect)
@@ -273,11 +327,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.step or DEFAULT_STEPS
     t0 = time.perf_counter()
-    records = [run_step(n, out, args.step_timeout) for n in names]
-    print(f"{len(records)} steps in {time.perf_counter() - t0:.0f} s; files in {out}")
-    if args.step is None:  # the whole session: collect into diffattn_tutorial/recorded/ (commit the three files)
+    records, skipped = run_steps(names, out, args.step_timeout, args.deadline_s)
+    print(f"{len(records)} steps in {time.perf_counter() - t0:.0f} s"
+          f"{f', skipped {skipped}' if skipped else ''}; files in {out}")
+    if args.archive:
+        print(f"wrote {archive(out, args.archive)}")
+    if args.step is None and records:  # the whole session: collect into diffattn_tutorial/recorded/
         collect([out])
-    return 0 if all(r["status"] == "passed" for r in records) else 1
+    return 0 if records and all(r["status"] == "passed" for r in records) else 1
 
 
 if __name__ == "__main__":

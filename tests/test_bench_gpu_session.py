@@ -3,6 +3,7 @@ steps' files into the results files the notebooks read (on synthetic step output
 
 import importlib.util
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,42 @@ def test_collect_on_another_gpu_records_it_and_judges_no_goal(tmp_path):
     assert out["recorded"]["device"] == "Tesla T4" and out["recorded"]["capability"] == "7.5"
     assert [g["judged"] for g in out["goals"]] == [False] * 4 and "H100" in out["goals_note"]
     assert (tmp_path / "gpu_session_tesla-t4.json").exists() and (tmp_path / "bench_triton_tesla-t4.json").exists()
+
+
+def test_a_deadline_skips_the_steps_that_do_not_fit_and_an_archive_collects_as_its_folder(tmp_path, monkeypatch):
+    """``--deadline-s``: a step starts only while its expected minutes fit what is left (a later, cheaper one still
+    runs) and its time limit is cut to what is left; ``--archive``: one file that ``collect`` takes as the folder."""
+    session = load("gpu_session")
+    ran = []
+    monkeypatch.setattr(session, "STEPS", {"a": ("a", 1, []), "b": ("b", 5, []), "c": ("c", 2, []), "d": ("d", 1, [])})
+    monkeypatch.setattr(session, "run_step", lambda name, out, timeout: ran.append((name, timeout)) or {"step": name})
+    clock = iter([0.0, 0.0, 100.0, 100.0, 250.0]).__next__  # the start, then one reading before each step
+    records, skipped = session.run_steps(["a", "b", "c", "d"], tmp_path, 540, deadline_s=300, clock=clock)
+    # a: 300 s left; b (5 min) does not fit 200 s, c (2 min) does and gets 200 s; d (1 min) does not fit 50 s
+    assert ran == [("a", 300), ("c", 200)] and skipped == ["b", "d"] and records == [{"step": "a"}, {"step": "c"}]
+    ran.clear()
+    clock = iter([0.0, 0.0, 30.0, 30.0]).__next__
+    _, skipped = session.run_steps(["a", "b", "d"], tmp_path, 540, deadline_s=200, clock=clock)
+    assert ran == [("a", 200), ("d", 170)] and skipped == ["b"]
+    ran.clear()
+    session.run_steps(["b"], tmp_path, 540)  # no deadline: every step, each with its own limit
+    assert ran == [("b", 540)]
+
+    monkeypatch.undo()  # the real steps again, for collect
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.x", "triton": "3.x", "date": "2026-01-01 00:00 UTC"}
+    (steps / "session_bench64.json").write_text(json.dumps(
+        {"schema": session.SCHEMA, "step": "bench64", "what": "", "command": "python x", "returncode": 0,
+         "status": "passed", "seconds": 1.0, "expected_minutes": 1, "environment": env, "log_tail": "ok"}))
+    (steps / "results_triton_part_d64.json").write_text(json.dumps(_part(64)))
+    packed = session.archive(steps, tmp_path / "gpu_session.tar.gz")
+    with tarfile.open(packed) as tar:
+        assert sorted(tar.getnames()) == ["results_triton_part_d64.json", "session_bench64.json"]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    out = session.collect([packed], dest=dest)
+    assert set(out["steps"]) == {"bench64"} and (dest / "bench_triton_nvidia-h100-80gb-hbm3.json").exists()
 
 
 def test_benchmark_length_fits_the_gpu():
