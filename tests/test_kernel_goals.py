@@ -34,3 +34,10 @@ def test_only_an_h100_in_bf16_at_n_8192_is_judged():
     assert not any(g["judged"] for g in gpu.goals(_results(device="NVIDIA H200")))
     assert not any(g["judged"] for g in gpu.goals(_results(n=16384), n=16384))  # a sweep's longest length
     assert not any(g["judged"] for g in gpu.goals(_results(dtype="float16")))
+
+
+def test_only_the_kernels_rows_at_the_goals_length_count():
+    """A row at another length, or an SDPA formulation's row, is not the kernel's measurement at N = 8192."""
+    res = _results(n=4096)
+    res["rows"] += [dict(r, impl="sdpa_wide", n=8192) for r in res["rows"]]
+    assert all(g[k] is None for g in gpu.goals(res) for k in gpu.KERNEL_GOALS)
