@@ -269,7 +269,8 @@ def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
         session["goals"] = gpu_bench.goals(merged, n=max(merged["config"]["lengths"]))
         if not all(g["judged"] for g in session["goals"]):
             session["goals_note"] = (f"recorded on {merged['recorded']['device']}: the goals are judged on an "
-                                     f"{gpu_bench.GOALS_DEVICE} at N = 8192 only")
+                                     f"{gpu_bench.GOALS_DEVICE} in {gpu_bench.GOALS_DTYPE} at N = "
+                                     f"{gpu_bench.GOALS_N} only")
         session["summary"] = gpu_bench.triton_summary(merged)
     for d in dirs:
         for p in Path(d).glob("probe_triton.json"):

@@ -48,7 +48,7 @@ def _part(d):
                          "speedup_vs_best_sdpa": 1.25 if impl == "triton" else None, "max_abs_err": 0.0})
     return {"schema": gpu.TRITON_SCHEMA, "recorded": {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda",
                                                  "command": f"d{d}", "date": "2026-01-01 00:00 UTC"},
-            "config": {"head_dims": [d], "lengths": [8192], "modes": ["fwd", "fwd_bwd"], "causal": [False]},
+            "config": {"head_dims": [d], "lengths": [8192], "dtype": "bfloat16", "modes": ["fwd", "fwd_bwd"], "causal": [False]},
             "chosen_configs": {f"_diff_attn_fwd/x/d{d}": {"k": "BLOCK_M: 128"}}, "rows": rows}
 
 
@@ -86,7 +86,8 @@ def test_collect_merges_steps_into_results(tmp_path):
                                        (128, False, True, False), (128, True, False, False)]
     assert gpu.goal_verdict(out["goals"][2]).startswith(
         "d = 128, non-causal: fwd_speedup_vs_best_sdpa 1.25 >= 1.2 (met), fwd_tflops 400 < 450 (not met)")
-    assert "causal: fwd_speedup_vs_best_sdpa - < 1.2 (not met)" in gpu.goal_verdict(out["goals"][1])
+    assert "causal: fwd_speedup_vs_best_sdpa not measured (goal >= 1.2, not met)" in gpu.goal_verdict(out["goals"][1])
+    assert all(g["judged"] for g in out["goals"]) and "goals_note" not in out
     assert [name for name, _ in gpu.find_recorded("gpu_session", None, dest)] == [
         "gpu_session_nvidia-h100-80gb-hbm3"]
     assert [name for name, _ in gpu.find_recorded("bench_triton", folder=dest)] == [

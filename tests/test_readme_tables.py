@@ -90,6 +90,36 @@ def test_the_compile_facts_block_compares_the_triton_the_gpu_sessions_ran(tmp_pa
     assert "Spilling here, clean there (1): `_k` (map) 128x64 w8 s2 [d64 bfloat16] 24 B stored here" in text
 
 
+def test_the_launches_of_one_configuration_pair_in_order_or_not_at_all(tmp_path, monkeypatch):
+    """A configuration launched once per map is two compiles alike: they pair first with first, second with
+    second; where one file holds another number of them, none of them pairs (which would be which is unknown)."""
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+    from diffattn_tutorial.measure import gpu
+
+    session = {"schema": gpu.SESSION_SCHEMA, "recorded": {"device": "NVIDIA H100", "triton": "3.6.0"}, "steps": {}}
+    gpu.write_json(gpu.recorded_path("gpu_session", "NVIDIA H100", tmp_path), session)
+
+    def fact(m, regs, spill):
+        return {"kernel": "_k", "form": "map", "case": "d128 bfloat16", "arch": "sm_90a", "block_m": m,
+                "block_n": 64, "num_warps": 8, "num_stages": 2, "tma": False, "regs": regs, "spill_stores": spill,
+                "spill_loads": spill}
+
+    def compare(ours, theirs):
+        data = {"recorded": {"triton": "3.6.0"}, "facts": theirs}
+        (tmp_path / "compile_facts_sm90a_triton-3.6.0.json").write_text(json.dumps(data))
+        return tables._other_triton(ours, "3.9.0", tmp_path)
+
+    ours = [fact(128, 200, 0), fact(128, 210, 0), fact(64, 150, 8)]
+    text = compare(ours, [fact(128, 200, 0), fact(128, 230, 12), fact(64, 150, 16)])
+    assert "3 of the 3 sm_90a compiles above have a counterpart there" in text
+    assert "Registers per thread differ in 1 of them (+0 to +20)" in text  # the second launch against the second
+    assert "Clean here, spilling there (1): `_k` (map) 128x64 w8 s2 [d128 bfloat16] (launch 2 of 2) 12 B" in text
+    assert "Spilling in both, by a different amount: 1." in text
+    text = compare(ours, [fact(128, 230, 12), fact(64, 150, 0), fact(32, 90, 0)])  # one of the two launches
+    assert "1 of the 3 sm_90a compiles above have a counterpart there" in text
+    assert "Clean here, spilling there (0): none" in text and "2 compiles there have none here" in text
+
+
 def test_speedup_is_a_ratio_of_medians():
     # per-round ratios 4, 1, 1 have median 1; the medians 2 and 1 give 2: the project's definition is the second
     assert tables.speedup([4.0, 2.0, 1.0], [1.0, 2.0, 1.0]) == pytest.approx(2.0)

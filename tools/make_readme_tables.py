@@ -284,21 +284,25 @@ def compile_facts_block() -> str:
 
 
 def _by_launch(facts: list[dict]) -> dict[tuple, dict]:
-    """Compiles keyed by kernel, form, case, tile, warps, stages and TMA, and the launch's place among those alike
-    (a launch per map at d = 128 gives two of each; every run lists the launches in the same order)."""
-    seen: Counter = Counter()
+    """Compiles keyed by kernel, form, case, tile, warps, stages and TMA, then the launch's place among those alike
+    and how many they are (a launch per map at d = 128 gives two of each; every run lists the launches in the same
+    order, so two files pair a configuration's launches in order only where both hold as many of them)."""
+    key = lambda f: (f["kernel"], f.get("form"), f["case"], f["block_m"], f["block_n"],  # noqa: E731
+                     f["num_warps"], f["num_stages"], bool(f.get("tma")))
+    alike, seen = Counter(key(f) for f in facts), Counter()
     out = {}
     for f in facts:
-        key = (f["kernel"], f.get("form"), f["case"], f["block_m"], f["block_n"], f["num_warps"], f["num_stages"],
-               bool(f.get("tma")))
-        out[key + (seen[key],)] = f
-        seen[key] += 1
+        k = key(f)
+        out[k + (seen[k], alike[k])] = f
+        seen[k] += 1
     return out
 
 
-def _fact_name(f: dict) -> str:
+def _fact_name(f: dict, launch: tuple = (0, 1)) -> str:
+    """A compile in words; ``launch`` (its place, how many alike) names which of several alike it is."""
+    place, alike = launch
     return (f"`{f['kernel']}` ({f.get('form')}) {f['block_m']}x{f['block_n']} w{f['num_warps']} s{f['num_stages']}"
-            f"{' TMA' if f.get('tma') else ''} [{f['case']}]")
+            f"{' TMA' if f.get('tma') else ''} [{f['case']}]" + (f" (launch {place + 1} of {alike})" * (alike > 1)))
 
 
 def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED) -> str:
@@ -322,21 +326,26 @@ def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED
         both = [k for k in ours if k in theirs]
         regs = [theirs[k]["regs"] - ours[k]["regs"] for k in both]
         spill = lambda f: bool(f.get("spill_stores") or f.get("spill_loads"))  # noqa: E731
-        newly = [theirs[k] for k in both if spill(theirs[k]) and not spill(ours[k])]
-        gone = [ours[k] for k in both if spill(ours[k]) and not spill(theirs[k])]
+        newly = [k for k in both if spill(theirs[k]) and not spill(ours[k])]
+        gone = [k for k in both if spill(ours[k]) and not spill(theirs[k])]
         changed = sum(spill(theirs[k]) and spill(ours[k]) and theirs[k]["spill_stores"] != ours[k]["spill_stores"]
                       for k in both)
         parts.append(
             f"The recorded GPU sessions ran Triton {version}. `{_rel(path)}` ({rec.get('date', NOT_RECORDED)}, "
             f"{_command(rec)}, kernel source hash {rec.get('source_hash', NOT_RECORDED)} as Triton {version} computes "
             f"it) compiles sm_90a's cases with it: {len(both)} of the {len(ours)} sm_90a compiles above have a "
-            f"counterpart there (the same launch: kernel, form, case, tile, warps, stages and TMA). Registers per thread differ "
-            f"in {sum(r != 0 for r in regs)} of them ({min(regs):+d} to {max(regs):+d}); "
-            f"{sum(spill(theirs[k]) for k in both)} spill there against {sum(spill(ours[k]) for k in both)} here. "
+            f"counterpart there (the same launch: kernel, form, case, tile, warps, stages, TMA, and its place among "
+            f"as many launches alike)"
+            + (f"; {len(theirs) - len(both)} compiles there have none here" if len(theirs) > len(both) else "")
+            + f". Registers per thread differ "
+            f"in {sum(r != 0 for r in regs)} of them" + (f" ({min(regs):+d} to {max(regs):+d})" if regs else "") + "; "
+            + f"{sum(spill(theirs[k]) for k in both)} spill there against {sum(spill(ours[k]) for k in both)} here. "
             f"Clean here, spilling there ({len(newly)}): "
-            + ("; ".join(f"{_fact_name(f)} {f['spill_stores']} B stored" for f in newly) or "none")
+            + ("; ".join(f"{_fact_name(theirs[k], k[-2:])} {theirs[k]['spill_stores']} B stored" for k in newly)
+               or "none")
             + f". Spilling here, clean there ({len(gone)}): "
-            + ("; ".join(f"{_fact_name(f)} {f['spill_stores']} B stored here" for f in gone) or "none")
+            + ("; ".join(f"{_fact_name(ours[k], k[-2:])} {ours[k]['spill_stores']} B stored here" for k in gone)
+               or "none")
             + f". Spilling in both, by a different amount: {changed}. A GPU session measures the code its own Triton "
             f"compiles.")
     return "".join(f"\n{p}\n" for p in parts)

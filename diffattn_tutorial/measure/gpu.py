@@ -49,6 +49,8 @@ SDPA formulation."""
 GOALS = KERNEL_GOALS  # the name the notebooks and tools print
 GOALS_DEVICE = "H100"
 """The goals are judged on this GPU only (its name contains it); results from other GPUs are recorded, not judged."""
+GOALS_N, GOALS_DTYPE = 8192, "bfloat16"
+"""The goals' sequence length and dtype: rows at another length or dtype are informative, not judged."""
 RECORDED_DIR = Path(__file__).resolve().parents[1] / "recorded"  # the package's recorded/
 BF16_CAPABILITY = (8, 0)
 """The compute capability from which NVIDIA GPUs have bfloat16 tensor cores (Ampere); below it (Turing's T4,
@@ -328,9 +330,10 @@ def goal_threshold(name: str, d: int) -> float:
 def kernel_goals(results: dict, n: int = 8192) -> list[dict]:
     """The fused kernel's speed goals (:data:`KERNEL_GOALS`) checked against ``bench_triton`` results: the rows at
     ``n`` for d = 64 and 128, non-causal and causal; ``met`` says which hold (a missing measurement is not met),
-    ``judged`` whether the results come from the goals' GPU (:data:`GOALS_DEVICE`; elsewhere ``met`` is
-    informative only)."""
-    judged = GOALS_DEVICE in results["recorded"].get("device", "")
+    ``judged`` whether the results come from the goals' GPU, length and dtype (:data:`GOALS_DEVICE`,
+    :data:`GOALS_N`, :data:`GOALS_DTYPE`; elsewhere ``met`` is informative only)."""
+    judged = (GOALS_DEVICE in results["recorded"].get("device", "") and n == GOALS_N
+              and results["config"].get("dtype") == GOALS_DTYPE)
     out = []
     for d in (64, 128):
         for causal in (False, True):
@@ -345,11 +348,23 @@ def kernel_goals(results: dict, n: int = 8192) -> list[dict]:
     return out
 
 
+def _shown(value: float, threshold: float) -> str:
+    """``value`` to 3 significant digits, or more where 3 would round it across ``threshold`` (0.9996 -> 0.9996)."""
+    for digits in range(max(3, len(str(int(abs(value))))), 17):
+        text = f"{value:.{digits}g}"
+        if (float(text) >= threshold) == (value >= threshold):
+            return text
+    return repr(value)
+
+
 def goal_verdict(g: dict) -> str:
     """One row of :func:`kernel_goals` in words: ``d = 64, causal: fwd_speedup_vs_best_sdpa 0.877 < 1.2 (not met),
-    ...`` (``-`` where nothing was measured)."""
-    parts = [f"{k} {'-' if g[k] is None else f'{g[k]:.3g}'} {'>=' if ok else '<'} {goal_threshold(k, g['d']):g} "
-             f"({'met' if ok else 'not met'})" for k, ok in g["met"].items()]
+    ...``; a value is never rounded across its threshold, and a missing one reads ``not measured``."""
+    parts = []
+    for k, ok in g["met"].items():
+        t = goal_threshold(k, g["d"])
+        parts.append(f"{k} not measured (goal >= {t:g}, not met)" if g[k] is None else
+                     f"{k} {_shown(g[k], t)} {'>=' if ok else '<'} {t:g} ({'met' if ok else 'not met'})")
     return f"d = {g['d']}, {'causal' if g['causal'] else 'non-causal'}: " + ", ".join(parts)
 
 
@@ -387,6 +402,6 @@ __all__ = ["cuda_capability", "preferred_half_dtype", "check_half_dtype", "bench
            "median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
            "recorded_path", "write_json", "add_output_args", "run_and_record", "find_recorded", "merge_triton", "triton_summary", "goals",
            "kernel_goals", "KERNEL_GOALS", "goal_threshold", "goal_verdict",
-           "sdpa_summary", "SDPA_BACKENDS", "GOALS", "GOALS_DEVICE", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA",
+           "sdpa_summary", "SDPA_BACKENDS", "GOALS", "GOALS_DEVICE", "GOALS_N", "GOALS_DTYPE", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA",
            "SESSION_SCHEMA",
            "RECORDED_DIR"]
