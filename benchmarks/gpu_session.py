@@ -266,7 +266,7 @@ def collect(dirs: Sequence[Path], dest: Optional[Path] = None) -> dict:
         merged = gpu_bench.merge_triton(triton_parts)
         written.append(gpu_bench.write_json(gpu_bench.recorded_path("bench_triton", merged["recorded"]["device"],
                                                                     dest), merged))
-        session["goals"] = gpu_bench.goals(merged, n=max(merged["config"]["lengths"]))
+        session["goals"] = gpu_bench.goals(merged, n=gpu_bench.goals_length(merged))
         if not all(g["judged"] for g in session["goals"]):
             session["goals_note"] = (f"recorded on {merged['recorded']['device']}: the goals are judged on an "
                                      f"{gpu_bench.GOALS_DEVICE} in {gpu_bench.GOALS_DTYPE} at N = "

@@ -58,3 +58,10 @@ def test_notebook_09_states_the_goals_the_code_judges():
             in text)
     assert t("fwd_bwd_speedup_vs_best_sdpa", 64) == 1.0 and "forward + backward no slower than the best" in text
     assert re.search(rf"on an {gpu.GOALS_DEVICE} in bf16 at \$N = {gpu.GOALS_N}\$.*causal and not", text)
+
+
+def test_the_goals_are_read_at_their_length_where_it_was_measured():
+    """``goals_length``: a sweep that measured the goals' N and a longer one is read at the goals' N (judged there),
+    one that never reached it at its longest length (informative)."""
+    assert gpu.goals_length({"config": {"lengths": [4096, gpu.GOALS_N, 16384]}}) == gpu.GOALS_N
+    assert gpu.goals_length({"config": {"lengths": [1024, 4096]}}) == 4096

@@ -511,7 +511,7 @@ def gpu_block(folder: Path = RECORDED) -> str:
         triton = folder / (name.replace("gpu_session", "bench_triton", 1) + ".json")
         if triton.exists():
             res = _load(triton)
-            goals = gpu.goals(res, n=max(res["config"]["lengths"]))
+            goals = gpu.goals(res, n=gpu.goals_length(res))
             verdicts = "; ".join(gpu.goal_verdict(g) for g in goals)
             judged = all(g["judged"] for g in goals)
             parts.append(f"The fused kernel against the best SDPA formulation over every SDPA kernel (bf16, median ms, "

@@ -327,7 +327,14 @@ def goal_threshold(name: str, d: int) -> float:
     return value[d] if isinstance(value, dict) else value
 
 
-def kernel_goals(results: dict, n: int = 8192) -> list[dict]:
+def goals_length(results: dict) -> int:
+    """The length to read the goals at in ``bench_triton`` results: :data:`GOALS_N` where it was measured, else the
+    longest length measured (informative there: :func:`kernel_goals` judges only at :data:`GOALS_N`)."""
+    lengths = results["config"]["lengths"]
+    return GOALS_N if GOALS_N in lengths else max(lengths)
+
+
+def kernel_goals(results: dict, n: int = GOALS_N) -> list[dict]:
     """The fused kernel's speed goals (:data:`KERNEL_GOALS`) checked against ``bench_triton`` results: the rows at
     ``n`` for d = 64 and 128, non-causal and causal; ``met`` says which hold (a missing measurement is not met),
     ``judged`` whether the results come from the goals' GPU, length and dtype (:data:`GOALS_DEVICE`,
@@ -401,7 +408,7 @@ def sdpa_summary(results: dict, *, d: Optional[int] = None, causal: Optional[boo
 __all__ = ["cuda_capability", "preferred_half_dtype", "check_half_dtype", "benchmark_dtype", "sdpa_kernels_here", "BF16_CAPABILITY",
            "median_seconds", "sdpa_backend", "refusal", "is_refusal", "shape_for", "results_header",
            "recorded_path", "write_json", "add_output_args", "run_and_record", "find_recorded", "merge_triton", "triton_summary", "goals",
-           "kernel_goals", "KERNEL_GOALS", "goal_threshold", "goal_verdict",
+           "kernel_goals", "KERNEL_GOALS", "goal_threshold", "goal_verdict", "goals_length",
            "sdpa_summary", "SDPA_BACKENDS", "GOALS", "GOALS_DEVICE", "GOALS_N", "GOALS_DTYPE", "KINDS", "TRITON_SCHEMA", "SDPA_SCHEMA",
            "SESSION_SCHEMA",
            "RECORDED_DIR"]
