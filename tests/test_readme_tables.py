@@ -84,6 +84,11 @@ def test_the_compile_facts_block_compares_the_triton_the_gpu_sessions_ran(tmp_pa
               "facts": [fact(64, 255, 16), fact(128, 250, 0), fact(32, 100, 0), fact(64, 90, 8, tma=True)]}
     (tmp_path / "compile_facts_sm90a_triton-3.6.0.json").write_text(json.dumps(theirs))
     text = tables._other_triton(ours, "3.9.0", tmp_path)
+    assert "kernel source hash h) compiles" in text  # no record hash given: nothing said of it
+    assert "kernel source hash h, the record's) compiles" in tables._other_triton(ours, "3.9.0", tmp_path,
+                                                                                record_hash="h")
+    assert "not the record's g: compiled from another kernel source, so what follows is stale" in \
+        tables._other_triton(ours, "3.9.0", tmp_path, record_hash="g")
     assert "3 of the 4 sm_90a compiles above have a counterpart there" in text  # not sm_80's, not the unmatched one
     assert "Registers per thread differ in 2 of them (-5 to +55); 1 spill there against 1 here" in text
     assert "Clean here, spilling there (1): `_k` (map) 64x64 w8 s2 [d64 bfloat16] 16 B stored" in text

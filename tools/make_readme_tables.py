@@ -280,7 +280,8 @@ def compile_facts_block() -> str:
         tma = sum(bool(f.get("tma_loads")) for f in rows)
         lines.append(f"| {arch} | {len(rows)} | {sum(bool(f.get('error')) for f in rows)} | {spills} "
                      f"| {max(f.get('regs') or 0 for f in rows)} | {instr_text} | {dup} | {tma} |")
-    return "\n".join(lines) + "\n" + _duplicated_products(facts) + _other_triton(facts, rec.get("triton"))
+    return "\n".join(lines) + "\n" + _duplicated_products(facts) + _other_triton(facts, rec.get("triton"),
+                                                                                    record_hash=rec.get("source_hash"))
 
 
 def _by_launch(facts: list[dict]) -> dict[tuple, dict]:
@@ -305,10 +306,12 @@ def _fact_name(f: dict, launch: tuple = (0, 1)) -> str:
             f"{' TMA' if f.get('tma') else ''} [{f['case']}]" + (f" (launch {place + 1} of {alike})" * (alike > 1)))
 
 
-def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED) -> str:
+def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED, *,
+                  record_hash: str | None = None) -> str:
     """One paragraph per Triton version the recorded GPU sessions ran, when the record is another's: its sm_90a
     compiles (``compile_facts_sm90a_triton-<version>.json``) against the record's, matched by kernel, form, case,
-    tile, warps, stages and TMA; or the sentence that no such compile is recorded."""
+    tile, warps, stages and TMA; or the sentence that no such compile is recorded. With ``record_hash`` (the
+    record's kernel source hash, the same under every Triton), a file compiled from another source is called stale."""
     from diffattn_tutorial.measure import gpu
 
     ran = {d["recorded"].get("triton") for _, d in gpu.find_recorded("gpu_session", None, folder)}
@@ -332,8 +335,8 @@ def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED
                       for k in both)
         parts.append(
             f"The recorded GPU sessions ran Triton {version}. `{_rel(path)}` ({rec.get('date', NOT_RECORDED)}, "
-            f"{_command(rec)}, kernel source hash {rec.get('source_hash', NOT_RECORDED)} as Triton {version} computes "
-            f"it) compiles sm_90a's cases with it: {len(both)} of the {len(ours)} sm_90a compiles above have a "
+            f"{_command(rec)}, kernel source hash {rec.get('source_hash', NOT_RECORDED)}"
+            + _same_source(rec.get("source_hash"), record_hash) + f") compiles sm_90a's cases with it: {len(both)} of the {len(ours)} sm_90a compiles above have a "
             f"counterpart there (the same launch: kernel, form, case, tile, warps, stages, TMA, and its place among "
             f"as many launches alike)"
             + (f"; {len(theirs) - len(both)} compiles there have none here" if len(theirs) > len(both) else "")
@@ -349,6 +352,15 @@ def _other_triton(facts: list[dict], record_triton: str, folder: Path = RECORDED
             + f". Spilling in both, by a different amount: {changed}. A GPU session measures the code its own Triton "
             f"compiles.")
     return "".join(f"\n{p}\n" for p in parts)
+
+
+def _same_source(theirs: str | None, ours: str | None) -> str:
+    if ours is None:
+        return ""
+    if theirs == ours:
+        return ", the record's"
+    return (f", not the record's {ours}: compiled from another kernel source, so what follows is stale until it is "
+            f"compiled again as CONTRIBUTING says")
 
 
 def _duplicated_products(facts: list[dict]) -> str:

@@ -95,6 +95,13 @@ def _hash_jit(*modules):
     return h
 
 
+def _config_text(config) -> str:
+    """A configuration's fields, written the same under every Triton version (``str(config)`` is not: 3.9 adds
+    ``ir_override``), so that a facts file compiled with another Triton names the same source hash."""
+    return repr((sorted(config.kwargs.items()), config.num_warps, config.num_ctas, config.num_stages,
+                 getattr(config, "maxnreg", None)))
+
+
 def source_hash() -> str:
     """A hash of what decides the compiled code: the kernels' source and the configuration tables."""
     from diffattn_tutorial.kernels.triton import atomic_kernels, configs, dq_kernels, flags, flash_kernels
@@ -105,7 +112,7 @@ def source_hash() -> str:
     h.update(repr(sorted(configs.UNMASKED_ONLY)).encode())
     h.update(repr(sorted(configs.NON_CAUSAL_ONLY)).encode())
     for table in configs.config_tables().values():
-        h.update(repr(sorted((k, [(d, [str(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
+        h.update(repr(sorted((k, [(d, [_config_text(c) for c in cs]) for d, cs in v.items()]) for k, v in table.items()))
                  .encode())
     h.update(repr(sorted((k, dataclasses.astuple(p)) for k, p in configs.PLANS.items())).encode())
     h.update(repr((sorted(configs.AMPERE_PLANS.items()),
