@@ -70,6 +70,9 @@ def check_mirror_to_v2(fn: Callable) -> None:
             fail(f"{label}: the query heads are stacked as [all H heads, all H heads again], so pair i = query heads "
                  f"(2i, 2i+1) holds two different baseline heads; interleave them: heads 2i and 2i+1 are both "
                  f"baseline head i")
+        if torch.equal(new.q_proj.weight.double(), base.q_proj.weight.repeat_interleave(2, dim=0)):
+            fail(f"{label}: every row of q_proj is repeated, so a query head holds half of one baseline head twice; "
+                 f"a head is a block of d rows: repeat the blocks (unflatten the weight to (H, d, C) first)")
         if not torch.equal(q[:, 0].flatten(0, 1), base.q_proj.weight):
             fail(f"{label}: query head 2i (the positive map) must be the baseline's head i, copied")
         if not torch.equal(q[:, 1], q[:, 0]):
@@ -149,7 +152,8 @@ def _reference(model, batches, *, lr, warmup_steps, variant: str = "") -> tuple[
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for t, batch in enumerate(batches):
-        mix = {"none": 1.0, "late": warmup_mix(t + 1, warmup_steps)}.get(variant, warmup_mix(t, warmup_steps))
+        mix = {"none": 1.0, "late": warmup_mix(t + 1, warmup_steps),
+               "floor": float(t >= warmup_steps)}.get(variant, warmup_mix(t, warmup_steps))
         if variant != "after":
             set_warmup(model, mix)
         loss = retrieval_loss(model, batch)
@@ -182,6 +186,8 @@ _WRONG_FINETUNES = [
              "step warmup_steps, so the model starts as the baseline"),
     ("late", "the warm-up is one step ahead (mix = (t + 1) / warmup_steps): at step 0 the negative branch must be "
              "off, mix = t / warmup_steps"),
+    ("floor", "the mix jumps from 0 to 1 at step warmup_steps (integer division, t // warmup_steps?): it rises "
+              "step by step, mix = min(1, t / warmup_steps)"),
     ("after", "lambda_mix is set after the step: set it before the forward of the step it belongs to"),
     ("accumulate", "the gradients are never zeroed: call opt.zero_grad() every step, or they add up")]
 
