@@ -293,6 +293,34 @@ def test_the_fused_atomic_plan_matches_naive_where_it_runs_and_refuses_the_rest_
                                        triton_diff_attention(q, k, v, lam, plan="fused", **kw))
 
 
+def test_the_operators_called_directly_refuse_what_the_public_call_refuses(monkeypatch):
+    """``torch.ops.diffattn.triton_forward`` and ``triton_backward`` are public entry points: called directly they
+    refuse what :func:`triton_diff_attention` refuses, by the same check and words: a plan's refused training calls
+    (``fused_atomic`` causal), an atomic plan in deterministic mode (its dQ sums in the programs' order), bfloat16
+    where the GPU has no bf16 arithmetic (a T4's compute capability, 7.5). What they run still runs."""
+    forward, backward = torch.ops.diffattn.triton_forward, torch.ops.diffattn.triton_backward
+    q, k, v, lam = make(1, 2, 1, 8, 8, 16, seed=1)
+    scale = 16 ** -0.5
+    with pytest.raises(ValueError, match="plan='fused_atomic': it trains calls neither causal nor masked"):
+        forward(q, k, v, lam, None, True, scale, [], "fused_atomic", True)
+    out, o2, lse, flag = forward(q, k, v, lam, None, True, scale, [], "fused_atomic", False)  # inference runs it
+    torch.testing.assert_close(out, diff_attention(q, k, v, lam, causal=True, backend="naive"), rtol=1e-4, atol=5e-5)
+    out, o2, lse, flag = forward(q, k, v, lam, None, False, scale, [], "split_kv_atomic", True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        for call in (lambda: forward(q, k, v, lam, None, False, scale, [], "split_kv_atomic", True),
+                     lambda: backward(torch.ones_like(out), q, k, v, lam, None, out, o2, lse, flag, False, scale, [],
+                                      "split_kv_atomic", [True, True, True])):
+            with pytest.raises(RuntimeError, match="use plan='auto'"):
+                call()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    from diffattn_tutorial.kernels.triton import launch
+    monkeypatch.setattr(launch, "capability", lambda device: 75)
+    with pytest.raises(TypeError, match=r"compute capability 7\.5\) has no bfloat16 arithmetic"):
+        forward(*(t.bfloat16() for t in (q, k, v, lam)), None, False, scale, [], "split", False)
+
+
 def test_finfo_min_additive_mask_counts_as_masked():
     """Hugging Face fills masks with torch.finfo(dtype).min: such entries are masked, and a row of them is a
     fully masked row (zeros, zero gradients) in every backend, as with -inf."""
