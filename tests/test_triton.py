@@ -321,6 +321,31 @@ def test_the_operators_called_directly_refuse_what_the_public_call_refuses(monke
         forward(*(t.bfloat16() for t in (q, k, v, lam)), None, False, scale, [], "split", False)
 
 
+def test_a_plan_chosen_by_name_runs_on_a_gpu_only_where_the_tables_list_each_of_its_launches():
+    """On a GPU (the launches captured as on sm_90a, sm_80 and sm_75) a plan chosen by name whose launch has no table
+    entry at the call's head dim is refused, naming the fix: ``fused`` at d = 128 (both maps' dK/dV in one launch),
+    ``split`` training at d = 64 (its one-map launches). It ran a fallback tile no compile fact checks before.
+    ``plan="auto"`` has an entry for every launch on every target, with and without masks, causal or not."""
+    def call(d, plan, capability, train=True, dtype=torch.bfloat16, **kw):
+        q, k, v, lam = make(1, 2, 1, 8, 8, d, dtype=dtype, seed=1)
+        with capture_launches(capability) as captured:
+            out = triton_diff_attention(*(t.requires_grad_(train) for t in (q, k, v, lam)), plan=plan, **kw)
+            if train:
+                out.sum().backward()
+        return [x.name for x in captured]
+
+    for d, plan in ((128, "fused"), (64, "split")):
+        with pytest.raises(ValueError, match="has no table entry .* use plan='auto', or blocks="):
+            call(d, plan, 90)
+    assert "_diff_attn_bwd_dq" in call(64, "fused", 90) and "_diff_attn_bwd_dq" in call(64, "split_kv", 90)
+    mask = torch.zeros(8, 8, device=DEVICE)
+    for capability, dtype in ((90, torch.bfloat16), (80, torch.bfloat16), (75, torch.float16)):
+        for d in (16, 32, 64, 128):
+            for kw in ({}, {"causal": True}, {"attn_mask": mask}, {"attn_mask": mask < 0}):
+                train = d <= train_head_dim_limit(capability)
+                assert call(d, "auto", capability, train=train, dtype=dtype, **kw), (capability, d, kw)
+
+
 def test_finfo_min_additive_mask_counts_as_masked():
     """Hugging Face fills masks with torch.finfo(dtype).min: such entries are masked, and a row of them is a
     fully masked row (zeros, zero gradients) in every backend, as with -inf."""

@@ -318,7 +318,9 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     """The configurations the autotuner may pick for one launch (kernel ``name`` with constexprs ``consts``) on
     a GPU of compute ``capability`` (90 and up: the Hopper table; 80-89: Ampere and Ada; below 80: Turing); the
     first is the one ``DIFFATTN_TRITON_AUTOTUNE=0`` pins. ``tma``: ``False`` the pointer entries only, ``True``
-    the TMA twins only (none: an empty list), ``None`` both (:data:`TMA_TWINS`)."""
+    the TMA twins only, ``None`` both (:data:`TMA_TWINS`). Empty where the table lists none for the launch: a TMA
+    twin asked for where there is none, or a plan chosen by name at a head dim whose tables lack one of its launches
+    (which ``flash_diff`` refuses on a GPU: no configuration the compile facts do not check runs there)."""
     if name == "_diff_attn_bwd_preprocess":
         return [triton.Config({}, num_warps=4, num_stages=1)]
     if dtype == torch.float32:
@@ -328,7 +330,7 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     variant = form(name, consts)
     configs = [c for c in table.get((name, variant), {}).get(consts["BLOCK_D"], [])
                if _offered((name, variant, consts["BLOCK_D"], shape(c)), consts)
-               and (tma is None or bool(c.kwargs.get("TMA")) == tma)] or ([] if tma else [_cfg(64, 32, 4, 2)])
+               and (tma is None or bool(c.kwargs.get("TMA")) == tma)]
     if name in TMA_KERNELS:  # their switch is always passed: False where an entry does not set it
         return [c if "TMA" in c.kwargs else config(*_numbers(c), tma=False) for c in configs]
     return configs

@@ -129,12 +129,17 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
     may take, pointer loads (``False``), tensor descriptors (``True``) or either (``None``, the autotuner's)."""
     tma = tma if name in TMA_KERNELS else False
     configs = autotune_configs(name, consts, dtype, capability, tma=tma)
-    if not configs and (launch.capturing() or not interpret) and blocks is None:  # tma=True, and no twin here
-        if name == "_diff_attn_fwd":
+    if not configs and (launch.capturing() or not interpret) and blocks is None:
+        if tma and name == "_diff_attn_fwd":  # tma=True, and no twin here
             raise ValueError(f"tma=True: no TMA configuration in the tables for this call ({dtype}, padded head dim "
                              f"{consts['BLOCK_D']}, compute capability {capability / 10:.1f}; configs.TMA_TWINS: "
                              f"sm_90a, 16-bit, head dims 64 and 128); pass tma=None, or blocks=(BLOCK_M, BLOCK_N)")
         tma, configs = False, autotune_configs(name, consts, dtype, capability, tma=False)  # a backward launch
+        if not configs:  # a plan chosen by name where a table lists none of this launch's configurations
+            raise ValueError(f"{name} ({form(name, consts)}) has no table entry for {dtype} at padded head dim "
+                             f"{consts['BLOCK_D']} on compute capability {capability / 10:.1f}, so the plan chosen "
+                             f"by name does not run here (only configurations the compile facts check run on a GPU); "
+                             f"use plan='auto', or blocks=(BLOCK_M, BLOCK_N) to choose the tile yourself")
     both = autotune_configs(name, consts, dtype, capability, tma=None)
     offered = "" if tma is None or all(bool(c.kwargs.get("TMA")) == tma for c in both) else (
         "/tma" if tma else "/pointers")
@@ -660,7 +665,8 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     broadcastable to ``(B, H, Nq, Nk)``. Returns ``(B, H, Nq, 2d)`` in q's dtype.
 
     ``blocks=(BLOCK_M, BLOCK_N)`` fixes the tile sizes (default: autotuned on a GPU, 16 x 16 in the
-    interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim). ``tma``: how
+    interpreter). ``plan``: a name in :data:`PLANS` or ``"auto"`` (:func:`plan_for`, by head dim); a plan by
+    name runs on a GPU where the autotune tables list each of its launches at the call's head dim, else it is refused. ``tma``: how
     the forward reads k and v on Hopper, by tensor descriptor (``True``), by pointers (``False``) or as the
     autotuner times faster (``None``, where :func:`tma_ok` holds; pointers in the interpreter); the backward's
     dK launches read q and dO the same way.
