@@ -1,5 +1,6 @@
-"""Two plausible wrong answers to exercise 14 that a newcomer wrote, each named by its check: the query rows
-repeated one by one instead of by head (task 1), and the warm-up's mix taken by integer division (task 3)."""
+"""Plausible wrong answers to exercise 14 that a newcomer wrote, each named by its check: the query rows repeated
+one by one instead of by head (task 1), k and v assigned by ``.data`` or as the baseline's Parameters, which then
+share memory with the baseline (task 1), and the warm-up's mix taken by integer division (task 3)."""
 
 import pytest
 import torch
@@ -26,6 +27,26 @@ def rows_repeated(layer):
 def test_mirror_names_rows_repeated_one_by_one():
     with pytest.raises(CheckFailed, match="every row of q_proj is repeated.*block of d rows"):
         check_mirror_to_v2(rows_repeated)
+
+
+def shares_k_and_v(layer):
+    """Task 1 right in every value, but k_proj's weight assigned by ``.data`` and v_proj's as the Parameter itself."""
+    H, d = layer.num_heads, layer.head_dim
+    new = DiffAttnV2(layer.embed_dim, H, num_kv_heads=layer.num_kv_heads, head_dim=d, dtype=layer.q_proj.weight.dtype)
+    with torch.no_grad():
+        q = layer.q_proj.weight.unflatten(0, (H, d))
+        new.q_proj.weight.copy_(torch.stack([q, q], dim=1).flatten(0, 2))
+        new.lambda_proj.weight.zero_()
+        new.o_proj.weight.copy_(2 * layer.out_proj.weight)
+    new.k_proj.weight.data = layer.k_proj.weight.data
+    new.v_proj.weight = layer.v_proj.weight
+    return new
+
+
+def test_mirror_names_weights_shared_with_the_baseline():
+    with pytest.raises(CheckFailed, match=r"k_proj.weight \(the baseline's k_proj.weight\), v_proj.weight .* share "
+                                          r"memory with the baseline layer.*instead of assigning .data"):
+        check_mirror_to_v2(shares_k_and_v)
 
 
 def floor_mix(model, batches, *, lr, warmup_steps):

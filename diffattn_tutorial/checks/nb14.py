@@ -41,6 +41,18 @@ def _conversions() -> dict:
     return {f: f"the library's {f.__name__}" for f in (convert.to_diff_v2, convert.convert_layer, convert.convert_model)}
 
 
+def _refuse_shared_weights(new: torch.nn.Module, given: torch.nn.Module, label: str) -> None:
+    """A conversion copies: a weight that shares memory with the baseline's (``.data =`` or the Parameter assigned)
+    changes the baseline whenever the new layer is fine-tuned."""
+    memory = {p.untyped_storage().data_ptr(): name for name, p in given.named_parameters()}
+    shared = [f"{name} (the baseline's {memory[p.untyped_storage().data_ptr()]})"
+              for name, p in new.named_parameters() if p.untyped_storage().data_ptr() in memory]
+    if shared:
+        fail(f"{label}: {', '.join(shared)} share memory with the baseline layer: fine-tuning the new layer would "
+             f"change the baseline too; copy the values into the new layer's own weights (weight.copy_(...) under "
+             f"torch.no_grad()) instead of assigning .data or the Parameter")
+
+
 @exercise_check(task=1, name="mirror_to_v2", refuses=_conversions)
 def check_mirror_to_v2(fn: Callable) -> None:
     """``fn(layer)``: a ``MultiheadAttention`` (no biases) -> a ``DiffAttnV2`` computing the same function."""
@@ -49,9 +61,11 @@ def check_mirror_to_v2(fn: Callable) -> None:
         with seeded(1400 + i):
             base = MultiheadAttention(C, H, num_kv_heads=Hkv).double()
         label = f"{what} (embed_dim={C}, num_heads={H}, num_kv_heads={Hkv})"
-        new = call(fn, copy.deepcopy(base), what=label)
+        given = copy.deepcopy(base)
+        new = call(fn, given, what=label)
         if not isinstance(new, DiffAttnV2):
             fail(f"{label} should return a DiffAttnV2, got {type(new).__name__}")
+        _refuse_shared_weights(new, given, label)
         d = C // H
         if new.num_heads != H or new.head_dim != d:
             fail(f"{label}: the DiffAttnV2 has {new.num_heads} heads of width {new.head_dim}; keep the baseline's "
