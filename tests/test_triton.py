@@ -422,7 +422,7 @@ def _zeros_qkv(d, dtype, grad=True):
 @pytest.mark.parametrize("capability", [90, 89, 86, 80, 75])
 def test_every_launch_has_autotune_configs_for_its_variant(capability):
     """The launches of the plan each target uses at every head dim (recorded from the host code, not run) find
-    an entry in that target's table: no launch falls back to the default configuration. Hopper: fused at
+    an entry in that target's table (a launch without one is refused: there is no default configuration). Hopper: fused at
     d <= 32, split_kv at 64, split at 128; below Hopper split everywhere; on sm_75 fp16, trained up to d = 64."""
     from diffattn_tutorial.kernels.triton import configs as tc_configs
 

@@ -192,7 +192,6 @@ class _Attention(nn.Module):
             k, v = cache.update(k, v)
         return q, k, v
 
-    _qkv = project_qkv  # the name notebook 14 still calls
 
     def _qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return q, k
