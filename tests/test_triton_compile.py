@@ -237,7 +237,7 @@ def test_every_entry_kept_from_a_variant_is_recorded_failing_in_it():
             rows = [f for f in excluded if (f.kernel, f.form.split("/")[0], f.head_dim, f.shape) == (kernel, variant, d, label)
                     and alone(f.case)]
             assert rows, (kernel, variant, d, label)
-    # a plan that refuses causal calls and additive masks (flash_diff._check_plan) is recorded failing there too
+    # a plan that refuses causal calls and additive masks (refusals.check_plan) is recorded failing there too
     for name in (n for n, p in configs.PLANS.items() if p.kq_dv):
         for needs in ("causal", "mask=additive"):
             assert any(f"plan={name}" in f.case and needs in f.case for f in excluded), (name, needs)
