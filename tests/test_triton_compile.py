@@ -290,8 +290,8 @@ def test_the_record_is_small_enough_to_redo_after_a_change():
     """Issue 51: re-recording after a change to one kernel must fit 15 minutes on two cores. A row is recompiled
     when its kernel's source (its jit helpers' included) changes, so a change to one kernel costs that kernel's
     rows again: the record's own compile times (each row's ``compile_s``, compiled two at a time) say how long.
-    A change to a helper that every kernel shares recompiles every row, longer (printed, not bounded; the dQ kernel's
-    sm_90a rows take longest, some minutes each). The scope stays under 450 compiles."""
+    A change to a helper that every kernel shares recompiles every row, longer (printed, not bounded; some of the dQ
+    kernel's sm_90a rows take minutes each). The scope stays under 450 compiles."""
     from collections import defaultdict
 
     from diffattn_tutorial.kernels.triton.configs import shape
