@@ -338,6 +338,10 @@ def test_a_plan_chosen_by_name_runs_on_a_gpu_only_where_the_tables_list_each_of_
         with pytest.raises(ValueError, match="has no table entry .* use plan='auto', or blocks="):
             call(d, plan, 90)
     assert "_diff_attn_bwd_dq" in call(64, "fused", 90) and "_diff_attn_bwd_dq" in call(64, "split_kv", 90)
+    q, k, v, lam = make(1, 2, 1, 8, 8, 128, dtype=torch.bfloat16, seed=1)
+    with capture_launches(90, untabled=True) as captured:  # the compile facts' lessons: recorded, no configuration
+        triton_diff_attention(q, k, v, lam, plan="fused")
+    assert [(x.name, x.configs) for x in captured if x.name == "_diff_attn_fwd"] == [("_diff_attn_fwd", [])] * 2
     mask = torch.zeros(8, 8, device=DEVICE)
     for capability, dtype in ((90, torch.bfloat16), (80, torch.bfloat16), (75, torch.float16)):
         for d in (16, 32, 64, 128):

@@ -190,10 +190,11 @@ def _interpreted() -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
+def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a", untabled: bool = False):
     """The kernel launches ``diff_attention(..., backend="triton")`` makes for ``case`` (forward + backward),
     recorded on small CPU tensors (contiguous, like a real run; lengths a multiple of 16 as at N = 8192); a decode
-    case's: ``decode.capture_step``."""
+    case's: ``decode.capture_step``. ``untabled``: launches no table lists are recorded too (the lessons'), not
+    refused as on a GPU."""
     import torch
 
     from diffattn_tutorial.kernels.triton.decode import capture_step
@@ -216,7 +217,7 @@ def launches_for(case: Case, n: int = 1024, arch: str = "sm_90a"):
         mask = torch.ones(B, 1, n, n, dtype=torch.bool)
     elif case.mask == "additive":
         mask = torch.zeros(B, 1, n, n, dtype=dtype)
-    with capture_launches(ARCHS[arch].capability) as launches:
+    with capture_launches(ARCHS[arch].capability, untabled=untabled) as launches:
         out = triton_diff_attention(q, k, v, lam, causal=case.causal, attn_mask=mask, plan=case.plan)
         if case.grad:
             out.backward(torch.zeros_like(out))
@@ -375,7 +376,7 @@ def lesson_facts(jobs: int = 1, items: Sequence = LESSONS) -> list[Facts]:
 
     work = []
     for case, kernel, configs in items:
-        launch = next(x for x in launches_for(case) if x.name == kernel)
+        launch = next(x for x in launches_for(case, untabled=True) if x.name == kernel)
         work += [(launch, config(*c, tma=False if kernel in TMA_KERNELS else None), "sm_90a", case, False)
                  for c in configs]
     if jobs > 1:

@@ -134,7 +134,7 @@ def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tu
                              f"{consts['BLOCK_D']}, compute capability {capability / 10:.1f}; configs.TMA_TWINS: "
                              f"sm_90a, 16-bit, head dims 64 and 128); pass tma=None, or blocks=(BLOCK_M, BLOCK_N)")
         tma, configs = False, autotune_configs(name, consts, dtype, capability, tma=False)  # a backward launch
-        if not configs:  # a plan chosen by name where a table lists none of this launch's configurations
+        if not configs and not launch.capturing_untabled():  # a plan by name where no table lists this launch
             raise ValueError(f"{name} ({form(name, consts)}) has no table entry for {dtype} at padded head dim "
                              f"{consts['BLOCK_D']} on compute capability {capability / 10:.1f}, so the plan chosen "
                              f"by name does not run here (only configurations the compile facts check run on a GPU); "

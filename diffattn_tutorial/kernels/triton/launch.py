@@ -42,19 +42,27 @@ class Launch:
 
 _recording: Optional[list[Launch]] = None
 _recording_capability = 90
+_recording_untabled = False
 
 
 @contextlib.contextmanager
-def capture_launches(capability: int = 90) -> Iterator[list[Launch]]:
+def capture_launches(capability: int = 90, *, untabled: bool = False) -> Iterator[list[Launch]]:
     """Record the kernel launches of the host code (training and decode kernels) instead of running them, on
-    tensors of any device, as they would be on a GPU of compute ``capability`` (90: H100, 80: A100)."""
-    global _recording, _recording_capability
-    saved = _recording, _recording_capability
-    _recording, _recording_capability = [], capability
+    tensors of any device, as they would be on a GPU of compute ``capability`` (90: H100, 80: A100). A launch no
+    autotune table lists is refused as on a GPU, unless ``untabled`` (it is then recorded without configurations:
+    the compile facts' lessons compile such launches in configurations of their own)."""
+    global _recording, _recording_capability, _recording_untabled
+    saved = _recording, _recording_capability, _recording_untabled
+    _recording, _recording_capability, _recording_untabled = [], capability, untabled
     try:
         yield _recording
     finally:
-        _recording, _recording_capability = saved
+        _recording, _recording_capability, _recording_untabled = saved
+
+
+def capturing_untabled() -> bool:
+    """Whether :func:`capture_launches` records launches no table lists (``untabled=True``)."""
+    return _recording is not None and _recording_untabled
 
 
 def capturing() -> bool:
@@ -179,6 +187,6 @@ def tma_choice(tma: Optional[bool], capability: int, interpret: bool, **tensors:
     return True
 
 
-__all__ = ["POISON_ENV", "MAX_TILE_ROWS", "Launch", "capture_launches", "capturing", "record", "capability",
+__all__ = ["POISON_ENV", "MAX_TILE_ROWS", "Launch", "capture_launches", "capturing", "capturing_untabled", "record", "capability",
            "interpret_mode", "dot_precision",
            "strides", "poison", "alloc", "tile_step", "tile_offsets_fit", "tma_ok", "tma_choice", "call", "descriptor_workspace"]
