@@ -225,11 +225,13 @@ def _busy(path: Path) -> str:
                 speedup(diff_loaded, times("loaded", f"baseline | {policy}")))
 
     own, default = figures("recommended"), figures("torch default")
+    per_round = [lo / hi for lo, hi in zip(times("loaded", "diff | recommended"), times("idle", "diff | recommended"))]
     return (f"With the recommended threads, DIFF's loaded step takes {_fmt_x(own[0])} its idle step and "
             f"{_fmt_x(own[1])} the baseline's loaded step (torch's default threads: {_fmt_x(default[0])} and "
             f"{_fmt_x(default[1])}): medians over {len(rounds)} rounds of {data['steps']} steps, from "
-            f"`{_rel(path)}` ({_provenance(data)}). The idle rounds are idle of this benchmark's load only: the "
-            f"machine's load average was {_load_average(data)} when the run began.\n")
+            f"`{_rel(path)}` ({_provenance(data)}); round by round, the first ratio ran from "
+            f"{_fmt_x(min(per_round))} to {_fmt_x(max(per_round))} in this one run. The idle rounds are idle of this "
+            f"benchmark's load only: the machine's load average was {_load_average(data)} when the run began.\n")
 
 
 def _load_average(data: dict) -> str:

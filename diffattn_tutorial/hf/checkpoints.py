@@ -1,4 +1,7 @@
-"""Load Hugging Face checkpoints of the Llama family into :class:`~diffattn_tutorial.training.model.TinyLM`, exactly.
+"""Load Hugging Face checkpoints of the Llama family into :class:`~diffattn_tutorial.training.model.TinyLM`.
+
+The loaded model's logits equal transformers' to float tolerance (the tests and notebook 14: rtol 1e-4), not bit
+for bit.
 
 :func:`from_hf` takes a transformers model object (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
 ``MistralForCausalLM``), a folder holding ``config.json`` and ``*.safetensors`` (read offline, without transformers),
@@ -8,9 +11,10 @@ or a ``state_dict`` with its config. What each family needs of TinyLM:
   :func:`~diffattn_tutorial.layers.rope.llama3_inv_freq`; SmolLM2's configuration is a plain Llama), tied or
   untied head, GQA. ``attention_bias`` (biases on all four projections) and ``mlp_bias`` are refused by name.
 * **Qwen2** (``"qwen2"``, Qwen2 and 2.5): biases on q/k/v, none on the output (``LMConfig(qkv_bias=True)``).
-* **Mistral** (``"mistral"``): a Llama with a sliding window. The window is exact when it never binds, i.e. when
-  ``sliding_window >= max_len`` (the longest sequence the model will see); otherwise it is refused by name, and
-  ``max_len=sliding_window`` loads the model for sequences that short. Qwen2's ``use_sliding_window`` likewise.
+* **Mistral** (``"mistral"``): a Llama with a sliding window. The window leaves the function unchanged when it never
+  binds, i.e. when ``sliding_window >= max_len`` (the longest sequence the model will see); otherwise it is refused
+  by name, and ``max_len=sliding_window`` loads the model for sequences that short. Qwen2's ``use_sliding_window``
+  likewise.
 
 The mapping is term by term: Llama's half-split RoPE rows become TinyLM's interleaved ones (q and k weights and
 biases reordered per head, the same scores); a tied head is copied. Other families (Gemma, Phi, ...) and config

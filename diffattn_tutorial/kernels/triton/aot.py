@@ -113,7 +113,7 @@ class Facts:
     @property
     def spills_allowed(self) -> bool:
         """A careful launch (it runs only after a NaN or an infinity) may spill, and so may an sm_90a entry of
-        :data:`~diffattn_tutorial.kernels.triton.configs.MEASURED_SPILLS` (timed faster on a GPU, spills and all)."""
+        :data:`~diffattn_tutorial.kernels.triton.configs.MEASURED_SPILLS` (each entry says why it stays)."""
         from diffattn_tutorial.kernels.triton.configs import MEASURED_SPILLS
 
         base = self.form.split("/")[0]

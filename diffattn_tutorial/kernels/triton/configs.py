@@ -186,7 +186,8 @@ MEASURED_SPILLS: dict[tuple[str, str, int, str], str] = {
         "the GPU, takes it only where it is faster; its speed with the scan is unmeasured",
 }
 """sm_90a entries kept although they spill: ``(kernel, form, padded head dim, config) -> why``. A spill is a problem
-(:mod:`~diffattn_tutorial.kernels.triton.aot`) everywhere else; these were measured faster on a GPU with theirs."""
+(:mod:`~diffattn_tutorial.kernels.triton.aot`) everywhere else; each entry says why it stays (two were timed faster
+on the H100's probe, spills and all; none has been timed with the in-kernel scan)."""
 UNMASKED_ONLY: dict[tuple[str, str, int, str], str] = {
     ("_diff_attn_fwd", "map", 128, "128x128 w8 s2"):
         "timed 1.25x faster than 128x64 w8 s2 on the H100 probe of 2026-11-26 (recorded/gpu_session_nvidia-h100-"
