@@ -142,6 +142,9 @@ def check_subln(fn: Callable) -> None:
                 merged(rms_norm(o, None, 1e-5)) * w.repeat_interleave(H) * (1 - li)
             wrong["the weight lost its sign: a learned weight can be negative; scale by it as it is"] = \
                 merged(rms_norm(o, w.abs(), 1e-5) * (1 - li))
+            wrong["split the heads the wrong way: in (B, N, H * 2d) head h is the features h*2d .. (h+1)*2d - 1 "
+                  "(consecutive, '(h e)'), not every H-th feature ('(e h)')"] = \
+                strided * w.repeat_interleave(H) * (1 - li)  # "(e h)" read and written back, weight per head
         expect(got, expected, what=label, wrong=wrong)
     x = randn(2, 3, 8, seed=545) * 3e-3  # a mean square near 1e-5, so the default eps shows
     got = call(fn, x, 2, 0.2, what=f"{what} with the default weight and eps")

@@ -1,0 +1,146 @@
+"""Wrong answers to exercises 05, 06 and 11 that a learner plausibly writes: each fails its check with a hint that
+names the mistake, and handing in the library's own implementation of the task is refused by name."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from diffattn_tutorial import causal_mask as library_causal_mask
+from diffattn_tutorial import diff_attention
+from diffattn_tutorial.checks import (
+    CheckFailed,
+    check_axonml_fixed,
+    check_causal_mask,
+    check_forward,
+    check_four_calls_gqa,
+    check_subln,
+)
+
+# --- exercise 05, TASK 2 -------------------------------------------------------------------------------------------
+
+
+def subln_feature_major(x, num_heads, lambda_init, weight=None, eps=1e-5):
+    """Heads read as "(d h)": feature j of every head side by side, not head after head."""
+    h = rearrange(x, "b n (d h) -> b h n d", h=num_heads)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1 if weight is None else weight)
+    return rearrange(h * (1 - lambda_init), "b h n d -> b n (d h)")
+
+
+def test_subln_heads_read_feature_major_is_named():
+    with pytest.raises(CheckFailed, match=r"consecutive|head h's features"):
+        check_subln(subln_feature_major)
+
+
+# --- exercise 06 ---------------------------------------------------------------------------------------------------
+
+
+def test_causal_mask_from_the_library_is_refused():
+    with pytest.raises(CheckFailed, match="calls the library's causal_mask"):
+        check_causal_mask(lambda nq, nk: library_causal_mask(nq, nk))
+
+
+def forward_by_the_layer(x, layer):
+    return layer(x, causal=True)
+
+
+def forward_by_attention_heads(x, layer):
+    heads = layer.subln(layer.attention_heads(x, causal=True)) * (1 - layer.lambda_init)
+    return layer.out_proj(rearrange(heads, "b h n e -> b n (h e)"))
+
+
+def forward_by_diff_attention(x, layer):
+    d = layer.head_dim
+    q = rearrange(layer.q_proj(x), "b n (h d) -> b h n d", d=d)
+    k = rearrange(layer.k_proj(x), "b n (h d) -> b h n d", d=d)
+    v = rearrange(layer.v_proj(x), "b n (h d) -> b h n d", d=2 * d)
+    heads = diff_attention(q, k, v, layer.lambda_full(), causal=True)
+    heads = layer.subln(heads) * (1 - layer.lambda_init)
+    return layer.out_proj(rearrange(heads, "b h n e -> b n (h e)"))
+
+
+@pytest.mark.parametrize("answer, called", [(forward_by_the_layer, "the layer's own forward"),
+                                            (forward_by_attention_heads, "the layer's attention_heads"),
+                                            (forward_by_diff_attention, "the library's diff_attention")])
+def test_forward_by_the_library_is_refused(answer, called):
+    with pytest.raises(CheckFailed, match=f"calls {called}"):
+        check_forward(answer)
+
+
+def make_forward(*, lam="right", sign=-1.0, factor="after"):
+    """The exercise's forward by hand, MHA or GQA, one knob per mistake (the defaults are right)."""
+
+    def forward(x, layer):
+        H, Hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q = rearrange(layer.q_proj(x), "b n (h d) -> b h n d", d=d)
+        k = rearrange(layer.k_proj(x), "b n (h two d) -> b h two n d", two=2, d=d)
+        v = rearrange(layer.v_proj(x), "b n (h d) -> b h n d", d=2 * d)
+        k = rearrange(k.repeat_interleave(H // Hkv, 1), "b h two n d -> b (h two) n d")
+        v = v.repeat_interleave(H // Hkv, 1)
+        lam_ = (torch.exp((layer.lambda_q1 * layer.lambda_k1).sum())
+                - torch.exp((layer.lambda_q2 * layer.lambda_k2).sum()))
+        lam_ = lam_ + layer.lambda_init if lam == "right" else lam_
+        n = x.shape[1]
+        s = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~library_causal_mask(n, n), float("-inf"))
+        a = torch.softmax(s, -1)
+        heads = (a[:, 0::2] + sign * lam_ * a[:, 1::2]) @ v
+        fac = 1 - lam_ if factor == "one_minus_lambda" else 1 - layer.lambda_init
+        heads = layer.subln(heads * fac) if factor == "before" else layer.subln(heads) * fac
+        return layer.out_proj(rearrange(heads, "b h n e -> b n (h e)"))
+
+    return forward
+
+
+def test_forward_by_hand_passes(capsys):
+    check_forward(make_forward())
+    assert "PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("knobs, hint", [
+    ({"lam": "no_lambda_init"}, r"lambda without lambda_init"),
+    ({"sign": +1.0}, r"added lambda A2"),
+    ({"factor": "one_minus_lambda"}, r"\(1 - lambda\) instead of \(1 - lambda_init\)"),
+    ({"factor": "before"}, r"before the sub-norm"),
+])
+def test_forward_mistakes_are_named(knobs, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_forward(make_forward(**knobs))
+
+
+# --- exercise 11 ---------------------------------------------------------------------------------------------------
+
+
+def axonml_by_diff_attention(q, k, v, lam, attn_mask):
+    """The library's diff_attention on axonml's halves, rearranged into interleaved maps."""
+    split = lambda t: rearrange(t, "b h n (two d) -> b (h two) n d", two=2)  # noqa: E731
+    return diff_attention(split(q), split(k), v, lam, attn_mask=attn_mask)
+
+
+def four_calls_by_diff_attention(q, k, v, lam):
+    return diff_attention(q, k, v, lam, causal=True)
+
+
+def test_axonml_by_the_library_is_refused():
+    with pytest.raises(CheckFailed, match="calls the library's diff_attention"):
+        check_axonml_fixed(axonml_by_diff_attention)
+
+
+def test_four_calls_by_the_library_is_refused():
+    with pytest.raises(CheckFailed, match="calls the library's diff_attention"):
+        check_four_calls_gqa(four_calls_by_diff_attention)
+
+
+def four_calls_two_sdpa(q, k, v, lam):
+    """Two SDPA calls with V of width 2d, right under GQA: allowed (PyTorch's SDPA is what the task uses)."""
+    rep = q.shape[1] // k.shape[1]
+    k1, k2 = k[:, 0::2].repeat_interleave(rep, 1), k[:, 1::2].repeat_interleave(rep, 1)
+    v = v.repeat_interleave(rep, 1)
+    sdpa = lambda q, k: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    return sdpa(q[:, 0::2], k1) - lam * sdpa(q[:, 1::2], k2)
+
+
+def test_four_calls_with_sdpa_still_pass(capsys):
+    check_four_calls_gqa(four_calls_two_sdpa)
+    assert "PASSED" in capsys.readouterr().out
