@@ -37,6 +37,16 @@ def test_subln_heads_read_feature_major_is_named():
 # --- exercise 06 ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("rule, hint", [(lambda i, j, off: j <= i - off, "offset has the wrong sign"),
+                                        (lambda i, j, off: j <= i + off + 1, "off by one")])
+def test_causal_mask_offset_mistakes_are_named(rule, hint):
+    def mask(nq, nk):
+        return rule(torch.arange(nq)[:, None], torch.arange(nk)[None, :], nk - nq)
+
+    with pytest.raises(CheckFailed, match=hint):
+        check_causal_mask(mask)
+
+
 def test_causal_mask_from_the_library_is_refused():
     with pytest.raises(CheckFailed, match="calls the library's causal_mask"):
         check_causal_mask(lambda nq, nk: library_causal_mask(nq, nk))
@@ -69,7 +79,7 @@ def test_forward_by_the_library_is_refused(answer, called):
         check_forward(answer)
 
 
-def make_forward(*, lam="right", sign=-1.0, factor="after"):
+def make_forward(*, lam="right", sign=-1.0, factor="after", order="a1 first"):
     """The exercise's forward by hand, MHA or GQA, one knob per mistake (the defaults are right)."""
 
     def forward(x, layer):
@@ -81,12 +91,13 @@ def make_forward(*, lam="right", sign=-1.0, factor="after"):
         v = v.repeat_interleave(H // Hkv, 1)
         lam_ = (torch.exp((layer.lambda_q1 * layer.lambda_k1).sum())
                 - torch.exp((layer.lambda_q2 * layer.lambda_k2).sum()))
-        lam_ = lam_ + layer.lambda_init if lam == "right" else lam_
+        lam_ = {"right": lam_ + layer.lambda_init, "no_lambda_init": lam_, "init_only": layer.lambda_init}[lam]
         n = x.shape[1]
         s = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~library_causal_mask(n, n), float("-inf"))
         a = torch.softmax(s, -1)
         heads = (a[:, 0::2] + sign * lam_ * a[:, 1::2]) @ v
-        fac = 1 - lam_ if factor == "one_minus_lambda" else 1 - layer.lambda_init
+        heads = -heads if order == "a2 first" else heads
+        fac = {"one_minus_lambda": 1 - lam_, "one_plus": 1 + layer.lambda_init}.get(factor, 1 - layer.lambda_init)
         heads = layer.subln(heads * fac) if factor == "before" else layer.subln(heads) * fac
         return layer.out_proj(rearrange(heads, "b h n e -> b n (h e)"))
 
@@ -103,6 +114,9 @@ def test_forward_by_hand_passes(capsys):
     ({"sign": +1.0}, r"added lambda A2"),
     ({"factor": "one_minus_lambda"}, r"\(1 - lambda\) instead of \(1 - lambda_init\)"),
     ({"factor": "before"}, r"before the sub-norm"),
+    ({"lam": "init_only"}, r"lambda is lambda_init alone"),
+    ({"order": "a2 first"}, r"subtracted the wrong way round"),
+    ({"factor": "one_plus"}, r"\(1 \+ lambda_init\)"),
 ])
 def test_forward_mistakes_are_named(knobs, hint):
     with pytest.raises(CheckFailed, match=hint):

@@ -48,6 +48,10 @@ def check_causal_mask(fn: Callable) -> None:
                 f(j > i + off),
             "the mask is inverted and its diagonal is wrong: True = may attend, the past and the query's own key":
                 f(j >= i + off),
+            "the offset has the wrong sign: the nq queries are the *last* nq of nk positions, so query i sees keys "
+            "j <= i + (nk - nq)": f(j <= i - off),
+            "off by one: the mask lets each query see the next key too (its future); query i sees keys "
+            "j <= i + (nk - nq)": f(j <= i + off + 1),
         })
     passed("bool mask, True = may attend, j <= i + (nk - nq): diagonal included, aligned bottom-right.")
 
@@ -142,7 +146,7 @@ def _lambda_init_at(depth: int) -> float:
 
 def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=False, blocked=False, mask="causal",
              gqa=("right", "right"), factor="right", norm="right", depth_shift=0, merge="right", lam_base="right",
-             sign=1.0) -> torch.Tensor:
+             sign=1.0, negate=False) -> torch.Tensor:
     """The layer's forward with one step turned into a plausible mistake (every knob at its default = the layer).
 
     The right steps are the library's own (the layer's projections, lambda, sub-norm and output projection,
@@ -154,7 +158,7 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
     q, k, v = layer.project_qkv(x, None, None, None, 2 * H, 2 * Hkv, Hkv)
     lambda_init = _lambda_init_at(layer.depth + depth_shift)
     lam = layer.lambda_full() - layer.lambda_init + lambda_init  # the layer's lambda, re-based on lambda_init
-    lam = sign * (lam - lambda_init if lam_base == "no_init" else lam)
+    lam = sign * {"right": lam, "no_init": lam - lambda_init, "init_only": lam * 0 + lambda_init}[lam_base]
     if swap:
         q, k = swap_pairs(q), swap_pairs(k)
     if blocked:
@@ -170,8 +174,9 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
     if mask == "strict_fill":  # masked_fill(-1e9): the first row is all -1e9, a uniform average of the values
         o = o.clone()
         o[:, :, 0] = (1 - lam) * v.mean(-2)
-    o = _subnorm_variant(layer, o, norm)
-    o = o * {"right": 1 - lambda_init, "lambda_init": lambda_init, "none": 1.0, "lambda": 1 - sign * lam}[factor]
+    o = _subnorm_variant(layer, -o if negate else o, norm)
+    o = o * {"right": 1 - lambda_init, "lambda_init": lambda_init, "none": 1.0, "lambda": 1 - sign * lam,
+                "one_plus": 1 + lambda_init}[factor]
     if merge == "no_transpose":
         o = o.reshape(B, N, -1)
     elif merge == "feature_major":
@@ -217,6 +222,10 @@ _FORWARD_HINTS = {
     "lambda without lambda_init: lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init "
     "(exercise 04)": {"lam_base": "no_init"},
     "added lambda A2: the differential map is A1 - lambda A2, map 2 subtracted": {"sign": -1.0},
+    "lambda is lambda_init alone: the learned part, exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2), is "
+    "missing (build it from the layer's four lambda vectors, exercise 04)": {"lam_base": "init_only"},
+    "subtracted the wrong way round: the heads are A1 V - lambda A2 V, not lambda A2 V - A1 V": {"negate": True},
+    "multiplied by (1 + lambda_init): the factor after the sub-norm is (1 - lambda_init)": {"factor": "one_plus"},
     "lambda_init off by one layer: layer.depth is 0-based already (the layer holds its lambda_init)":
         {"depth_shift": 1},
     "lambda_init off by one layer: layer.depth is the 0-based index, the paper's l - 1 (the layer holds its "
