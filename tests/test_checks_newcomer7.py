@@ -158,3 +158,60 @@ def four_calls_two_sdpa(q, k, v, lam):
 def test_four_calls_with_sdpa_still_pass(capsys):
     check_four_calls_gqa(four_calls_two_sdpa)
     assert "PASSED" in capsys.readouterr().out
+
+
+# --- more named mistakes: exercise 05 TASK 1, exercise 11 TASKS 1 and 3 ---------------------------------------------
+
+from diffattn_tutorial.checks import check_rms_norm  # noqa: E402
+
+
+def rms_norm_right(x, weight=None, eps=1e-5, group=None):
+    g = x.shape[-1] if group is None else group
+    parts = x.unflatten(-1, (-1, g))
+    out = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return out if weight is None else out * weight
+
+
+def rms_norm_in_place(x, weight=None, eps=1e-5, group=None):
+    out = rms_norm_right(x, weight, eps, group)
+    x.mul_(0.0)  # scratch reuse of the input: the caller's tensor is lost
+    return out
+
+
+def rms_norm_fixed_eps(x, weight=None, eps=1e-5, group=None):
+    return rms_norm_right(x, weight, 1e-5, group)
+
+
+@pytest.mark.parametrize("answer, hint", [(rms_norm_in_place, "changed its input x in place"),
+                                          (rms_norm_fixed_eps, "eps argument is ignored")])
+def test_rms_norm_mistakes_are_named(answer, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_rms_norm(answer)
+
+
+def axonml_inverted_mask(q, k, v, lam, attn_mask):
+    half = q.shape[-1] // 2
+    s1 = q[..., :half] @ k[..., :half].transpose(-1, -2) * half ** -0.5
+    s2 = q[..., half:] @ k[..., half:].transpose(-1, -2) * half ** -0.5
+    if attn_mask is not None:  # fills where the mask is True: the keys a query may attend
+        s1, s2 = s1.masked_fill(attn_mask, float("-inf")), s2.masked_fill(attn_mask, float("-inf"))
+    return (torch.softmax(s1, -1) - lam * torch.softmax(s2, -1)) @ v
+
+
+def test_axonml_inverted_mask_is_named():
+    with pytest.raises(CheckFailed, match="mask is inverted"):
+        check_axonml_fixed(axonml_inverted_mask)
+
+
+def four_calls_values_tiled(q, k, v, lam):
+    rep = q.shape[1] // k.shape[1]
+    k1, k2 = k[:, 0::2].repeat_interleave(rep, 1), k[:, 1::2].repeat_interleave(rep, 1)
+    va, vb = v.repeat(1, rep, 1, 1).chunk(2, dim=-1)  # the keys right, the values tiled
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    q1, q2 = q[:, 0::2], q[:, 1::2]
+    return (torch.cat([sdpa(q1, k1, va), sdpa(q1, k1, vb)], -1) - lam * torch.cat([sdpa(q2, k2, va), sdpa(q2, k2, vb)], -1))
+
+
+def test_four_calls_values_tiled_is_named():
+    with pytest.raises(CheckFailed, match="values are tiled"):
+        check_four_calls_gqa(four_calls_values_tiled)

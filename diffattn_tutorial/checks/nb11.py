@@ -17,7 +17,7 @@ from einops import rearrange
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, tiled_kv
-from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps
+from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, expand_kv_groups
 from diffattn_tutorial.interop import diffllama_order, permute_maps
 from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
@@ -88,6 +88,8 @@ def check_axonml_fixed(fn: Callable) -> None:
             wrong.update({
                 "the mask is ignored (axonml's bug: its attn_mask argument is never read). Set the scores of "
                 "masked keys to -inf before each softmax": _axonml_ref(q, k, v, lam, None),
+                "the mask is inverted: True means may attend, so the scores to set to -inf are where the mask is "
+                "False (masked_fill(~attn_mask, ...))": _axonml_ref(q, k, v, lam, ~mask),
                 "only map 1 is masked: the same mask applies to both softmax maps":
                     _axonml_ref(q, k, v, lam, mask, mask_maps="first"),
                 "only map 2 is masked: the same mask applies to both softmax maps":
@@ -213,6 +215,9 @@ def check_four_calls_gqa(fn: Callable) -> None:
                 "(heads 0::2) and k2 (heads 1::2) first, then repeat each": _naive_rule(q, k, v, lam),
                 "the groups are tiled (repeat): differential head i reads group i // (H / Hkv), so each group is "
                 "repeated in place (repeat_interleave)": _tiled_groups(q, k, v, lam),
+                "the values are tiled (repeat) while the keys are right: value head i is group i // (H / Hkv) too, "
+                "each group repeated in place (repeat_interleave)": diff_attention(
+                    q, expand_kv_groups(k, v, H)[0], tiled_kv(k, v, H)[1], lam, causal=True, backend="naive"),
             })
         k1, k2 = k[:, 0::2], k[:, 1::2]
         va, vb = v.chunk(2, dim=-1)
