@@ -215,3 +215,51 @@ def four_calls_values_tiled(q, k, v, lam):
 def test_four_calls_values_tiled_is_named():
     with pytest.raises(CheckFailed, match="values are tiled"):
         check_four_calls_gqa(four_calls_values_tiled)
+
+
+# --- exercise 07 TASK 2, exercise 10 TASK 1 --------------------------------------------------------------------------
+
+from diffattn_tutorial.checks import check_diff_v2, check_logit_outlier_ratio  # noqa: E402
+
+
+def _finite_abs(logits):
+    return torch.cat([lg[torch.isfinite(lg)] for lg in logits])
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda logits: (_finite_abs(logits).abs().max() / _finite_abs(logits).median()).item(), "signed median"),
+    (lambda logits: max((_finite_abs([lg]).abs().max() / _finite_abs([lg]).abs().median()).item() for lg in logits),
+     "one layer's ratio"),
+    (lambda logits: (_finite_abs(logits[:1]).abs().max() / _finite_abs(logits[:1]).abs().median()).item(),
+     "one layer's ratio|only the first layer"),
+])
+def test_outlier_ratio_mistakes_are_named(answer, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_logit_outlier_ratio(answer)
+
+
+def make_diff_v2(*, scale=True, lam_on="second"):
+    def diff_v2(q, k, v, lam_logits, *, causal=False):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale else 1.0)
+        if causal:
+            nq, nk = q.shape[2], k.shape[2]
+            s = s.masked_fill(torch.arange(nk)[None] > torch.arange(nq)[:, None] + nk - nq, float("-inf"))
+        o = torch.softmax(s, -1) @ v
+        lam = torch.sigmoid(lam_logits).transpose(1, 2)[..., None]
+        return o[:, 0::2] - lam * o[:, 1::2] if lam_on == "second" else lam * o[:, 0::2] - o[:, 1::2]
+
+    return diff_v2
+
+
+def test_diff_v2_by_hand_passes(capsys):
+    check_diff_v2(make_diff_v2())
+    assert "PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("knobs, hint", [({"scale": False}, "forgot the scale"),
+                                         ({"lam_on": "first"}, "lambda scales the first head")])
+def test_diff_v2_mistakes_are_named(knobs, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_diff_v2(make_diff_v2(**knobs))
