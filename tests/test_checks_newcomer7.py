@@ -263,3 +263,47 @@ def test_diff_v2_by_hand_passes(capsys):
 def test_diff_v2_mistakes_are_named(knobs, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_diff_v2(make_diff_v2(**knobs))
+
+
+# --- exercise 06 TASK 2, exercise 05 TASK 2: more named mistakes --------------------------------------------------
+
+from diffattn_tutorial.checks import check_expand_kv  # noqa: E402
+
+
+def expand_kv_blocked_in(k, v, num_heads):
+    """Reads the key heads as all k1 maps, then all k2 maps."""
+    rep = num_heads // v.shape[1]
+    k = rearrange(k, "b (two g) n d -> b g two n d", two=2).repeat_interleave(rep, 1)
+    return rearrange(k, "b g two n d -> b (g two) n d"), v.repeat_interleave(rep, 1)
+
+
+def expand_kv_blocked_out(k, v, num_heads):
+    """Right pairs, but the result written as all k1 maps, then all k2 maps."""
+    rep = num_heads // v.shape[1]
+    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, 1)
+    return rearrange(k, "b g two n d -> b (two g) n d"), v.repeat_interleave(rep, 1)
+
+
+@pytest.mark.parametrize("answer", [expand_kv_blocked_in, expand_kv_blocked_out])
+def test_expand_kv_blocked_maps_are_named(answer):
+    with pytest.raises(CheckFailed, match="read or written blocked"):
+        check_expand_kv(answer)
+
+
+def subln_group_of_num_heads(x, num_heads, lambda_init, weight=None, eps=1e-5):
+    w = 1.0 if weight is None else weight.repeat(num_heads)
+    parts = x.unflatten(-1, (-1, num_heads))  # runs of num_heads features, not of 2d
+    return (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * w * (1 - lambda_init)
+
+
+def subln_over_tokens(x, num_heads, lambda_init, weight=None, eps=1e-5):
+    h = rearrange(x, "b n (h e) -> b h n e", h=num_heads)
+    h = h * torch.rsqrt(h.pow(2).mean(-2, keepdim=True) + eps) * (1.0 if weight is None else weight)
+    return rearrange(h * (1 - lambda_init), "b h n e -> b n (h e)")
+
+
+@pytest.mark.parametrize("answer, hint", [(subln_group_of_num_heads, "runs of num_heads"),
+                                          (subln_over_tokens, "normalised over the tokens")])
+def test_subln_mistakes_are_named(answer, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_subln(answer)

@@ -145,6 +145,11 @@ def check_subln(fn: Callable) -> None:
                 merged(per_half),
             "split the heads the wrong way: in (B, N, H * 2d) head h is the features h*2d .. (h+1)*2d - 1, not every "
             "H-th feature": strided * (1.0 if w is None else w.repeat(H)) * (1 - li),
+            "grouped the features in runs of num_heads: each head is one group of 2d consecutive features, so the "
+            "group size is 2d = x.shape[-1] // num_heads": _grouped(x, None, 1e-5, H) * (1.0 if w is None else
+                                                                                w.repeat(H)) * (1 - li),
+            "normalised over the tokens: each head is normalised over its own 2d features, token by token":
+                merged(o * torch.rsqrt(o.pow(2).mean(-2, keepdim=True) + 1e-5) * w_ * (1 - li)),
             "forgot the weight: the sub-norm scales each feature by its weight, then by (1 - lambda_init)":
                 merged(rms_norm(o, None, 1e-5) * (1 - li)),
         }

@@ -81,6 +81,10 @@ _KV_HINTS = {
 }
 
 
+_KV_BLOCKED_HINT = ("the key maps are read or written blocked (all k1 maps, then all k2 maps): the two maps of "
+                    "group g sit side by side, at 2g and 2g + 1, and so do those of head i in the result")
+
+
 @exercise_check(task=2, name="expand_kv")
 def check_expand_kv(fn: Callable) -> None:
     """``fn(k, v, num_heads)``: k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> ``(k, v)`` of shapes
@@ -107,6 +111,12 @@ def check_expand_kv(fn: Callable) -> None:
         got = diff_attention(q, ke.to(q.dtype), ve.to(q.dtype), lam, backend="naive")
         wrong = {hint: diff_attention(q, *_expanded(k, v, H, kn, vn), lam, backend="naive")
                  for (kn, vn), hint in _KV_HINTS.items()}
+        if Hkv > 1:  # blocked key maps (all k1, then all k2) read in, or written out
+            ke_right, ve_right = expand_kv_groups(k, v, H)
+            wrong[_KV_BLOCKED_HINT + " (in k)"] = diff_attention(
+                q, *expand_kv_groups(blocked_as_interleaved(k), v, H), lam, backend="naive")
+            wrong[_KV_BLOCKED_HINT + " (in the returned k)"] = diff_attention(
+                q, rearrange(ke_right, "b (h two) n d -> b (two h) n d", two=2), ve_right, lam, backend="naive")
         expect(got, expected, what=f"{what} (diff_attention with your k and v, H={H}, Hkv={Hkv})", wrong=wrong,
                default_hint="Differential head i uses KV group g = i // (H // Hkv): key heads 2g, 2g + 1 and "
                             "value head g.")
