@@ -531,6 +531,12 @@ NAMED_MISTAKES: dict[tuple[str, int], list[tuple[tuple[tuple[str, str], ...], st
     ],
     ("06_full_module", 3): [
         ((("attn[:, 0::2] - lam * attn[:, 1::2]", "attn[:, :H] - lam * attn[:, H:]"),), "maps paired in blocks"),
+        ((("layer.lambda_k2)) + layer.lambda_init)", "layer.lambda_k2)))"),), "lambda without lambda_init"),
+        ((("attn[:, 0::2] - lam * attn[:, 1::2]", "attn[:, 0::2] + lam * attn[:, 1::2]"),), "lambda A2 added"),
+        ((("layer.subln(heads) * (1 - layer.lambda_init)", "layer.subln(heads) * (1 - lam)"),),
+         "(1 - lambda) as the factor"),
+        ((("layer.subln(heads) * (1 - layer.lambda_init)", "layer.subln(heads * (1 - layer.lambda_init))"),),
+         "the factor before the sub-norm"),
     ],
     ("09_triton_kernel", 1): [
         ((("m_new = tl.maximum(m, tl.max(s_t, 0))", "m_new = tl.max(s_t, 0)"),), "the tile's max as the running max"),

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from einops import rearrange
 
-from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, passed, randn
+from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.functional import lambda_init_fn, rms_norm
 
 __all__ = ["check_rms_norm", "check_subln"]
@@ -60,6 +60,13 @@ def _grouped(x: torch.Tensor, w, eps: float, group, *, strided: bool = False) ->
     return out if w is None else out * w
 
 
+def _unchanged(x: torch.Tensor, before: torch.Tensor, *, what: str) -> None:
+    """Fail if the learner's function wrote into its input (the caller's activations would be lost)."""
+    if not torch.equal(x, before):
+        fail(f"{what} changed its input x in place (an in-place op such as mul_, div_ or x *= ...): return a new "
+             f"tensor and leave x as it was")
+
+
 @exercise_check(task=1, name="rms_norm")
 def check_rms_norm(fn: Callable) -> None:
     """``fn(x, weight=None, eps=1e-5, group=None)``: x ``(..., D)``, weight ``(D,)`` or None -> RMSNorm over the
@@ -74,7 +81,9 @@ def check_rms_norm(fn: Callable) -> None:
         w = _weight(shape[-1], seed=510 + i) if has_w else None
         expected = _grouped(x, w, eps, group)
         label = what if group is None else f"{what}(..., group={group}) on {shape[-1]} features"
+        x_before = x.clone()
         got = call(fn, x, weight=w, eps=eps, group=group, what=label)
+        _unchanged(x, x_before, what=what)
         if group is None:
             wrong = _rms_wrong(x, w, eps)
         else:
@@ -88,6 +97,9 @@ def check_rms_norm(fn: Callable) -> None:
                 **{f"{h} (in each group)": c.flatten(-2) * (1.0 if w is None else w)
                    for h, c in _rms_wrong(x.unflatten(-1, (-1, group)), None, eps).items() if "axis" not in h},
             }
+        if eps != 1e-5:
+            wrong["the eps argument is ignored (a fixed 1e-5): use the eps the caller passes"] = \
+                _grouped(x, w, 1e-5, group)
         expect(got, expected, what=label, wrong=wrong)
     x = randn(3, 16, seed=505) * 3e-3  # a mean square near 1e-5, so the default eps shows
     got = call(fn, x, what=f"{what} with the default weight, eps and group")
@@ -133,6 +145,11 @@ def check_subln(fn: Callable) -> None:
                 merged(per_half),
             "split the heads the wrong way: in (B, N, H * 2d) head h is the features h*2d .. (h+1)*2d - 1, not every "
             "H-th feature": strided * (1.0 if w is None else w.repeat(H)) * (1 - li),
+            "grouped the features in runs of num_heads: each head is one group of 2d consecutive features, so the "
+            "group size is 2d = x.shape[-1] // num_heads": _grouped(x, None, 1e-5, H) * (1.0 if w is None else
+                                                                                w.repeat(H)) * (1 - li),
+            "normalised over the tokens: each head is normalised over its own 2d features, token by token":
+                merged(o * torch.rsqrt(o.pow(2).mean(-2, keepdim=True) + 1e-5) * w_ * (1 - li)),
             "forgot the weight: the sub-norm scales each feature by its weight, then by (1 - lambda_init)":
                 merged(rms_norm(o, None, 1e-5) * (1 - li)),
         }
@@ -142,6 +159,9 @@ def check_subln(fn: Callable) -> None:
                 merged(rms_norm(o, None, 1e-5)) * w.repeat_interleave(H) * (1 - li)
             wrong["the weight lost its sign: a learned weight can be negative; scale by it as it is"] = \
                 merged(rms_norm(o, w.abs(), 1e-5) * (1 - li))
+            wrong["split the heads the wrong way: in (B, N, H * 2d) head h is the features h*2d .. (h+1)*2d - 1 "
+                  "(consecutive, '(h e)'), not every H-th feature ('(e h)')"] = \
+                strided * w.repeat_interleave(H) * (1 - li)  # "(e h)" read and written back, weight per head
         expect(got, expected, what=label, wrong=wrong)
     x = randn(2, 3, 8, seed=545) * 3e-3  # a mean square near 1e-5, so the default eps shows
     got = call(fn, x, 2, 0.2, what=f"{what} with the default weight and eps")

@@ -20,7 +20,7 @@ __all__ = ["check_causal_mask", "check_expand_kv", "check_forward"]
 _MASK_CASES = [(5, 5), (1, 1), (3, 7), (1, 6), (4, 4), (2, 9)]
 
 
-@exercise_check(task=1, name="causal_mask")
+@exercise_check(task=1, name="causal_mask", refuses=lambda: {causal_mask: "the library's causal_mask"})
 def check_causal_mask(fn: Callable) -> None:
     """``fn(nq, nk)`` -> bool ``(nq, nk)``, True where query ``i`` may attend key ``j``, aligned bottom-right
     (with a KV cache the queries are the newest tokens)."""
@@ -48,6 +48,10 @@ def check_causal_mask(fn: Callable) -> None:
                 f(j > i + off),
             "the mask is inverted and its diagonal is wrong: True = may attend, the past and the query's own key":
                 f(j >= i + off),
+            "the offset has the wrong sign: the nq queries are the *last* nq of nk positions, so query i sees keys "
+            "j <= i + (nk - nq)": f(j <= i - off),
+            "off by one: the mask lets each query see the next key too (its future); query i sees keys "
+            "j <= i + (nk - nq)": f(j <= i + off + 1),
         })
     passed("bool mask, True = may attend, j <= i + (nk - nq): diagonal included, aligned bottom-right.")
 
@@ -77,6 +81,10 @@ _KV_HINTS = {
 }
 
 
+_KV_BLOCKED_HINT = ("the key maps are read or written blocked (all k1 maps, then all k2 maps): the two maps of "
+                    "group g sit side by side, at 2g and 2g + 1, and so do those of head i in the result")
+
+
 @exercise_check(task=2, name="expand_kv")
 def check_expand_kv(fn: Callable) -> None:
     """``fn(k, v, num_heads)``: k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> ``(k, v)`` of shapes
@@ -103,6 +111,12 @@ def check_expand_kv(fn: Callable) -> None:
         got = diff_attention(q, ke.to(q.dtype), ve.to(q.dtype), lam, backend="naive")
         wrong = {hint: diff_attention(q, *_expanded(k, v, H, kn, vn), lam, backend="naive")
                  for (kn, vn), hint in _KV_HINTS.items()}
+        if Hkv > 1:  # blocked key maps (all k1, then all k2) read in, or written out
+            ke_right, ve_right = expand_kv_groups(k, v, H)
+            wrong[_KV_BLOCKED_HINT + " (in k)"] = diff_attention(
+                q, *expand_kv_groups(blocked_as_interleaved(k), v, H), lam, backend="naive")
+            wrong[_KV_BLOCKED_HINT + " (in the returned k)"] = diff_attention(
+                q, rearrange(ke_right, "b (h two) n d -> b (two h) n d", two=2), ve_right, lam, backend="naive")
         expect(got, expected, what=f"{what} (diff_attention with your k and v, H={H}, Hkv={Hkv})", wrong=wrong,
                default_hint="Differential head i uses KV group g = i // (H // Hkv): key heads 2g, 2g + 1 and "
                             "value head g.")
@@ -141,7 +155,8 @@ def _lambda_init_at(depth: int) -> float:
 
 
 def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=False, blocked=False, mask="causal",
-             gqa=("right", "right"), factor="right", norm="right", depth_shift=0, merge="right") -> torch.Tensor:
+             gqa=("right", "right"), factor="right", norm="right", depth_shift=0, merge="right", lam_base="right",
+             sign=1.0, negate=False) -> torch.Tensor:
     """The layer's forward with one step turned into a plausible mistake (every knob at its default = the layer).
 
     The right steps are the library's own (the layer's projections, lambda, sub-norm and output projection,
@@ -153,6 +168,7 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
     q, k, v = layer.project_qkv(x, None, None, None, 2 * H, 2 * Hkv, Hkv)
     lambda_init = _lambda_init_at(layer.depth + depth_shift)
     lam = layer.lambda_full() - layer.lambda_init + lambda_init  # the layer's lambda, re-based on lambda_init
+    lam = sign * {"right": lam, "no_init": lam - lambda_init, "init_only": lam * 0 + lambda_init}[lam_base]
     if swap:
         q, k = swap_pairs(q), swap_pairs(k)
     if blocked:
@@ -168,8 +184,9 @@ def _variant(layer: MultiheadDiffAttn, x: torch.Tensor, *, scale=None, swap=Fals
     if mask == "strict_fill":  # masked_fill(-1e9): the first row is all -1e9, a uniform average of the values
         o = o.clone()
         o[:, :, 0] = (1 - lam) * v.mean(-2)
-    o = _subnorm_variant(layer, o, norm)
-    o = o * {"right": 1 - lambda_init, "lambda_init": lambda_init, "none": 1.0}[factor]
+    o = _subnorm_variant(layer, -o if negate else o, norm)
+    o = o * {"right": 1 - lambda_init, "lambda_init": lambda_init, "none": 1.0, "lambda": 1 - sign * lam,
+                "one_plus": 1 + lambda_init}[factor]
     if merge == "no_transpose":
         o = o.reshape(B, N, -1)
     elif merge == "feature_major":
@@ -207,8 +224,18 @@ _FORWARD_HINTS = {
     "token see everything; a token may attend itself and the past, j <= i": {"mask": "strict_add"},
     "the causal mask is inverted: it hides the past and shows the future; the keys to hide are the future "
     "ones": {"mask": "anti"},
-    "missing (1 - lambda_init): the sub-normed heads are scaled by (1 - lambda_init)": {"factor": "none"},
+    "missing (1 - lambda_init), or applied before the sub-norm, which normalises it away: the sub-normed heads "
+    "are scaled by (1 - lambda_init)": {"factor": "none"},
     "multiplied by lambda_init: the factor after the sub-norm is (1 - lambda_init)": {"factor": "lambda_init"},
+    "(1 - lambda) instead of (1 - lambda_init): the factor after the sub-norm is the fixed (1 - layer.lambda_init), "
+    "not the learned lambda": {"factor": "lambda"},
+    "lambda without lambda_init: lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init "
+    "(exercise 04)": {"lam_base": "no_init"},
+    "added lambda A2: the differential map is A1 - lambda A2, map 2 subtracted": {"sign": -1.0},
+    "lambda is lambda_init alone: the learned part, exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2), is "
+    "missing (build it from the layer's four lambda vectors, exercise 04)": {"lam_base": "init_only"},
+    "subtracted the wrong way round: the heads are A1 V - lambda A2 V, not lambda A2 V - A1 V": {"negate": True},
+    "multiplied by (1 + lambda_init): the factor after the sub-norm is (1 - lambda_init)": {"factor": "one_plus"},
     "lambda_init off by one layer: layer.depth is 0-based already (the layer holds its lambda_init)":
         {"depth_shift": 1},
     "lambda_init off by one layer: layer.depth is the 0-based index, the paper's l - 1 (the layer holds its "
@@ -241,7 +268,10 @@ def _nan_hint(got: torch.Tensor) -> None:
     fail("forward returned NaN values (a softmax over a row that is entirely -inf?)")
 
 
-@exercise_check(task=3, name="forward")
+@exercise_check(task=3, name="forward", refuses=lambda: {
+    MultiheadDiffAttn.forward: "the layer's own forward (layer(x) or layer.forward)",
+    MultiheadDiffAttn.attention_heads: "the layer's attention_heads",
+    diff_attention: "the library's diff_attention (the task asks for the maps written out)"})
 def check_forward(fn: Callable) -> None:
     """``fn(x, layer)``: x ``(B, N, C)``, ``layer`` a :class:`MultiheadDiffAttn` -> ``(B, N, C)``, equal to
     ``layer(x, causal=True)`` (causal self-attention, GQA when ``layer.num_kv_heads < layer.num_heads``)."""

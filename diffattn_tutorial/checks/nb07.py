@@ -192,6 +192,12 @@ def check_logit_outlier_ratio(fn: Callable) -> None:
             "averaged the per-layer ratios: pool every layer's finite logits, then take one top-1 and one median":
                 sum(per_layer) / len(per_layer),
             "returned the top-1 alone: the ratio divides it by the median magnitude": a.max().item(),
+            "took the magnitude of the top-1 but the signed median: both are of |logit|":
+                (a.max() / finite.median()).item(),
+            "took one layer's ratio (the largest per-layer one, or the first layer's): pool every layer's finite "
+            "logits, then take one top-1 and one median": max(per_layer),
+            "measured only the first layer (one ratio per layer): pool every layer and head into one top-1 and one "
+            "median": per_layer[0],
             "took the mean of the two middle values (np.median, torch.quantile(x, 0.5)): the median here is "
             "torch's, Tensor.median, the lower of the two middle values when their count is even":
                 (a.max() / a.quantile(0.5)).item(),

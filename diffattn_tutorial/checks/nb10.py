@@ -98,6 +98,9 @@ def check_diff_v2(fn: Callable) -> None:
                 "lambda is ignored: the second head of each pair is scaled by lambda before it is subtracted":
                     lib(lam_=torch.ones_like(lam)),
                 "the sign is flipped: the second head of each pair is subtracted": lib(lam_=-lam),
+                "forgot the scale: the scores q . k are divided by sqrt(d), d the head dim": lib(scale=1.0),
+                "lambda scales the first head of the pair: it is head 2i minus lambda times head 2i+1":
+                    lam * out[:, 0::2] - out[:, 1::2],
                 "subtracted in the wrong order: head 2i minus lambda times head 2i+1":
                     out[:, 1::2] - lam * out[:, 0::2],
                 "paired the heads blocked (i with i + H): the pairs are adjacent query heads, 2i and 2i+1":

@@ -17,7 +17,7 @@ from einops import rearrange
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
 from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, tiled_kv
-from diffattn_tutorial.functional import causal_mask, diff_attention
+from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, expand_kv_groups
 from diffattn_tutorial.interop import diffllama_order, permute_maps
 from diffattn_tutorial.layers.rope import interleaved_to_half_split
 
@@ -62,12 +62,16 @@ def _axonml_mask(kind: str, b: int, nq: int, nk: int, lengths: list[int]) -> Opt
     return m
 
 
+_LIBRARY_DIFF = {diff_attention: "the library's diff_attention", diff_attention_maps: "the library's diff_attention_maps"}
+"""What tasks 1 and 3 fix by hand: the library's differential attention answers them without finding the bug."""
+
+
 # (B, H, N, d, lam, mask): mask kinds "causal", "causal+padding" (right padding: no row fully masked), "none"
 _AXON_CASES = [(2, 2, 6, 4, 0.05, "causal"), (2, 3, 7, 8, 0.6, "causal+padding"), (1, 4, 5, 2, -0.3, "causal+padding"),
                (3, 1, 4, 4, 0.8, "none")]
 
 
-@exercise_check(task=1, name="axonml_fixed")
+@exercise_check(task=1, name="axonml_fixed", refuses=lambda: _LIBRARY_DIFF)
 def check_axonml_fixed(fn: Callable) -> None:
     """``fn(q, k, v, lam, attn_mask)``: q, k ``(B, H, N, 2d)`` whose first/second halves are maps 1/2, v
     ``(B, H, N, 2d)``, lam a 0-dim tensor, attn_mask bool ``(B, 1, N, N)`` (True = may attend) or None ->
@@ -84,6 +88,8 @@ def check_axonml_fixed(fn: Callable) -> None:
             wrong.update({
                 "the mask is ignored (axonml's bug: its attn_mask argument is never read). Set the scores of "
                 "masked keys to -inf before each softmax": _axonml_ref(q, k, v, lam, None),
+                "the mask is inverted: True means may attend, so the scores to set to -inf are where the mask is "
+                "False (masked_fill(~attn_mask, ...))": _axonml_ref(q, k, v, lam, ~mask),
                 "only map 1 is masked: the same mask applies to both softmax maps":
                     _axonml_ref(q, k, v, lam, mask, mask_maps="first"),
                 "only map 2 is masked: the same mask applies to both softmax maps":
@@ -191,7 +197,7 @@ _GQA_CASES = [(2, 4, 2, 6, 4, 0.6), (1, 6, 2, 5, 8, 0.3), (2, 4, 1, 7, 4, -0.4),
               (2, 8, 4, 3, 2, 0.5)]
 
 
-@exercise_check(task=3, name="four_calls_gqa")
+@exercise_check(task=3, name="four_calls_gqa", refuses=lambda: _LIBRARY_DIFF)
 def check_four_calls_gqa(fn: Callable) -> None:
     """``fn(q, k, v, lam)``: q ``(B, 2H, N, d)``, k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> causal differential
     attention ``(B, H, N, 2d)`` where head i reads KV group ``i // (H / Hkv)``, map 1 with k1, map 2 with k2."""
@@ -209,6 +215,9 @@ def check_four_calls_gqa(fn: Callable) -> None:
                 "(heads 0::2) and k2 (heads 1::2) first, then repeat each": _naive_rule(q, k, v, lam),
                 "the groups are tiled (repeat): differential head i reads group i // (H / Hkv), so each group is "
                 "repeated in place (repeat_interleave)": _tiled_groups(q, k, v, lam),
+                "the values are tiled (repeat) while the keys are right: value head i is group i // (H / Hkv) too, "
+                "each group repeated in place (repeat_interleave)": diff_attention(
+                    q, expand_kv_groups(k, v, H)[0], tiled_kv(k, v, H)[1], lam, causal=True, backend="naive"),
             })
         k1, k2 = k[:, 0::2], k[:, 1::2]
         va, vb = v.chunk(2, dim=-1)
