@@ -123,16 +123,21 @@ def test_the_autotuner_is_offered_the_twins_on_hopper_for_aligned_inputs_only():
 
 
 def test_the_dk_kernels_are_offered_their_twins_for_q_and_do_the_copy_engine_can_read(monkeypatch):
+    """The dK kernels read q and dO by descriptor, the dQ kernel k and v: each is offered its twins where the
+    copy engine can read what it reads."""
     q, k, v, _ = make(1, 2, 1, 64, 64, 64, torch.bfloat16)
     dout = torch.ones(1, 2, 64, 128, dtype=torch.bfloat16)
     assert offered_backward(q, k, v, dout) == {
         "_diff_attn_bwd_dkdv/dv": ["32x128 w8 s2", "32x64 w4 s2", "32x128 w8 s2 tma"],
         "_diff_attn_bwd_dkdv/dk": ["32x128 w8 s2", "16x128 w8 s2", "32x128 w8 s2 tma"],
-        "_diff_attn_bwd_dq/dq": ["128x32 w8 s2", "64x32 w4 s3"]}  # the dQ kernel has no switch
+        "_diff_attn_bwd_dq/dq": ["128x32 w8 s2", "64x32 w4 s3", "128x32 w8 s2 tma"]}
     assert offered_backward(q, k, v, dout, plan="split_kv_atomic")["_diff_attn_bwd_dkdq/dkdq"][-1] == "32x128 w8 s2 tma"
     far = torch.ones(1, 2, 64, 129, dtype=torch.bfloat16)[..., :128]  # dO rows of 258 bytes
     assert not tma_ok(far)
-    assert all("tma" not in c for cs in offered_backward(q, k, v, far).values() for c in cs)
+    assert {launch: [c for c in cs if "tma" in c] for launch, cs in offered_backward(q, k, v, far).items()} == {
+        "_diff_attn_bwd_dkdv/dv": [], "_diff_attn_bwd_dkdv/dk": [], "_diff_attn_bwd_dq/dq": ["128x32 w8 s2 tma"]}
+    shifted = torch.zeros(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # k 2 bytes past a 16-byte boundary
+    assert offered_backward(q, shifted, v, dout)["_diff_attn_bwd_dq/dq"] == ["128x32 w8 s2", "64x32 w4 s3"]
     # tma=True is the forward's to force: autograd chose dO's layout, so the backward reads by pointers then, and
     # a launch with no twin (below: a table without them) takes its pointer entries instead of failing
     assert offered_backward(q, k, v, far, tma=True)["_diff_attn_bwd_dkdv/dk"] == ["32x128 w8 s2", "16x128 w8 s2"]

@@ -99,9 +99,9 @@ def train_head_dim_limit(capability: int) -> int:
     return 64 if capability < 80 else MAX_HEAD_DIM
 
 
-TMA_KERNELS = ("_diff_attn_fwd", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq")
-"""The kernels with a ``TMA`` switch: the forward reads its k and v tiles, the dK kernels their q and dO tiles, by
-tensor descriptor (Hopper's copy engine) where a configuration says ``TMA=True`` (:data:`TMA_TWINS`)."""
+TMA_KERNELS = ("_diff_attn_fwd", "_diff_attn_bwd_dkdv", "_diff_attn_bwd_dkdq", "_diff_attn_bwd_dq")
+"""The kernels with a ``TMA`` switch: the forward and the dQ kernel read their k and v tiles, the dK kernels their q
+and dO tiles, by tensor descriptor (Hopper's copy engine) where a configuration says ``TMA=True`` (:data:`TMA_TWINS`)."""
 
 
 def config(bm: int, bn: int, warps: int, stages: int, tma: Optional[bool] = None) -> triton.Config:
@@ -163,13 +163,13 @@ _CONFIGS_16BIT: dict[tuple[str, str], dict[int, list[triton.Config]]] = {
     ("_diff_attn_bwd_dkdq", "dkdvdq"): {  # plan fused_atomic (by name; training calls neither causal nor masked):
         64: [_cfg(16, 128, 8, 2)],  # clean at 16 rows, 2 stages; its twin spills (unmeasured either way)
     },
-    ("_diff_attn_bwd_dq", "dq"): {
+    ("_diff_attn_bwd_dq", "dq"): {  # the dQ kernel's twins read k and v by descriptor (TMA_TWINS)
         16: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         32: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
-        64: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+        64: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3), _twin(128, 32, 8, 2)],
     },
     ("_diff_attn_bwd_dq", "dq_map"): {
-        128: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+        128: [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3), _twin(128, 32, 8, 2)],
     },
 }
 MEASURED_SPILLS: dict[tuple[str, str, int, str], str] = {
@@ -210,8 +210,9 @@ NON_CAUSAL_ONLY: dict[tuple[str, str, int, str], str] = {
 }
 """Table entries the autotuner may pick only for calls that are not causal (``CAUSAL`` false), as
 :data:`UNMASKED_ONLY` for masks: ``(kernel, form, padded head dim, config) -> why``; never first in their list."""
-TMA_TWINS = ("the sm_90a entries with TMA=True (the forward's and the dK kernels', TMA_KERNELS): the same tile as an "
-             "entry before them, the tiles its loop walks (the forward's k and v, the dK kernels' q and dO) loaded by "
+TMA_TWINS = ("the sm_90a entries with TMA=True (the forward's, the dK kernels' and the dQ kernel's, TMA_KERNELS): the "
+             "same tile as an entry before them, the tiles its loop walks (the forward's and the dQ kernel's k and v, "
+             "the dK kernels' q and dO) loaded by "
              "tensor descriptor (Hopper's copy engine) instead of per-thread pointers. In the cases the record "
              "compiles them (training at each head dim, the heaviest variant's training and inference, GQA 4:1, "
              "the atomic plans and the fused plan at d = 64, every configuration; not yet fp16 or a careful launch) "

@@ -511,7 +511,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     ``delta`` ``(B, H, 2, Nq)`` float32 (per row ``dO . o1`` and ``dO . o2``, from which ``dlam`` follows).
     Refuses what the forward operator refuses, and ``dout``, ``out``, ``o2``, ``lse``, ``flag`` not shaped as it
     made them. Where ``flag`` is set (the forward met a NaN or an infinity) every gradient is NaN. ``tma``: the dK
-    launches' q and dO loads, as the forward's k and v (``launch.tma_choice``)."""
+    launches' q and dO loads and the dQ launches' k and v, as the forward's k and v (``launch.tma_choice``)."""
     _check_backward(dout, q, k, v, lam, attn_mask, out, o2, lse, flag, scale, blocks, plan, needs)
     if not launch.capturing():
         _check_mode(q.device)
@@ -521,6 +521,8 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
     dout = _dout_for_kernels(dout)
+    # the dQ launches read k and v as the forward did (checked there when forced)
+    tma_dq = launch.tma_choice(tma, cap, interpret and not launch.capturing(), k=k, v=v)
     if tma and not tma_ok(q, dout):  # forced for the forward; dO's layout is autograd's: pointer loads here then
         tma = False
     tma = launch.tma_choice(tma, cap, interpret and not launch.capturing(), q=q, dout=dout)
@@ -550,7 +552,7 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     for dq_maps in the_plan.dq_maps if needs[0] else ():
         _launch("_diff_attn_bwd_dq", lambda meta: triton.cdiv(Nq, meta["BLOCK_M"]) * B * H,
                 dict(common, DQ=dq, **_strides(dq, "dq", "bhm")), dict(consts, DQ_MAPS=dq_maps), _blocks(blocks),
-                interpret, q.dtype, cap)
+                interpret, q.dtype, cap, tma_dq)
     if the_plan.kq_maps and (needs[0] or needs[1] or (the_plan.kq_dv and needs[2])):
         _dk_and_atomic_dq(the_plan, common, consts, q, k, v, dq, dk, dv, flag, needs, blocks, interpret, cap, tma)
     return dq, dk, dv, delta
@@ -627,7 +629,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     name runs on a GPU where the autotune tables list each of its launches at the call's head dim, else it is refused. ``tma``: how
     the forward reads k and v on Hopper, by tensor descriptor (``True``), by pointers (``False``) or as the
     autotuner times faster (``None``, where :func:`tma_ok` holds; pointers in the interpreter); the backward's
-    dK launches read q and dO the same way.
+    dK launches read q and dO, its dQ launches k and v, the same way.
     Checks its inputs, then runs the operator :data:`FORWARD_OP` (its backward :data:`BACKWARD_OP`), so a call
     compiles (``torch.compile(fullgraph=True)``) as one node. Raises ``RuntimeError`` where Triton cannot run (a CPU without ``TRITON_INTERPRET=1``).
     """
