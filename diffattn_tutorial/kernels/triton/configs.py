@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import triton
 
+from diffattn_tutorial.kernels.triton import launch
 from diffattn_tutorial.kernels.triton.flags import MAPS_1, MAPS_2, MAPS_BOTH, MAPS_NONE, MASK_NONE
 
 MAX_HEAD_DIM = 128
@@ -323,10 +324,7 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     (which ``flash_diff`` refuses on a GPU: no configuration the compile facts do not check runs there)."""
     if name == "_diff_attn_bwd_preprocess":
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    if dtype == torch.float32:
-        table = _CONFIGS_FP32
-    else:
-        table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
+    table = _table(dtype, capability)
     variant = form(name, consts)
     configs = [c for c in table.get((name, variant), {}).get(consts["BLOCK_D"], [])
                if _offered((name, variant, consts["BLOCK_D"], shape(c)), consts)
@@ -334,6 +332,30 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     if name in TMA_KERNELS:  # their switch is always passed: False where an entry does not set it
         return [c if "TMA" in c.kwargs else config(*_numbers(c), tma=False) for c in configs]
     return configs
+
+
+def _table(dtype: torch.dtype, capability: int) -> dict[tuple[str, str], dict[int, list[triton.Config]]]:
+    """The autotune table of ``dtype`` on a GPU of compute ``capability``."""
+    if dtype == torch.float32:
+        return _CONFIGS_FP32
+    return _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
+
+
+def plan_launches(plan: Plan, training: bool) -> list[tuple[str, str]]:
+    """``(kernel, form)`` of each launch ``plan`` makes: its forward's, and with ``training`` its backward's."""
+    launches = [("_diff_attn_fwd", {"MAPS": m}) for m in plan.fwd_maps]
+    if training:
+        launches += [("_diff_attn_bwd_dkdv", {"DV_OUT": dv, "DK_MAPS": dk}) for dv, dk in plan.kv_parts]
+        launches += [("_diff_attn_bwd_dq", {"DQ_MAPS": m}) for m in plan.dq_maps]
+        launches += [("_diff_attn_bwd_dkdq", {"DV_OUT": plan.kq_dv, "DK_MAPS": m}) for m in plan.kq_maps]
+    return [(name, form(name, consts)) for name, consts in launches]
+
+
+def untabled_launches(plan: Plan, *, training: bool, block_d: int, dtype: torch.dtype, capability: int) -> list[str]:
+    """The launches of ``plan`` (:func:`plan_launches`) no table lists at padded head dim ``block_d`` for ``dtype``
+    on compute ``capability``, as ``"kernel (form)"``: on a GPU they do not run (empty: every one is listed)."""
+    table = _table(dtype, capability)
+    return [f"{n} ({f})" for n, f in plan_launches(plan, training) if not table.get((n, f), {}).get(block_d)]
 
 
 def _offered(key, consts: dict) -> bool:
@@ -366,9 +388,67 @@ def config_tables() -> dict[str, dict[tuple[str, str], dict[int, list[triton.Con
     return {"hopper": _CONFIGS_16BIT, "ampere": _CONFIGS_AMPERE, "turing": _CONFIGS_TURING, "float32": _CONFIGS_FP32}
 
 
+def check_plan(plan: str) -> None:
+    """A plan by name: known; an atomic one not in deterministic mode (:func:`plan_refusal`: the calls a plan
+    refuses)."""
+    if plan not in ("auto", *PLANS):
+        raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
+    if PLANS.get(plan, PLANS["fused"]).kq_maps and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(f"plan={plan!r} adds dQ with atomics, in whatever order the programs run, so its dQ is not "
+                           f"reproducible bit for bit, and torch.use_deterministic_algorithms(True) is set; use "
+                           f"plan='auto' (the same result from its own dQ launch)")
+
+
+def check_target(q: torch.Tensor, block_d: int, capability: int, training: bool) -> None:
+    """What a GPU below sm_80 (a T4) cannot run: bfloat16 (no bf16 arithmetic there) and the backward
+    (``training``) at head dims above :func:`train_head_dim_limit`."""
+    if capability >= 80:
+        return
+    gpu = f"compute capability {capability / 10:.1f}"
+    if q.dtype == torch.bfloat16:
+        raise TypeError(f"backend='triton': this GPU ({gpu}) has no bfloat16 arithmetic; pass float16 inputs "
+                        f"(gpu_bench.preferred_half_dtype(device) picks it) or use backend='auto'")
+    if training and block_d > train_head_dim_limit(capability):
+        raise ValueError(f"backend='triton' on this GPU ({gpu}) trains head dims up to "
+                         f"{train_head_dim_limit(capability)} (the backward at d = {q.shape[-1]} spills registers "
+                         f"in every configuration); use backend='auto' for training, or run under torch.no_grad()")
+
+
+def check_runs_here(q: torch.Tensor, plan: str, *, causal: bool, masked: bool, training: bool, capability: int,
+                    tiled: bool = False) -> None:
+    """What the kernels refuse on this GPU or in this mode, whoever calls them: the public call and the operators
+    called directly (``torch.ops.diffattn.triton_forward``) alike, before any launch. ``plan``: a name in
+    :data:`PLANS`; ``training``: the call keeps what a backward reads (the backward operator: always); ``tiled``:
+    the caller chose the tile (``blocks=``). Refuses an atomic plan in deterministic mode (:func:`check_plan`),
+    what the target cannot run (:func:`check_target`), on a GPU (or recorded as on one) a launch no table lists
+    (:func:`untabled_launches`, the backward's too when ``training``) and a plan's refused calls
+    (:func:`plan_refusal`; not while recording compile facts, which record why), naming plans that run."""
+    check_plan(plan)
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    check_target(q, block_d, capability, training)
+    on_gpu = launch.capturing() or not launch.interpret_mode()
+
+    def untabled(name: str) -> list[str]:
+        return untabled_launches(PLANS[name], training=training, block_d=block_d, dtype=q.dtype,
+                                 capability=capability) if on_gpu and not tiled else []
+
+    if untabled(plan):
+        raise ValueError(f"plan={plan!r}: {', '.join(untabled(plan))} has no table entry for {q.dtype} at padded head "
+                         f"dim {block_d} on compute capability {capability / 10:.1f} (only configurations the compile "
+                         f"facts check run on a GPU; a backward launch counts where a gradient is asked for); use "
+                         f"plan='auto', or blocks=(BLOCK_M, BLOCK_N) to choose the tile yourself, or torch.no_grad() "
+                         f"where only the backward's launch is missing")
+    why = plan_refusal(PLANS[plan], causal=causal, masked=masked, training=training, block_d=block_d, dtype=q.dtype,
+                       capability=capability, compiled=not launch.interpret_mode())
+    if why and not launch.capturing():
+        others = [name for name in ("split_kv_atomic", "fused") if not untabled(name)] or ["auto"]
+        raise ValueError(f"plan={plan!r}: {why}; use plan=" + " or ".join(f"'{name}'" for name in others))
+
+
 def autotune_enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV, "1") not in ("0", "", "false", "False")
 
 
 __all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
-           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "plan_refusal", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "plan_refusal", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs",
+           "plan_launches", "untabled_launches", "check_plan", "check_target", "check_runs_here", "autotune_enabled", "config_tables", "form"]

@@ -44,9 +44,9 @@ from diffattn_tutorial.kernels.triton.configs import (
     autotune_enabled,
     form,
     plan_for,
-    plan_refusal,
-    train_head_dim_limit,
 )
+from diffattn_tutorial.kernels.triton.configs import check_plan as _check_plan
+from diffattn_tutorial.kernels.triton.configs import check_runs_here as _check_runs_here
 from diffattn_tutorial.kernels.triton.flags import MAPS_BOTH, MAPS_NONE, MASK_ADD, MASK_BOOL, MASK_NONE
 from diffattn_tutorial.kernels.triton.launch import (  # noqa: F401 (POISON_ENV, MAX_TILE_ROWS: named here too)
     MAX_TILE_ROWS,
@@ -407,36 +407,6 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     return sizes
 
 
-def _check_target(q: Tensor, block_d: int, capability: int, training: bool) -> None:
-    """What a GPU below sm_80 (a T4) cannot run: bfloat16 (no bf16 arithmetic there) and the backward
-    (``training``) at head dims above :func:`train_head_dim_limit`."""
-    if capability >= 80:
-        return
-    gpu = f"compute capability {capability / 10:.1f}"
-    if q.dtype == torch.bfloat16:
-        raise TypeError(f"backend='triton': this GPU ({gpu}) has no bfloat16 arithmetic; pass float16 inputs "
-                        f"(gpu_bench.preferred_half_dtype(device) picks it) or use backend='auto'")
-    if training and block_d > train_head_dim_limit(capability):
-        raise ValueError(f"backend='triton' on this GPU ({gpu}) trains head dims up to "
-                         f"{train_head_dim_limit(capability)} (the backward at d = {q.shape[-1]} spills registers "
-                         f"in every configuration); use backend='auto' for training, or run under torch.no_grad()")
-
-
-def _check_runs_here(q: Tensor, plan: str, *, causal: bool, masked: bool, training: bool, capability: int) -> None:
-    """What the kernels refuse on this GPU or in this mode, whoever calls them: the public call and the operators
-    called directly (``torch.ops.diffattn.triton_forward``) alike. ``plan``: a name in :data:`PLANS`;
-    ``training``: the call keeps what a backward reads (the backward operator: always). Refuses an atomic plan in
-    deterministic mode (:func:`_check_plan`), what the target cannot run (:func:`_check_target`) and a plan's
-    refused calls (``configs.plan_refusal``; not while recording compile facts, which record why)."""
-    _check_plan(plan)
-    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    _check_target(q, block_d, capability, training)
-    why = plan_refusal(PLANS[plan], causal=causal, masked=masked, training=training, block_d=block_d, dtype=q.dtype,
-                       capability=capability, compiled=not _interpret_mode())
-    if why and not launch.capturing():
-        raise ValueError(f"plan={plan!r}: {why}; use plan='split_kv_atomic' or 'fused'")
-
-
 def _check_mode(device: torch.device) -> bool:
     """Return True if the kernels run in the interpreter; raise where they cannot run on ``device``."""
     interpret = _interpret_mode()
@@ -495,7 +465,8 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
-    _check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=store_o2, capability=cap)
+    _check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=store_o2, capability=cap,
+                     tiled=bool(blocks))
     tma = launch.tma_choice(tma, cap, interpret and not launch.capturing(), k=k, v=v)  # a recording is as on a GPU
     lam4 = _lam4(lam, B, H, Nq)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
@@ -547,7 +518,8 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     if not launch.capturing():
         _check_mode(q.device)
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
-    _check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=True, capability=cap)
+    _check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=True, capability=cap,
+                     tiled=bool(blocks))
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
@@ -642,17 +614,6 @@ def _backward(ctx, dout, _do2, _dlse, _dflag):
 triton_forward.register_autograd(_backward, setup_context=_save)
 
 
-def _check_plan(plan: str) -> None:
-    """A plan by name: known; an atomic one not in deterministic mode (``configs.plan_refusal``: the calls a plan
-    refuses)."""
-    if plan not in ("auto", *PLANS):
-        raise ValueError(f"plan must be 'auto' or one of {tuple(PLANS)}, got {plan!r}")
-    if PLANS.get(plan, PLANS["fused"]).kq_maps and torch.are_deterministic_algorithms_enabled():
-        raise RuntimeError(f"plan={plan!r} adds dQ with atomics, in whatever order the programs run, so its dQ is not "
-                           f"reproducible bit for bit, and torch.use_deterministic_algorithms(True) is set; use "
-                           f"plan='auto' (the same result from its own dQ launch)")
-
-
 def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causal: bool = False,
                           attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
                           blocks: Optional[tuple[int, int]] = None, plan: str = "auto",
@@ -697,7 +658,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
     # refused before any copy; the operators check the same (_check_runs_here), as they may be called directly
     _check_runs_here(q, the_plan.name, causal=bool(causal), masked=attn_mask is not None, training=store_o2,
-                     capability=cap)
+                     capability=cap, tiled=blocks is not None)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
