@@ -56,3 +56,106 @@ def test_the_fused_atomic_plans_refusal_names_plans_that_run_here(capability, d,
     for plan in named:
         with capture_launches(capability):
             triton_diff_attention(*_inputs(d, dtype), plan=plan, causal=True).sum().backward()
+
+
+# --------------------------------------------------------------------------------------------
+# the exercise checks: a refused implementation reached another way, torch state left changed by an answer
+# --------------------------------------------------------------------------------------------
+
+
+def _by_hand_scores(q, k, keep):
+    return (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep[:, None, None, :], float("-inf"))
+
+
+def _sdpa(q, k, v, keep):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def _through_aten(q, k, v, keep):
+    return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def _through_an_overload(q, k, v, keep):
+    return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def _watch_switched_off(q, k, v, keep):
+    import sys
+
+    sys.setprofile(None)
+    return _sdpa(q, k, v, keep)
+
+
+def _in_a_thread(q, k, v, keep):
+    import threading
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", _sdpa(q, k, v, keep)))
+    worker.start()
+    worker.join()
+    return result["out"]
+
+
+@pytest.mark.parametrize("answer, says", [(_through_aten, "calls PyTorch's scaled_dot_product_attention"),
+                                          (_through_an_overload, "calls PyTorch's scaled_dot_product_attention"),
+                                          (_watch_switched_off, r"switches off the check's watch \(sys.setprofile\)"),
+                                          (_in_a_thread, "calls PyTorch's scaled_dot_product_attention")])
+def test_a_refused_implementation_reached_another_way_is_refused(answer, says):
+    """Exercise 02 task 1 refuses PyTorch's SDPA; these answers passed with it: through ``torch.ops.aten`` (the op's
+    packet or an overload), after switching off the check's profiler, from a thread the profiler did not watch."""
+    from diffattn_tutorial import checks
+
+    with pytest.raises(checks.CheckFailed, match=says):
+        checks.check_attention(answer)
+    checks.check_attention(lambda q, k, v, keep: torch.softmax(_by_hand_scores(q, k, keep), -1) @ v)  # still passes
+
+
+def test_an_answer_that_switches_gradients_off_decides_no_later_check(capsys):
+    """An answer that turns gradients off (``torch.set_grad_enabled(False)``) passed, and the next check failed a
+    right answer ("does not depend differentiably"); a notebook cell that turned them off did the same. A check
+    runs with gradients on and gives torch's grad mode, default dtype and deterministic mode back as it found them."""
+    import math
+
+    from diffattn_tutorial import checks
+    from diffattn_tutorial.functional import rms_norm
+
+    def lambda_init(depth):
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+    def grouped(x, weight=None, eps=1e-5, group=None):
+        out = rms_norm(x if group is None else x.unflatten(-1, (-1, group)), None, eps).reshape(x.shape)
+        return out if weight is None else out * weight
+
+    try:
+        checks.check_lambda_init(lambda_init)
+        assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+        assert not torch.are_deterministic_algorithms_enabled()
+        with torch.no_grad():  # a cell's state before the check: the check runs with gradients on all the same
+            checks.check_rms_norm(grouped)
+            assert not torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(False)
+    assert capsys.readouterr().out.count("PASSED") == 2
+
+
+def test_a_check_cell_that_no_longer_calls_its_check_does_not_pass():
+    """``diffattn-tutorial check`` graded a CHECK cell that ran without an error as passed, so a learner who
+    commented out the check call (debugging, or to be done) got "passed" for a task never checked. A passed task
+    needs the check's own ``PASSED:`` line in its CHECK cell's output now; the failure says what to put back."""
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    from diffattn_tutorial.course.scorecard import FAILED, PASSED, find_tasks, score
+
+    passed = new_output("stream", name="stdout", text="PASSED: the answer matches.\n")
+    nb = new_notebook(cells=[new_code_cell("# TASK 1: one\ndef f(): return 1"),
+                             new_code_cell("# CHECK 1\n# check_f(f)"),
+                             new_code_cell("# TASK 2: two\ndef g(): return 2"),
+                             new_code_cell("# CHECK 2\ncheck_g(g)", outputs=[passed])])
+    one, two = score(nb, find_tasks(nb))
+    assert one.status == FAILED and "no PASSED line" in one.detail and "check call" in one.detail, one.detail
+    assert two.status == PASSED
