@@ -159,3 +159,25 @@ def test_a_check_cell_that_no_longer_calls_its_check_does_not_pass():
     one, two = score(nb, find_tasks(nb))
     assert one.status == FAILED and "no PASSED line" in one.detail and "check call" in one.detail, one.detail
     assert two.status == PASSED
+
+
+def test_the_probe_still_times_the_split_plan_at_d64_with_its_own_forward_configuration():
+    """``benchmarks/probe_triton.py`` pins the forward launch (``forward_config``) to time shapes the tables do not
+    use, the one-map ``split`` plan at d = 64 among them; the call's refusal of untabled launches must read the same
+    configurations the launch does (it refused these four candidates, recorded as failures on the GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_triton.py"
+    spec = importlib.util.spec_from_file_location("probe_triton_rt7", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    q, k, v, lam = _inputs(64, train=False)
+    for d, plan, config in probe.CANDIDATES:
+        if d == 64:
+            with torch.inference_mode(), capture_launches(90) as launches, probe.forward_config(config):
+                triton_diff_attention(q, k, v, lam, plan=plan)
+            assert launches[0].configs[0].kwargs["BLOCK_M"] == config[0], (plan, config)
+    with pytest.raises(ValueError, match=r"plan='split': _diff_attn_fwd \(map\) has no table entry"):
+        with capture_launches(90):
+            triton_diff_attention(q, k, v, lam, plan="split")  # unpinned: refused, each launch named once

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -341,21 +341,36 @@ def _table(dtype: torch.dtype, capability: int) -> dict[tuple[str, str], dict[in
     return _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
 
 
-def plan_launches(plan: Plan, training: bool) -> list[tuple[str, str]]:
-    """``(kernel, form)`` of each launch ``plan`` makes: its forward's, and with ``training`` its backward's."""
+def _launch_consts(plan: Plan, training: bool) -> list[tuple[str, dict]]:
+    """``(kernel, the constexprs that choose its form)`` of each launch ``plan`` makes (the backward's with
+    ``training``)."""
     launches = [("_diff_attn_fwd", {"MAPS": m}) for m in plan.fwd_maps]
     if training:
         launches += [("_diff_attn_bwd_dkdv", {"DV_OUT": dv, "DK_MAPS": dk}) for dv, dk in plan.kv_parts]
         launches += [("_diff_attn_bwd_dq", {"DQ_MAPS": m}) for m in plan.dq_maps]
         launches += [("_diff_attn_bwd_dkdq", {"DV_OUT": plan.kq_dv, "DK_MAPS": m}) for m in plan.kq_maps]
-    return [(name, form(name, consts)) for name, consts in launches]
+    return launches
 
 
-def untabled_launches(plan: Plan, *, training: bool, block_d: int, dtype: torch.dtype, capability: int) -> list[str]:
-    """The launches of ``plan`` (:func:`plan_launches`) no table lists at padded head dim ``block_d`` for ``dtype``
-    on compute ``capability``, as ``"kernel (form)"``: on a GPU they do not run (empty: every one is listed)."""
-    table = _table(dtype, capability)
-    return [f"{n} ({f})" for n, f in plan_launches(plan, training) if not table.get((n, f), {}).get(block_d)]
+def plan_launches(plan: Plan, training: bool) -> list[tuple[str, str]]:
+    """``(kernel, form)`` of each launch ``plan`` makes: its forward's, and with ``training`` its backward's."""
+    return [(name, form(name, consts)) for name, consts in _launch_consts(plan, training)]
+
+
+def untabled_launches(plan: Plan, *, training: bool, block_d: int, dtype: torch.dtype, capability: int,
+                      configs_for: Optional[Callable] = None) -> list[str]:
+    """The launches of ``plan`` (:func:`plan_launches`) with no configuration at padded head dim ``block_d`` for
+    ``dtype`` on compute ``capability``, each once as ``"kernel (form)"``: on a GPU they do not run (empty: every
+    one has). ``configs_for``: the lookup the launches use (default :func:`autotune_configs`; a benchmark may pin
+    it, as ``benchmarks/probe_triton.py`` does)."""
+    configs_for = configs_for or autotune_configs
+    missing: list[str] = []
+    for name, consts in _launch_consts(plan, training):
+        consts = dict(consts, BLOCK_D=block_d, MASK_KIND=MASK_NONE, CAUSAL=False)  # the pinned entry serves all
+        label = f"{name} ({form(name, consts)})"
+        if label not in missing and not configs_for(name, consts, dtype, capability):
+            missing.append(label)
+    return missing
 
 
 def _offered(key, consts: dict) -> bool:
@@ -415,11 +430,11 @@ def check_target(q: torch.Tensor, block_d: int, capability: int, training: bool)
 
 
 def check_runs_here(q: torch.Tensor, plan: str, *, causal: bool, masked: bool, training: bool, capability: int,
-                    tiled: bool = False) -> None:
+                    tiled: bool = False, configs_for: Optional[Callable] = None) -> None:
     """What the kernels refuse on this GPU or in this mode, whoever calls them: the public call and the operators
     called directly (``torch.ops.diffattn.triton_forward``) alike, before any launch. ``plan``: a name in
     :data:`PLANS`; ``training``: the call keeps what a backward reads (the backward operator: always); ``tiled``:
-    the caller chose the tile (``blocks=``). Refuses an atomic plan in deterministic mode (:func:`check_plan`),
+    the caller chose the tile (``blocks=``); ``configs_for``: as :func:`untabled_launches`. Refuses an atomic plan in deterministic mode (:func:`check_plan`),
     what the target cannot run (:func:`check_target`), on a GPU (or recorded as on one) a launch no table lists
     (:func:`untabled_launches`, the backward's too when ``training``) and a plan's refused calls
     (:func:`plan_refusal`; not while recording compile facts, which record why), naming plans that run."""
@@ -429,8 +444,8 @@ def check_runs_here(q: torch.Tensor, plan: str, *, causal: bool, masked: bool, t
     on_gpu = launch.capturing() or not launch.interpret_mode()
 
     def untabled(name: str) -> list[str]:
-        return untabled_launches(PLANS[name], training=training, block_d=block_d, dtype=q.dtype,
-                                 capability=capability) if on_gpu and not tiled else []
+        return untabled_launches(PLANS[name], training=training, block_d=block_d, dtype=q.dtype, capability=capability,
+                                 configs_for=configs_for) if on_gpu and not tiled else []
 
     if untabled(plan):
         raise ValueError(f"plan={plan!r}: {', '.join(untabled(plan))} has no table entry for {q.dtype} at padded head "
