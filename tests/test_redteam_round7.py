@@ -181,3 +181,14 @@ def test_the_probe_still_times_the_split_plan_at_d64_with_its_own_forward_config
     with pytest.raises(ValueError, match=r"plan='split': _diff_attn_fwd \(map\) has no table entry"):
         with capture_launches(90):
             triton_diff_attention(q, k, v, lam, plan="split")  # unpinned: refused, each launch named once
+
+
+def test_the_compile_facts_still_record_notebook_09s_lessons():
+    """``aot.LESSONS`` (the fused plan at d = 128: why the library splits the maps) records the launches of a plan
+    the tables do not list there, to compile them with configurations of its own; since plans by name at untabled
+    head dims are refused, ``aot.launches_for`` raised on them (``aot --all`` with its lessons could not run)."""
+    from diffattn_tutorial.kernels.triton import aot
+    from diffattn_tutorial.kernels.triton.aot_cases import EXCLUSIONS, LESSONS
+
+    for case, kernel, _configs in (*LESSONS, *EXCLUSIONS):
+        assert kernel in [x.name for x in aot.launches_for(case, n=16)], case
