@@ -88,7 +88,8 @@ TRITON_VARIANTS = {"triton_atomic": "the atomic twin of the kernel's plan (confi
 def attention(impl: str, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -> Tensor:
     """``diff_attention`` with backend ``impl``, or a variant of :data:`TRITON_VARIANTS`, called through
     ``triton_diff_attention`` (chosen by name only): ``triton_atomic``, the atomic twin of the plan the kernel
-    would use (dQ added by the dK programs; head dims whose plan has no twin, d <= 32, are refused);
+    would use (dQ added by the dK programs; head dims whose plan has no twin, d <= 32, are refused, and below
+    sm_90 the library refuses its 16-bit training calls: the dK + dQ launch has 16-bit table entries on sm_90a only);
     ``triton_tma`` / ``triton_pointers``, every launch that can read by tensor descriptor made to, or not to;
     ``triton_fused`` / ``triton_fused_atomic``, the fused plan (one dK/dV launch) or its atomic form (one launch
     for every gradient), which have table entries up to d = 64 (refused above; the atomic form refuses causal

@@ -138,7 +138,7 @@ def test_runs_in_its_own_folder_times_out_and_goes_on(tmp_path, capsys, monkeypa
     (folder / "data.txt").write_text("hello")
     nb = new_notebook(cells=[
         new_code_cell("# TASK 1: read a file\ndef read():\n    return open('data.txt').read()"),
-        new_code_cell("# CHECK 1\nassert read() == 'hello'"),
+        new_code_cell("# CHECK 1\nassert read() == 'hello'\nprint('PASSED: yes')"),
         new_code_cell("# TASK 2: spin\ndef spin():\n    while True:\n        pass"),
         new_code_cell("# CHECK 2\nspin()"),
         new_code_cell("# TASK 3: later\ndef later():\n    raise NotImplementedError('write me')"),
@@ -158,7 +158,7 @@ def test_an_error_outside_the_tasks_names_its_cell_and_line(tmp_path, capsys):
     raised, not an empty 'AssertionError:' and a cell number Jupyter never shows."""
     nb = new_notebook(cells=[
         new_code_cell("# TASK 1: one\ndef one():\n    return 1"),
-        new_code_cell("# CHECK 1\nassert one() == 1"),
+        new_code_cell("# CHECK 1\nassert one() == 1\nprint('PASSED: yes')"),
         new_code_cell("# compare the two\ntotal = one() + one()\nassert total == 3"),
     ])
     nbformat.write(nb, tmp_path / "mine.ipynb")
@@ -173,12 +173,12 @@ def test_a_cell_that_swallows_the_interrupt_is_stopped_and_later_tasks_fail(tmp_
     Run as the learner runs it (a child process), so a hang fails the test instead of stalling the suite."""
     nb = new_notebook(cells=[
         new_code_cell("# TASK 1: ok\nx = 1"),
-        new_code_cell("# CHECK 1\nassert x == 1"),
+        new_code_cell("# CHECK 1\nassert x == 1\nprint('PASSED: yes')"),
         new_code_cell("# TASK 2: stubborn\nimport time\ndef stubborn():\n    while True:\n        try:\n"
                       "            time.sleep(0.05)\n        except KeyboardInterrupt:\n            pass"),
         new_code_cell("# CHECK 2\nstubborn()"),
         new_code_cell("# TASK 3: later\ny = 2"),
-        new_code_cell("# CHECK 3\nassert y == 2"),
+        new_code_cell("# CHECK 3\nassert y == 2\nprint('PASSED: yes')"),
     ])
     nbformat.write(nb, tmp_path / "stubborn.ipynb")
     done = run_module("diffattn_tutorial.cli", ["check", "stubborn.ipynb", "--timeout", "1"], cwd=tmp_path,
@@ -253,6 +253,10 @@ def test_score_rules():
     assert res[7].status == FAILED and "timed out after 9 s" in res[7].detail
 
 
+def _passed():
+    return new_output("stream", name="stdout", text="PASSED: right.\n")  # what a check prints when it passes
+
+
 def test_a_copied_task_cell_is_one_task_graded_by_the_last_copy():
     """A TASK (or CHECK) cell pasted again: the notebook still has its declared tasks, each once, and the copy
     that ran last is graded (the earlier one's error is neither the task's nor a note of its own)."""
@@ -260,10 +264,10 @@ def test_a_copied_task_cell_is_one_task_graded_by_the_last_copy():
         new_code_cell("# TASK 1: one\ndef f(): raise NotImplementedError"),
         new_code_cell("# CHECK 1\ncheck_f(f)", outputs=[_err("NotAttempted", "TASK 1 not attempted yet")]),
         new_code_cell("# TASK 1: one\ndef f(): return 1"),
-        new_code_cell("# CHECK 1\ncheck_f(f)"),
+        new_code_cell("# CHECK 1\ncheck_f(f)", outputs=[_passed()]),
         new_code_cell("# TASK 2: two\ndef g(:", outputs=[_err("SyntaxError", "invalid syntax")]),
         new_code_cell("# TASK 2: two\ndef g(): return 2"),
-        new_code_cell("# CHECK 2\ncheck_g(g)"),
+        new_code_cell("# CHECK 2\ncheck_g(g)", outputs=[_passed()]),
         new_code_cell("# TASK 3: three\ndef h(): return 3"),
         new_code_cell("# CHECK 3\ncheck_h(h)", outputs=[_err("NotAttempted", "TASK 3 not attempted yet")]),
     ]

@@ -14,12 +14,14 @@ are tiny, and small ops on several threads crawl when another process holds a co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import linecache
 import os
 import sys
 import sysconfig
+import threading
 import traceback
 from typing import Callable, Mapping, NoReturn, Optional, Sequence, Union
 
@@ -70,7 +72,7 @@ def exercise_check(task: int, name: str, refuses: Optional[Callable[[], Mapping[
         @functools.wraps(check)
         def wrapper(fn, *args, **kwargs):
             try:
-                with threads(1):  # the inputs are tiny: one thread is fastest, and steady on a busy machine
+                with threads(1), _torch_state_kept():  # tiny inputs: one thread is fastest, steady when busy
                     watched = refusing(fn, refuses(), name=name) if refuses is not None and callable(fn) else fn
                     return check(watched, *args, **kwargs)
             except NotImplementedError:
@@ -88,16 +90,43 @@ def exercise_check(task: int, name: str, refuses: Optional[Callable[[], Mapping[
     return decorate
 
 
+@contextlib.contextmanager
+def _torch_state_kept():
+    """Run a check with gradients on, and give torch's grad mode, default dtype and deterministic mode back as they
+    were: a notebook cell or an answer that changes them must not decide this check or a later one."""
+    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    det, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.set_grad_enabled(True)
+        yield
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(dtype)
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+
+
+def _op_builtins(f: Callable) -> list:
+    """The builtins that run PyTorch's operator ``f`` when called through ``torch.ops.aten`` (its packet's and
+    each overload's), so that ``torch.ops.aten.scaled_dot_product_attention`` counts as ``f`` itself."""
+    ours = not hasattr(f, "__code__") and (getattr(f, "__module__", None) or "").startswith("torch")  # not len()
+    packet = getattr(torch.ops.aten, getattr(f, "__name__", ""), None) if ours else None
+    if packet is None or not hasattr(packet, "overloads"):
+        return []
+    return [packet._op, *(getattr(packet, overload)._op for overload in packet.overloads())]
+
+
 def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Callable:
     """``fn`` watched while it runs: if it calls one of ``refused`` (a Python function, matched by its code, so an
     alias or a method call counts too; or a builtin such as PyTorch's ``scaled_dot_product_attention``, matched
-    by identity), the call fails with the rule, naming what it called, even when the answer it returns is right.
+    by identity, also through ``torch.ops.aten``), the call fails with the rule, naming what it called, even when
+    the answer it returns is right.
 
-    The watch is ``sys.setprofile`` for the duration of the learner's call only: the check's own references
-    run unwatched. A profiler set before (a debugger's) is restored after."""
+    The watch is ``sys.setprofile`` (and ``threading.setprofile``, for the threads the answer starts) for the
+    duration of the learner's call only: the check's own references run unwatched. An answer that switches the
+    watch off fails. A profiler set before (a debugger's) is restored after."""
     unwrapped = {inspect.unwrap(f): what for f, what in refused.items()}  # a decorator's wrapper code is shared
     codes = {f.__code__: what for f, what in unwrapped.items() if hasattr(f, "__code__")}
-    builtins = {id(f): what for f, what in unwrapped.items() if not hasattr(f, "__code__")}
+    builtins = {id(b): what for f, what in unwrapped.items() if not hasattr(f, "__code__") for b in (f, *_op_builtins(f))}
 
     @functools.wraps(fn)
     def watched(*args, **kwargs):
@@ -108,16 +137,23 @@ def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Cal
             if what is not None and not hits:
                 hits.append(what)
 
-        before = sys.getprofile()
+        before, before_threads = sys.getprofile(), threading.getprofile()
         sys.setprofile(profile)
+        threading.setprofile(profile)
         try:
             return fn(*args, **kwargs)
         finally:
+            switched_off = sys.getprofile() is not profile
             sys.setprofile(before)
+            threading.setprofile(before_threads)
             if hits:
                 raise CheckFailed(f"`{name}` calls {hits[0]}: this task asks you to build that yourself (rule: "
                                   f"an answer may not call the library's or PyTorch's implementation of what its "
                                   f"task builds)")
+            if switched_off:
+                raise CheckFailed(f"`{name}` switches off the check's watch (sys.setprofile) while it runs, which "
+                                  f"looks for calls to the implementation this task builds; remove the "
+                                  f"sys.setprofile call (or a profiler's) from `{name}`")
 
     return watched
 

@@ -5,7 +5,8 @@ after each, a cell starting ``# CHECK <n>`` that calls a check from :mod:`diffat
 notebook runs top to bottom in its own folder, in a ``python3`` kernel of the current environment, one cell
 after the other, going on after errors. Then each task is
 
-* **passed**: its CHECK cell ran without an error;
+* **passed**: its CHECK cell ran without an error and shows the check's ``PASSED:`` line (a cell whose check
+  call was commented out fails, saying so);
 * **failed**: its CHECK cell raised ``CheckFailed`` (the line shows the hint, the same line Jupyter shows) or any
   other error, or its TASK cell raised;
 * **not attempted**: its CHECK cell raised ``NotAttempted`` or ``NotImplementedError`` (the stub is still there).
@@ -282,6 +283,12 @@ def _kernel_gone_detail(error: tuple[str, str], where: str, timeout: int) -> str
     return _one_line(evalue)
 
 
+def _shows_passed(cell) -> bool:
+    """Whether a CHECK cell printed a check's success line (``checks._core.passed``: ``PASSED: ...``)."""
+    return any(line.startswith("PASSED: ") for out in cell.get("outputs", []) if out.get("output_type") == "stream"
+               for line in "".join(out.get("text", "")).splitlines())
+
+
 def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
     """Grade the tasks of an executed notebook from the errors its TASK and CHECK cells raised."""
     results = []
@@ -298,6 +305,10 @@ def score(nb, tasks: list[Task], timeout: int = 600) -> list[Result]:
             results.append(Result(t, FAILED, _kernel_gone_detail(task_err, "the TASK cell", timeout)))
         elif task_err is not None:
             results.append(Result(t, FAILED, _one_line(f"the TASK cell raised {task_err[0]}: {task_err[1]}")))
+        elif err is None and not _shows_passed(nb.cells[t.check_cell]):
+            results.append(Result(t, FAILED, "its CHECK cell ran with no PASSED line from a check (is the check call "
+                                             "commented out or deleted?); put back the check call of the course's "
+                                             "exercise notebook, `check_<name>(<your function>)`"))
         elif err is None:
             results.append(Result(t, PASSED))
         elif err[0] in NOT_ATTEMPTED_ERRORS:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -325,10 +325,7 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     (which ``flash_diff`` refuses on a GPU: no configuration the compile facts do not check runs there)."""
     if name == "_diff_attn_bwd_preprocess":
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    if dtype == torch.float32:
-        table = _CONFIGS_FP32
-    else:
-        table = _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
+    table = _table(dtype, capability)
     variant = form(name, consts)
     configs = [c for c in table.get((name, variant), {}).get(consts["BLOCK_D"], [])
                if _offered((name, variant, consts["BLOCK_D"], shape(c)), consts)
@@ -336,6 +333,45 @@ def autotune_configs(name: str, consts: dict, dtype: torch.dtype, capability: in
     if name in TMA_KERNELS:  # their switch is always passed: False where an entry does not set it
         return [c if "TMA" in c.kwargs else config(*_numbers(c), tma=False) for c in configs]
     return configs
+
+
+def _table(dtype: torch.dtype, capability: int) -> dict[tuple[str, str], dict[int, list[triton.Config]]]:
+    """The autotune table of ``dtype`` on a GPU of compute ``capability``."""
+    if dtype == torch.float32:
+        return _CONFIGS_FP32
+    return _CONFIGS_16BIT if capability >= 90 else (_CONFIGS_AMPERE if capability >= 80 else _CONFIGS_TURING)
+
+
+def _launch_consts(plan: Plan, training: bool) -> list[tuple[str, dict]]:
+    """``(kernel, the constexprs that choose its form)`` of each launch ``plan`` makes (the backward's with
+    ``training``)."""
+    launches = [("_diff_attn_fwd", {"MAPS": m}) for m in plan.fwd_maps]
+    if training:
+        launches += [("_diff_attn_bwd_dkdv", {"DV_OUT": dv, "DK_MAPS": dk}) for dv, dk in plan.kv_parts]
+        launches += [("_diff_attn_bwd_dq", {"DQ_MAPS": m}) for m in plan.dq_maps]
+        launches += [("_diff_attn_bwd_dkdq", {"DV_OUT": plan.kq_dv, "DK_MAPS": m}) for m in plan.kq_maps]
+    return launches
+
+
+def plan_launches(plan: Plan, training: bool) -> list[tuple[str, str]]:
+    """``(kernel, form)`` of each launch ``plan`` makes: its forward's, and with ``training`` its backward's."""
+    return [(name, form(name, consts)) for name, consts in _launch_consts(plan, training)]
+
+
+def untabled_launches(plan: Plan, *, training: bool, block_d: int, dtype: torch.dtype, capability: int,
+                      configs_for: Optional[Callable] = None) -> list[str]:
+    """The launches of ``plan`` (:func:`plan_launches`) with no configuration at padded head dim ``block_d`` for
+    ``dtype`` on compute ``capability``, each once as ``"kernel (form)"``: on a GPU they do not run (empty: every
+    one has). ``configs_for``: the lookup the launches use (default :func:`autotune_configs`; a benchmark may pin
+    it, as ``benchmarks/probe_triton.py`` does)."""
+    configs_for = configs_for or autotune_configs
+    missing: list[str] = []
+    for name, consts in _launch_consts(plan, training):
+        consts = dict(consts, BLOCK_D=block_d, MASK_KIND=MASK_NONE, CAUSAL=False)  # the pinned entry serves all
+        label = f"{name} ({form(name, consts)})"
+        if label not in missing and not configs_for(name, consts, dtype, capability):
+            missing.append(label)
+    return missing
 
 
 def _offered(key, consts: dict) -> bool:
@@ -373,4 +409,5 @@ def autotune_enabled() -> bool:
 
 
 __all__ = ["MAX_HEAD_DIM", "AUTOTUNE_ENV", "Plan", "PLANS", "ATOMIC_TWINS", "AMPERE_PLANS", "MEASURED_SPILLS", "plan_for",
-           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "plan_refusal", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs", "autotune_enabled", "config_tables", "form"]
+           "UNMASKED_ONLY", "NON_CAUSAL_ONLY", "plan_refusal", "TMA_TWINS", "TMA_KERNELS", "config", "shape", "label", "train_head_dim_limit", "autotune_configs",
+           "plan_launches", "untabled_launches", "autotune_enabled", "config_tables", "form"]

@@ -118,6 +118,12 @@ def _tuned_kernel(name: str, consts: dict, configs: list, offered: str = ""):
     return _tuned[key]
 
 
+def _table_configs(*args, **kwargs) -> list:
+    """``autotune_configs`` as :func:`_launch` looks it up here, for the checks before any launch (a benchmark may
+    pin it: ``benchmarks/probe_triton.py``'s ``forward_config``)."""
+    return autotune_configs(*args, **kwargs)
+
+
 def _launch(name: str, n_programs, args: dict, consts: dict, blocks: Optional[tuple[int, int]], interpret: bool,
             dtype: torch.dtype, capability: int, tma: Optional[bool] = False) -> None:
     """Launch kernel ``name`` on a 1-D grid of ``n_programs(meta)`` programs: the interpreter's fixed
@@ -464,7 +470,8 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, attn_mask: Opti
     B, H2, Nq, d = q.shape
     H, Nk = H2 // 2, k.shape[2]
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
-    check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=store_o2, capability=cap)
+    check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=store_o2, capability=cap,
+                    tiled=bool(blocks), configs_for=_table_configs)
     tma = launch.tma_choice(tma, cap, interpret and not launch.capturing(), k=k, v=v)  # a recording is as on a GPU
     lam4 = _lam4(lam, B, H, Nq)
     m, m_strides, consts, n_bucket = _setup(q, v, attn_mask, causal)
@@ -516,7 +523,8 @@ def triton_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, 
     if not launch.capturing():
         _check_mode(q.device)
     the_plan, interpret, cap = PLANS[plan], _interpret_mode(), launch.capability(q.device)
-    check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=True, capability=cap)
+    check_runs_here(q, plan, causal=causal, masked=attn_mask is not None, training=True, capability=cap,
+                    tiled=bool(blocks), configs_for=_table_configs)
     B, H2, Nq, d = q.shape
     H, Hkv, Nk = H2 // 2, v.shape[1], k.shape[2]
     lam4 = _lam4(lam, B, H, Nq)
@@ -657,7 +665,7 @@ def triton_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, causa
     store_o2 = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))  # the backward reads o2
     # refused before any copy; the operators check the same (refusals.check_runs_here), as they may be called directly
     check_runs_here(q, the_plan.name, causal=bool(causal), masked=attn_mask is not None, training=store_o2,
-                     capability=cap)
+                    capability=cap, tiled=blocks is not None, configs_for=_table_configs)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_offsets(q=q, k=k, v=v, attn_mask=attn_mask)
     scale = d ** -0.5 if scale is None else float(scale)
