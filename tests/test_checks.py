@@ -1,5 +1,5 @@
 """The exercise checks catch real mistakes: for every check, plausible wrong answers (written the way a learner
-would write them) fail with the hint that names the mistake, and the library's own implementation passes."""
+would write them) fail with the hint that names the mistake, and a right answer written by hand passes."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ from einops import rearrange
 
 from diffattn_tutorial import checks
 from diffattn_tutorial.checks import CheckFailed
-from diffattn_tutorial.course.toys import amplifier_output, cmrr_db
+from diffattn_tutorial.course.toys import amplifier_output
 from diffattn_tutorial.functional import (
     causal_mask,
-    diff_attention,
     expand_kv_groups,
-    lambda_init_fn,
-    reparam_lambda,
     rms_norm,
     softmax_attention,
 )
@@ -35,9 +32,28 @@ def fails(check, fn, match: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _rms_by_hand(x, eps):
+    """RMSNorm over the last dim, no weight, written out (check_rms_norm refuses the library's and PyTorch's)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _grouped_rms(x, weight=None, eps=1e-5, group=None):
-    out = rms_norm(x if group is None else x.unflatten(-1, (-1, group)), None, eps).reshape(x.shape)
+    out = _rms_by_hand(x if group is None else x.unflatten(-1, (-1, group)), eps).reshape(x.shape)
     return out if weight is None else out * weight
+
+
+def _expand_kv_by_hand(k, v, num_heads):
+    """GQA for differential heads written out (check_expand_kv refuses the library's expand_kv_groups)."""
+    rep = num_heads // v.shape[1]
+    k = rearrange(k, "b (g two) n d -> b g two n d", two=2).repeat_interleave(rep, dim=1).flatten(1, 2)
+    return k, v.repeat_interleave(rep, dim=1)
+
+
+def _diff_attn_by_hand(q, k, v, lam):
+    """The dual softmax on DiffLlama's blocked layout, written out (check_diff_attn refuses diff_attention)."""
+    (q1, q2), (k1, k2) = q.chunk(2, dim=1), k.chunk(2, dim=1)
+    s = q.shape[-1] ** -0.5
+    return (torch.softmax(q1 @ k1.transpose(-1, -2) * s, -1) - lam * torch.softmax(q2 @ k2.transpose(-1, -2) * s, -1)) @ v
 
 
 def _forward_by_hand(x, layer):
@@ -51,25 +67,26 @@ def _forward_by_hand(x, layer):
     return layer.out_proj(rearrange(heads, "b h n e -> b n (h e)"))
 
 
+# right answers, written by hand: a check refuses the library's implementation of what its task builds (each such
+# refusal is asserted in tests/test_checks_refuse_library.py)
 LIBRARY = {
-    "check_amplifier_output": lambda v_cm, v_d, gain_plus=1.0, gain_minus=1.0: amplifier_output(
-        v_cm + v_d / 2, v_cm - v_d / 2, gain_plus, gain_minus),
+    "check_amplifier_output": lambda v_cm, v_d, gain_plus=1.0, gain_minus=1.0: (
+        gain_plus * (v_cm + v_d / 2) - gain_minus * (v_cm - v_d / 2)),
     "check_gains": lambda amp: (amp(0.5, -0.5) - amp(0.0, 0.0), amp(1.0, 1.0) - amp(0.0, 0.0)),
-    "check_cmrr_db": cmrr_db,
+    "check_cmrr_db": lambda ad, acm: math.inf if acm == 0 else 20 * math.log10(abs(ad) / abs(acm)),
     "check_attention": lambda q, k, v, keep: torch.softmax(  # by hand: the check refuses the library's attention
         (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep[:, None, None, :], float("-inf")), -1) @ v,
     "check_answer_noise_shares": lambda attn, answer, context: ((attn * answer).sum(-1),  # by hand: refused too
                                                                 (attn * (context & ~answer)).sum(-1)),
     "check_split_pairs": lambda t: (t[:, 0::2], t[:, 1::2]),
-    "check_diff_attn": lambda q, k, v, lam: diff_attention(  # q, k in the blocked layout (DiffLlama's)
-        *(rearrange(t, "b (two h) n d -> b (h two) n d", two=2) for t in (q, k)), v, lam),
-    "check_lambda_init": lambda_init_fn,
-    "check_reparam_lambda": reparam_lambda,
+    "check_diff_attn": _diff_attn_by_hand,  # q, k in the blocked layout (DiffLlama's)
+    "check_lambda_init": lambda depth: 0.8 - 0.6 * math.exp(-0.3 * depth),
+    "check_reparam_lambda": lambda q1, k1, q2, k2, li: torch.exp((q1 * k1).sum(-1)) - torch.exp((q2 * k2).sum(-1)) + li,
     "check_rms_norm": lambda x, weight=None, eps=1e-5, group=None: _grouped_rms(x, weight, eps, group),
     "check_subln": lambda x, num_heads, lambda_init, weight=None, eps=1e-5: rms_norm(
         x.unflatten(-1, (num_heads, -1)), weight, eps).flatten(-2) * (1 - lambda_init),
     "check_causal_mask": lambda nq, nk: torch.arange(nk)[None] <= torch.arange(nq)[:, None] + nk - nq,  # refused too
-    "check_expand_kv": expand_kv_groups,
+    "check_expand_kv": _expand_kv_by_hand,
     "check_forward": _forward_by_hand,
 }
 OUR_CHECKS = sorted(LIBRARY)
@@ -176,11 +193,13 @@ def test_amplifier_output_mistakes():
     fails(c, _modes(lambda vp, vm, gp, gm: gp * (vp - vm)), "one gain for both")
     fails(c, _modes(lambda vp, vm, gp, gm: (gp * vp - gm * vm).sum()), "shape")
     fails(c, _modes(lambda vp, vm, gp, gm: 2 * gp * vp - gm * vm), "differs")
-    fails(c, amplifier_output, "not the wires' voltages")  # the chapter's formula, on the modes
-    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: amplifier_output(cm + d, cm - d, gain_plus, gain_minus),
+    out = lambda vp, vm, gain_plus=1.0, gain_minus=1.0: gain_plus * vp - gain_minus * vm  # noqa: E731 - by hand
+    fails(c, out, "not the wires' voltages")  # the chapter's formula, on the modes
+    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: out(cm + d, cm - d, gain_plus, gain_minus),
           "whole difference")
-    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: amplifier_output(cm - d / 2, cm + d / 2, gain_plus,
-                                                                           gain_minus), "wrong sign")
+    fails(c, lambda cm, d, gain_plus=1.0, gain_minus=1.0: out(cm - d / 2, cm + d / 2, gain_plus, gain_minus),
+          "wrong sign")
+    fails(c, amplifier_output, "calls the library's amplifier_output")
 
 
 def _measure(*, offset=True, per_volt=True, order=True, cm_scale=1.0, absolute=False):
@@ -542,6 +561,7 @@ def test_expand_kv_mistakes():
 
     fails(c, lambda k, v, H: (k.repeat(1, rep_of(v, H), 1, 1), v.repeat(1, rep_of(v, H), 1, 1)),
           "k and v are tiled")
+    expand_kv_groups = _expand_kv_by_hand  # the check refuses the library's
     fails(c, lambda k, v, H: (expand_kv_groups(k, v, H)[0], v.repeat(1, rep_of(v, H), 1, 1)), "wrong for v")
     fails(c, lambda k, v, H: (k.repeat_interleave(rep_of(v, H), 1), v.repeat_interleave(rep_of(v, H), 1)),
           "one at a time.*unilm")

@@ -117,7 +117,9 @@ def test_an_answer_that_switches_gradients_off_decides_no_later_check(capsys):
     import math
 
     from diffattn_tutorial import checks
-    from diffattn_tutorial.functional import rms_norm
+
+    def rms_norm(x, weight, eps):  # by hand: the check refuses the library's rms_norm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
     def lambda_init(depth):
         torch.set_grad_enabled(False)

@@ -72,3 +72,15 @@ def as_numbers(values: list, *, what: str) -> Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
+
+
+def library_diff_attention() -> dict:
+    """``{implementation: what it is}`` for every differential attention the library computes from q, k, v and
+    lambda (``functional``'s entry points and ``formulations``' backends): what a task that asks for the dual
+    softmax written out refuses (``exercise_check(refuses=...)``)."""
+    from diffattn_tutorial import formulations
+    from diffattn_tutorial.functional import diff_attention, diff_attention_maps
+    backends = (formulations.naive, formulations.naive_reference, formulations.chunked, formulations.dual_maps,
+                formulations.sdpa_wide, formulations.sdpa_split, formulations.sdpa_stacked, formulations.sdpa_padded)
+    return {diff_attention: "the library's diff_attention", diff_attention_maps: "the library's diff_attention_maps",
+            **{f: f"the library's formulations.{f.__name__}" for f in backends}}

@@ -24,7 +24,8 @@ def _wires(v_cm, v_d):
     return v_cm + v_d / 2, v_cm - v_d / 2
 
 
-@exercise_check(task=1, name="output_from_modes")
+@exercise_check(task=1, name="output_from_modes",
+                refuses=lambda: {amplifier_output: "the library's amplifier_output (course.toys)"})
 def check_amplifier_output(fn: Callable) -> None:
     """``fn(v_cm, v_d, gain_plus=1.0, gain_minus=1.0)``: the amplifier's output for wires that carry the common mode
     ``v_cm`` and the difference ``v_d`` (floats or tensors of one shape) -> a float or tensor of that shape."""
@@ -104,7 +105,7 @@ def check_gains(fn: Callable) -> None:
     passed("both gains measured on the amplifier itself, its output offset taken out, like a lab would.")
 
 
-@exercise_check(task=3, name="cmrr_db")
+@exercise_check(task=3, name="cmrr_db", refuses=lambda: {cmrr_db: "the library's cmrr_db (course.toys)"})
 def check_cmrr_db(fn: Callable) -> None:
     """``fn(differential_gain, common_mode_gain)`` -> the CMRR in decibels (a float; ``math.inf`` for a common-mode
     gain of zero)."""

@@ -9,13 +9,18 @@ from typing import Callable
 import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
-from diffattn_tutorial.checks._helpers import blocked_as_interleaved, swap_pairs
+from diffattn_tutorial.checks._helpers import blocked_as_interleaved, library_diff_attention, swap_pairs
 from diffattn_tutorial.functional import diff_attention
 
 __all__ = ["check_split_pairs", "check_diff_attn"]
 
 
-@exercise_check(task=1, name="split_pairs")
+def _split_pairs() -> dict:
+    from diffattn_tutorial import formulations
+    return {formulations.split_pairs: "the library's formulations.split_pairs"}
+
+
+@exercise_check(task=1, name="split_pairs", refuses=_split_pairs)
 def check_split_pairs(fn: Callable) -> None:
     """``fn(t)`` with t ``(B, 2H, N, d)`` in the interleaved layout -> ``(t1, t2)``, each ``(B, H, N, d)``: map 1 and
     map 2 of every differential head."""
@@ -70,7 +75,7 @@ def _reference(q, k, v, lam):
     return diff_attention(blocked_as_interleaved(q), blocked_as_interleaved(k), v, lam, backend="naive")
 
 
-@exercise_check(task=2, name="diff_attn")
+@exercise_check(task=2, name="diff_attn", refuses=library_diff_attention)
 def check_diff_attn(fn: Callable) -> None:
     """``fn(q, k, v, lam)``: q ``(B, 2H, Nq, d)`` and k ``(B, 2H, Nk, d)`` in the blocked layout, v
     ``(B, H, Nk, 2d)``, lam a 0-dim tensor -> the dual-softmax output, ``(B, H, Nq, 2d)``."""

@@ -16,7 +16,7 @@ __all__ = ["check_lambda_init", "check_reparam_lambda"]
 _DEPTHS = list(range(0, 13)) + [23, 47]
 
 
-@exercise_check(task=1, name="lambda_init")
+@exercise_check(task=1, name="lambda_init", refuses=lambda: {lambda_init_fn: "the library's lambda_init_fn"})
 def check_lambda_init(fn: Callable) -> None:
     """``fn(depth)`` -> the paper's lambda_init (a float) for the 0-based layer index ``depth``."""
     what = "lambda_init"
@@ -47,7 +47,7 @@ def _dot(a, b):
     return (a * b).sum(-1)
 
 
-@exercise_check(task=2, name="reparam_lambda")
+@exercise_check(task=2, name="reparam_lambda", refuses=lambda: {reparam_lambda: "the library's reparam_lambda"})
 def check_reparam_lambda(fn: Callable) -> None:
     """``fn(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)``: four ``(H, d)`` tensors (row h: head h's
     vector) or four ``(d,)`` vectors, and a float -> the re-parameterised lambda of each head, ``(H,)`` (0-dim

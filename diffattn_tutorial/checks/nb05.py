@@ -14,6 +14,25 @@ from diffattn_tutorial.functional import lambda_init_fn, rms_norm
 __all__ = ["check_rms_norm", "check_subln"]
 
 
+def _rms_norms() -> dict:
+    """The library's and PyTorch's RMSNorm: what Task 1 builds (Task 2 may use an RMSNorm, not the scaled sub-norm)."""
+    from diffattn_tutorial.functional import rms_norm_scaled, rms_norm_scaled_
+    from diffattn_tutorial.layers.attention import RMSNorm
+    return {rms_norm: "the library's rms_norm", rms_norm_scaled: "the library's rms_norm_scaled",
+            rms_norm_scaled_: "the library's rms_norm_scaled_", RMSNorm.forward: "the library's RMSNorm layer",
+            torch.nn.functional.rms_norm: "PyTorch's torch.nn.functional.rms_norm",
+            torch.rms_norm: "PyTorch's torch.rms_norm", torch.nn.RMSNorm.forward: "PyTorch's torch.nn.RMSNorm"}
+
+
+def _scaled_sub_norms() -> dict:
+    """The library's sub-norm with its (1 - lambda_init) factor: what Task 2 builds (an RMSNorm is its building
+    block, Task 1's answer, and stays allowed)."""
+    from diffattn_tutorial.functional import rms_norm_scaled, rms_norm_scaled_
+    from diffattn_tutorial.layers.attention import MultiheadDiffAttn
+    return {rms_norm_scaled: "the library's rms_norm_scaled", rms_norm_scaled_: "the library's rms_norm_scaled_",
+            MultiheadDiffAttn._subln_scaled: "the layer's own sub-norm (MultiheadDiffAttn._subln_scaled)"}
+
+
 def _weight(n: int, seed: int) -> torch.Tensor:
     """A per-feature weight as training leaves it: magnitudes around 1, a few entries negative."""
     w = randn(n, seed=seed).abs() + 0.5
@@ -67,7 +86,7 @@ def _unchanged(x: torch.Tensor, before: torch.Tensor, *, what: str) -> None:
              f"tensor and leave x as it was")
 
 
-@exercise_check(task=1, name="rms_norm")
+@exercise_check(task=1, name="rms_norm", refuses=_rms_norms)
 def check_rms_norm(fn: Callable) -> None:
     """``fn(x, weight=None, eps=1e-5, group=None)``: x ``(..., D)``, weight ``(D,)`` or None -> RMSNorm over the
     last dim (``group=None``) or over every run of ``group`` consecutive features on its own, same shape as x."""
@@ -112,7 +131,7 @@ def check_rms_norm(fn: Callable) -> None:
     passed("RMSNorm over the last dim or over each run of `group` features, gradients included.")
 
 
-@exercise_check(task=2, name="subln")
+@exercise_check(task=2, name="subln", refuses=_scaled_sub_norms)
 def check_subln(fn: Callable) -> None:
     """``fn(x, num_heads, lambda_init, weight=None, eps=1e-5)``: the heads merged, x ``(B, N, H * 2d)``, weight
     ``(2d,)`` shared by every head -> the sub-norm scaled for ``lambda_init``, same shape."""

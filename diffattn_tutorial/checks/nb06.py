@@ -11,7 +11,14 @@ import torch
 from einops import rearrange
 
 from diffattn_tutorial.checks._core import call, close, exercise_check, expect, expect_grads, fail, passed, randn
-from diffattn_tutorial.checks._helpers import blocked_as_interleaved, kv_heads_one_by_one, seeded, swap_pairs, tiled_kv
+from diffattn_tutorial.checks._helpers import (
+    blocked_as_interleaved,
+    kv_heads_one_by_one,
+    library_diff_attention,
+    seeded,
+    swap_pairs,
+    tiled_kv,
+)
 from diffattn_tutorial.functional import causal_mask, diff_attention, expand_kv_groups, lambda_init_fn, rms_norm
 from diffattn_tutorial.layers.attention import MultiheadDiffAttn
 
@@ -85,7 +92,7 @@ _KV_BLOCKED_HINT = ("the key maps are read or written blocked (all k1 maps, then
                     "group g sit side by side, at 2g and 2g + 1, and so do those of head i in the result")
 
 
-@exercise_check(task=2, name="expand_kv")
+@exercise_check(task=2, name="expand_kv", refuses=lambda: {expand_kv_groups: "the library's expand_kv_groups"})
 def check_expand_kv(fn: Callable) -> None:
     """``fn(k, v, num_heads)``: k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> ``(k, v)`` of shapes
     ``(B, 2H, N, d)`` and ``(B, H, N, 2d)``, every differential head given its KV group's keys and values."""
@@ -271,6 +278,7 @@ def _nan_hint(got: torch.Tensor) -> None:
 @exercise_check(task=3, name="forward", refuses=lambda: {
     MultiheadDiffAttn.forward: "the layer's own forward (layer(x) or layer.forward)",
     MultiheadDiffAttn.attention_heads: "the layer's attention_heads",
+    **library_diff_attention(),
     diff_attention: "the library's diff_attention (the task asks for the maps written out)"})
 def check_forward(fn: Callable) -> None:
     """``fn(x, layer)``: x ``(B, N, C)``, ``layer`` a :class:`MultiheadDiffAttn` -> ``(B, N, C)``, equal to
