@@ -1,4 +1,5 @@
-"""The checks of exercise 08 fail on plausible wrong answers with the matching hint, and pass the library."""
+"""The checks of exercise 08 fail on plausible wrong answers with the matching hint, pass a right answer written by
+hand, and refuse the library's differential attention as task 1's answer."""
 
 import pytest
 import torch
@@ -45,11 +46,13 @@ def make_split(*, pairs="interleaved", halves="chunk", order="ab", lam_on=True, 
     return fn
 
 
-def test_library_passes(capsys):
-    check_sdpa_split(lambda q, k, v, lam, causal=False: diff_attention(q, k, v, lam, causal=causal, backend="sdpa_split"))
-    check_sdpa_split(lambda q, k, v, lam, causal=False: diff_attention(q, k, v, lam, causal=causal, backend="sdpa_stacked"))
+def test_a_right_answer_passes_and_the_library_is_refused(capsys):
     check_sdpa_split(make_split())
-    assert capsys.readouterr().out.count("PASSED") == 3
+    assert capsys.readouterr().out.count("PASSED") == 1
+    for backend in ("sdpa_split", "sdpa_stacked"):
+        with pytest.raises(CheckFailed, match="calls the library's diff_attention: .*rule"):
+            check_sdpa_split(lambda q, k, v, lam, causal=False: diff_attention(q, k, v, lam, causal=causal,
+                                                                               backend=backend))
 
 
 @pytest.mark.parametrize("kwargs, match", [

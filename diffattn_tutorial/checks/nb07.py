@@ -15,7 +15,7 @@ import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, fail, passed, randn
 from diffattn_tutorial.checks._helpers import as_numbers, seeded
-from diffattn_tutorial.measure.attention_stats import answer_noise_shares
+from diffattn_tutorial.measure.attention_stats import answer_noise_shares, top1_over_median
 from diffattn_tutorial.training.model import AttentionProbe, build_model
 from diffattn_tutorial.training.needle import NeedleTask
 from diffattn_tutorial.training.study import attention_scores, logit_outliers
@@ -51,7 +51,7 @@ def _model_maps(kind: str, seed: int, tokens: Tensor) -> Tensor:
         return model.probe(tokens)[0].maps
 
 
-@exercise_check(task=1, name="query_shares")
+@exercise_check(task=1, name="query_shares", refuses=lambda: {attention_scores: "the library's attention_scores (training.study)"})
 def check_query_shares(fn: Callable) -> None:
     """``fn(maps, batch)``: maps ``(B, H, L, L)`` of one layer, batch a ``NeedleBatch`` -> ``(to_answer,
     to_noise)``, each ``(B, H, R)``: the shares of the query rows (``batch.query_pos``) on each query's own answer
@@ -149,7 +149,9 @@ def _causal_logits(B: int, H: int, N: int, seed: int, scale: float, outliers: li
     return x.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
 
 
-@exercise_check(task=2, name="logit_outlier_ratio")
+@exercise_check(task=2, name="logit_outlier_ratio", refuses=lambda: {
+    logit_outliers: "the library's logit_outliers (training.study)",
+    top1_over_median: "the library's top1_over_median (measure.attention_stats)"})
 def check_logit_outlier_ratio(fn: Callable) -> None:
     """``fn(logits)``: a list of per-layer logits ``(B, Hq, N, N)`` (``-inf`` above the diagonal) -> the float
     ``max |logit| / median |logit|`` over the finite logits of every layer and head."""

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
-from diffattn_tutorial.checks._helpers import blocked_as_interleaved, tiled_kv
+from diffattn_tutorial.checks._helpers import blocked_as_interleaved, library_diff_attention, tiled_kv
 from diffattn_tutorial.functional import diff_attention
 from diffattn_tutorial.measure import flops
 
@@ -89,7 +89,7 @@ def _wrong_answers(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool) -
     return wrong
 
 
-@exercise_check(task=1, name="sdpa_split")
+@exercise_check(task=1, name="sdpa_split", refuses=library_diff_attention)
 def check_sdpa_split(fn: Callable[..., Tensor]) -> None:
     """Check ``fn(q, k, v, lam, *, causal=False)``: four SDPA calls with V halves, equal to explicit maps.
 
