@@ -1,4 +1,4 @@
-"""The checks of exercise 12 pass right answers (the library's and other valid splits) and name each plausible
+"""The checks of exercise 12 pass right answers (valid splits; the library's own is refused) and name each plausible
 wrong one: mutants of the batch split and of FSDP2's shard."""
 
 import pytest
@@ -42,10 +42,12 @@ def solved_shard(param, rank, world_size):
     return param[rank * rows:(rank + 1) * rows]
 
 
-def test_local_shard_passes_the_library_and_a_slice(capsys):
-    check_local_shard(fsdp_local_shard)
+def test_local_shard_passes_a_slice_and_refuses_the_library(capsys):
     check_local_shard(solved_shard)
+    check_local_shard(lambda p, r, w: (torch.chunk(p, w)[r:r + 1] or [p[:0]])[0])  # torch.chunk is a building block
     assert capsys.readouterr().out.count("PASSED") == 2
+    with pytest.raises(CheckFailed, match="calls the library's fsdp_local_shard"):
+        check_local_shard(fsdp_local_shard)
 
 
 @pytest.mark.parametrize("fn, match", [

@@ -16,7 +16,7 @@ import torch
 from einops import rearrange
 
 from diffattn_tutorial.checks._core import call, exercise_check, expect, expect_grads, fail, passed, randn
-from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, tiled_kv
+from diffattn_tutorial.checks._helpers import kv_heads_one_by_one, library_diff_attention, tiled_kv
 from diffattn_tutorial.functional import causal_mask, diff_attention, diff_attention_maps, expand_kv_groups
 from diffattn_tutorial.interop import diffllama_order, permute_maps
 from diffattn_tutorial.layers.rope import interleaved_to_half_split
@@ -62,8 +62,10 @@ def _axonml_mask(kind: str, b: int, nq: int, nk: int, lengths: list[int]) -> Opt
     return m
 
 
-_LIBRARY_DIFF = {diff_attention: "the library's diff_attention", diff_attention_maps: "the library's diff_attention_maps"}
-"""What tasks 1 and 3 fix by hand: the library's differential attention answers them without finding the bug."""
+def _library_diff() -> dict:
+    """What tasks 1 and 3 fix by hand: the library's differential attention answers them without finding the bug."""
+    return {**library_diff_attention(), diff_attention: "the library's diff_attention",
+            diff_attention_maps: "the library's diff_attention_maps"}
 
 
 # (B, H, N, d, lam, mask): mask kinds "causal", "causal+padding" (right padding: no row fully masked), "none"
@@ -71,7 +73,7 @@ _AXON_CASES = [(2, 2, 6, 4, 0.05, "causal"), (2, 3, 7, 8, 0.6, "causal+padding")
                (3, 1, 4, 4, 0.8, "none")]
 
 
-@exercise_check(task=1, name="axonml_fixed", refuses=lambda: _LIBRARY_DIFF)
+@exercise_check(task=1, name="axonml_fixed", refuses=_library_diff)
 def check_axonml_fixed(fn: Callable) -> None:
     """``fn(q, k, v, lam, attn_mask)``: q, k ``(B, H, N, 2d)`` whose first/second halves are maps 1/2, v
     ``(B, H, N, 2d)``, lam a 0-dim tensor, attn_mask bool ``(B, 1, N, N)`` (True = may attend) or None ->
@@ -197,7 +199,8 @@ _GQA_CASES = [(2, 4, 2, 6, 4, 0.6), (1, 6, 2, 5, 8, 0.3), (2, 4, 1, 7, 4, -0.4),
               (2, 8, 4, 3, 2, 0.5)]
 
 
-@exercise_check(task=3, name="four_calls_gqa", refuses=lambda: _LIBRARY_DIFF)
+@exercise_check(task=3, name="four_calls_gqa", refuses=lambda: {
+    **_library_diff(), expand_kv_groups: "the library's expand_kv_groups (the GQA rule this task is about)"})
 def check_four_calls_gqa(fn: Callable) -> None:
     """``fn(q, k, v, lam)``: q ``(B, 2H, N, d)``, k ``(B, 2Hkv, N, d)``, v ``(B, Hkv, N, 2d)`` -> causal differential
     attention ``(B, H, N, 2d)`` where head i reads KV group ``i // (H / Hkv)``, map 1 with k1, map 2 with k2."""
@@ -245,7 +248,8 @@ def check_four_calls_gqa(fn: Callable) -> None:
 
 # --- TASK 4: DiffLlama rows -------------------------------------------------------------------------------------
 
-@exercise_check(task=4, name="diffllama_rows")
+@exercise_check(task=4, name="diffllama_rows", refuses=lambda: {
+    diffllama_order: "the library's diffllama_order (interop)", permute_maps: "the library's permute_maps (interop)"})
 def check_diffllama_rows(fn: Callable) -> None:
     """``fn(w, maps, head_dim)``: DiffLlama rows ``(maps * head_dim, ...)`` with map i paired with i + maps/2 ->
     the same rows in adjacent pairs, map order ``[0, maps/2, 1, maps/2 + 1, ...]``."""

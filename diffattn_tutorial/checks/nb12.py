@@ -97,7 +97,7 @@ def _floor_rows(p: Tensor, rank: int, world: int) -> Tensor:
     return p[rank * rows:(rank + 1) * rows]
 
 
-@exercise_check(task=2, name="local_shard")
+@exercise_check(task=2, name="local_shard", refuses=lambda: {fsdp_local_shard: "the library's fsdp_local_shard"})
 def check_local_shard(fn: Callable) -> None:
     """``fn(param, rank, world_size)`` -> the rows of ``param`` (shape ``(n, ...)``) that FSDP2 keeps on ``rank``:
     its shard along dim 0 as FSDP2 cuts it (possibly an empty ``(0, ...)`` tensor)."""

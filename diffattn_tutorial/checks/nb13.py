@@ -217,7 +217,7 @@ def _filtered_draw(logits: Tensor, temperature: float, top_k: Optional[int], see
     return torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
 
 
-@exercise_check(task=3, name="sample_next")
+@exercise_check(task=3, name="sample_next", refuses=lambda: {next_token: "the library's next_token (training.model)"})
 def check_sample_next(fn: Callable) -> None:
     """``fn(logits, temperature, top_k, generator)``: logits ``(B, vocab)`` -> ``(B, 1)`` token ids. Greedy
     (argmax) at temperature 0; otherwise one ``torch.multinomial`` draw with ``generator`` from
