@@ -197,3 +197,25 @@ def test_the_compile_facts_still_record_notebook_09s_lessons():
         aot.launches_for(LESSONS[0][0], n=16)
     for case, kernel, _configs in (*LESSONS, *EXCLUSIONS):
         assert kernel in [x.name for x in aot.launches_for(case, n=16, untabled=True)], case  # as lesson_facts asks
+
+
+def test_a_check_run_under_cprofile_passes_and_gives_the_profiler_back():
+    """A learner profiling a cell (``cProfile``, ``%prun``) ran the check's watch, whose restore handed
+    ``sys.setprofile`` the C profiler's object: the check failed a right answer ("'Profile' object is not
+    callable"). The check passes, and the profiler records what runs after it."""
+    import cProfile
+    import pstats
+
+    from diffattn_tutorial import checks
+
+    def by_hand(v_cm, v_d, gain_plus=1.0, gain_minus=1.0):
+        return gain_plus * (v_cm + v_d / 2) - gain_minus * (v_cm - v_d / 2)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        checks.check_amplifier_output(by_hand)
+        sum(range(3))
+    finally:
+        profiler.disable()
+    assert any(name == "<built-in method builtins.sum>" for *_, name in pstats.Stats(profiler).stats)

@@ -102,7 +102,9 @@ def _torch_state_kept():
     finally:
         torch.set_grad_enabled(grad)
         torch.set_default_dtype(dtype)
-        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != \
+                (det, warn_only):  # only when changed: its first call imports torch's compiler (seconds)
+            torch.use_deterministic_algorithms(det, warn_only=warn_only)
 
 
 def _op_builtins(f: Callable) -> list:
@@ -144,7 +146,7 @@ def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Cal
             return fn(*args, **kwargs)
         finally:
             switched_off = sys.getprofile() is not profile
-            sys.setprofile(before)
+            _restore_profile(before)
             threading.setprofile(before_threads)
             if hits:
                 raise CheckFailed(f"`{name}` calls {hits[0]}: this task asks you to build that yourself (rule: "
@@ -156,6 +158,16 @@ def refusing(fn: Callable, refused: Mapping[Callable, str], *, name: str) -> Cal
                                   f"sys.setprofile call (or a profiler's) from `{name}`")
 
     return watched
+
+
+def _restore_profile(before) -> None:
+    """Put back the profiler that ran before the watch: a Python profile function as it was, or a C profiler
+    (``cProfile``, ``%prun``), which ``sys.getprofile`` returns as an object that is no function, by its ``enable``."""
+    if before is not None and not callable(before) and hasattr(before, "enable"):
+        sys.setprofile(None)
+        before.enable()
+    else:
+        sys.setprofile(before)
 
 
 def _first_line(e: BaseException) -> str:
