@@ -36,7 +36,8 @@ ALLOWED = {
     **{("kernels.triton.dq_kernels", "kernels.triton.flash_kernels", name):
        "a jit helper's name is part of every kernel's cache key (aot_keys.kernel_source_hash): renaming it "
        "recompiles every recorded kernel" for name in ("_dot", "_key_tile_bounds", "_key_tile_offsets",
-                                                       "_load_mask_tile", "_score_grad", "_scores")},
+                                                       "_load_mask_tile", "_score_grad", "_scores",
+                                                       "_tile_descriptors")},
 }
 
 
