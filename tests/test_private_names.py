@@ -17,6 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffattn_tutorial"
 KERNELS_OUT_OF_SCOPE = "kernels/ is edited by the kernel work this round; rename there"
 ALLOWED = {
     # (user module, owner module, name): why it stays for now
+    ("checks.nb05", "layers.attention", "_subln_scaled"):
+        "exercise 05's check refuses it by name: a learner could call the layer's own scaled sub-norm as the answer",
     ("kernels.triton.aot_keys", "kernels.triton.decode", "_launch_options"):
         KERNELS_OUT_OF_SCOPE + " (read as source text for the cache key, so a rename changes every key)",
     ("kernels.triton.decode", "kernels.triton.flash_kernels", "_dot"): KERNELS_OUT_OF_SCOPE,
